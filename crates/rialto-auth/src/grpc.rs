@@ -1,0 +1,122 @@
+//! Adapters between [`AuthService`](crate::AuthService) and tonic: the server
+//! side exposes any client over gRPC; the remote side is a client that
+//! implements the domain trait over a channel.
+
+use async_trait::async_trait;
+use rialto_core::Result;
+use rialto_proto::auth::v1 as pb;
+use rialto_proto::auth::v1::auth_client::AuthClient as GrpcClient;
+use rialto_proto::auth::v1::auth_server::{Auth, AuthServer};
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status};
+
+use crate::{AuthClient, AuthService};
+
+/// Serves an [`AuthClient`] over gRPC.
+pub fn server(client: AuthClient) -> AuthServer<AuthGrpc> {
+    AuthServer::new(AuthGrpc(client))
+}
+
+pub struct AuthGrpc(AuthClient);
+
+#[async_trait]
+impl Auth for AuthGrpc {
+    async fn authenticate(
+        &self,
+        request: Request<pb::AuthenticateRequest>,
+    ) -> Result<Response<pb::Principal>, Status> {
+        Ok(Response::new(
+            self.0.authenticate(request.into_inner()).await?,
+        ))
+    }
+
+    async fn create_account(
+        &self,
+        request: Request<pb::CreateAccountRequest>,
+    ) -> Result<Response<pb::CreateAccountResponse>, Status> {
+        Ok(Response::new(
+            self.0.create_account(request.into_inner()).await?,
+        ))
+    }
+
+    async fn create_api_key(
+        &self,
+        request: Request<pb::CreateApiKeyRequest>,
+    ) -> Result<Response<pb::CreatedKey>, Status> {
+        Ok(Response::new(
+            self.0.create_api_key(request.into_inner()).await?,
+        ))
+    }
+
+    async fn list_api_keys(
+        &self,
+        request: Request<pb::ListApiKeysRequest>,
+    ) -> Result<Response<pb::ListApiKeysResponse>, Status> {
+        Ok(Response::new(
+            self.0.list_api_keys(request.into_inner()).await?,
+        ))
+    }
+
+    async fn get_api_key(
+        &self,
+        request: Request<pb::GetApiKeyRequest>,
+    ) -> Result<Response<pb::ApiKeyRecord>, Status> {
+        Ok(Response::new(
+            self.0.get_api_key(request.into_inner()).await?,
+        ))
+    }
+
+    async fn delete_api_key(
+        &self,
+        request: Request<pb::DeleteApiKeyRequest>,
+    ) -> Result<Response<pb::DeleteApiKeyResponse>, Status> {
+        Ok(Response::new(
+            self.0.delete_api_key(request.into_inner()).await?,
+        ))
+    }
+}
+
+/// The auth service in another process, reached over gRPC.
+pub struct RemoteAuth(GrpcClient<Channel>);
+
+impl RemoteAuth {
+    pub fn new(channel: Channel) -> Self {
+        Self(GrpcClient::new(channel))
+    }
+}
+
+#[async_trait]
+impl AuthService for RemoteAuth {
+    async fn authenticate(&self, request: pb::AuthenticateRequest) -> Result<pb::Principal> {
+        Ok(self.0.clone().authenticate(request).await?.into_inner())
+    }
+
+    async fn create_account(
+        &self,
+        request: pb::CreateAccountRequest,
+    ) -> Result<pb::CreateAccountResponse> {
+        Ok(self.0.clone().create_account(request).await?.into_inner())
+    }
+
+    async fn create_api_key(&self, request: pb::CreateApiKeyRequest) -> Result<pb::CreatedKey> {
+        Ok(self.0.clone().create_api_key(request).await?.into_inner())
+    }
+
+    async fn list_api_keys(
+        &self,
+        request: pb::ListApiKeysRequest,
+    ) -> Result<pb::ListApiKeysResponse> {
+        Ok(self.0.clone().list_api_keys(request).await?.into_inner())
+    }
+
+    async fn get_api_key(&self, request: pb::GetApiKeyRequest) -> Result<pb::ApiKeyRecord> {
+        Ok(self.0.clone().get_api_key(request).await?.into_inner())
+    }
+
+    async fn delete_api_key(
+        &self,
+        request: pb::DeleteApiKeyRequest,
+    ) -> Result<pb::DeleteApiKeyResponse> {
+        Ok(self.0.clone().delete_api_key(request).await?.into_inner())
+    }
+}

@@ -1,0 +1,68 @@
+//! The auth service: accounts and API keys (wallet sign-in comes later).
+//!
+//! [`AuthService`] is the domain interface; [`AuthClient`] is what callers
+//! hold, built either from [`LocalAuth`] (in-process) or from a gRPC channel
+//! ([`grpc::RemoteAuth`]). Only the binary's wiring knows which.
+//!
+//! Invariants:
+//! - A secret is returned once, on creation, and stored only as its SHA-256.
+//!   Lookup is by hash; the stored hash is compared in constant time.
+//! - A deleted key is refused on the very next request: deletion purges the
+//!   in-memory cache, and a lookup racing a deletion never re-fills it.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use rialto_core::Result;
+use rialto_proto::auth::v1 as pb;
+
+pub mod grpc;
+mod local;
+
+pub use local::LocalAuth;
+pub use pb::KeyType;
+
+/// The auth service in domain terms.
+#[async_trait]
+pub trait AuthService: Send + Sync + 'static {
+    /// Resolves a bearer secret to its principal; `Unauthenticated` otherwise.
+    async fn authenticate(&self, request: pb::AuthenticateRequest) -> Result<pb::Principal>;
+    async fn create_account(
+        &self,
+        request: pb::CreateAccountRequest,
+    ) -> Result<pb::CreateAccountResponse>;
+    async fn create_api_key(&self, request: pb::CreateApiKeyRequest) -> Result<pb::CreatedKey>;
+    async fn list_api_keys(
+        &self,
+        request: pb::ListApiKeysRequest,
+    ) -> Result<pb::ListApiKeysResponse>;
+    async fn get_api_key(&self, request: pb::GetApiKeyRequest) -> Result<pb::ApiKeyRecord>;
+    async fn delete_api_key(
+        &self,
+        request: pb::DeleteApiKeyRequest,
+    ) -> Result<pb::DeleteApiKeyResponse>;
+}
+
+/// A cloneable handle on the auth service, local or remote.
+#[derive(Clone)]
+pub struct AuthClient(Arc<dyn AuthService>);
+
+impl AuthClient {
+    pub fn new(service: impl AuthService) -> Self {
+        Self(Arc::new(service))
+    }
+}
+
+impl std::ops::Deref for AuthClient {
+    type Target = dyn AuthService;
+
+    fn deref(&self) -> &Self::Target {
+        self.0.as_ref()
+    }
+}
+
+impl std::fmt::Debug for AuthClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("AuthClient")
+    }
+}

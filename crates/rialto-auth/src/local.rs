@@ -1,0 +1,531 @@
+//! The auth service backed by the database, with an in-memory cache of
+//! authenticated keys so the request path makes no database round trip.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use rialto_core::db::{Database, now_ms};
+use rialto_core::{Error, ErrorCode, Result};
+use rialto_proto::auth::v1 as pb;
+use sha2::{Digest, Sha256};
+use sqlx::Row;
+use subtle::ConstantTimeEq;
+
+use crate::AuthService;
+
+type SecretHash = [u8; 32];
+
+/// How often buffered `last_used_at` times are written to the database.
+const LAST_USED_FLUSH: Duration = Duration::from_secs(5);
+
+pub struct LocalAuth {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    db: Database,
+    /// `<BRAND>` prefix of new secrets.
+    key_prefix: String,
+    cache: RwLock<HashMap<SecretHash, CachedKey>>,
+    /// Bumped by every deletion; a lookup that started before a deletion
+    /// must not put what it read into the cache.
+    generation: AtomicU64,
+    /// key id -> last use, flushed in batches off the request path.
+    last_used: Mutex<HashMap<String, i64>>,
+}
+
+#[derive(Clone)]
+struct CachedKey {
+    principal: pb::Principal,
+    expires_at_ms: Option<i64>,
+}
+
+impl LocalAuth {
+    /// Builds the service and starts the background flush of key use times
+    /// (needs a Tokio runtime).
+    pub fn new(db: Database, key_prefix: &str) -> Self {
+        let inner = Arc::new(Inner {
+            db,
+            key_prefix: key_prefix.to_owned(),
+            cache: RwLock::new(HashMap::new()),
+            generation: AtomicU64::new(0),
+            last_used: Mutex::new(HashMap::new()),
+        });
+        let weak = Arc::downgrade(&inner);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(LAST_USED_FLUSH);
+            loop {
+                tick.tick().await;
+                let Some(inner) = weak.upgrade() else { break };
+                inner.flush_last_used().await;
+            }
+        });
+        Self { inner }
+    }
+}
+
+impl Inner {
+    fn new_secret(&self, key_type: pb::KeyType) -> Result<String> {
+        let mut bytes = [0u8; 32];
+        getrandom::fill(&mut bytes).map_err(|e| Error::internal(format_args!("rng: {e}")))?;
+        let kind = match key_type {
+            pb::KeyType::Admin => "ADMIN",
+            _ => "INFERENCE",
+        };
+        Ok(format!(
+            "{}_{kind}_KEY_{}",
+            self.key_prefix,
+            bs58::encode(bytes).into_string()
+        ))
+    }
+
+    async fn insert_key(
+        &self,
+        tx: &mut sqlx::AnyConnection,
+        account_id: &str,
+        key_type: pb::KeyType,
+        description: &str,
+        expires_at_ms: Option<i64>,
+    ) -> Result<pb::CreatedKey> {
+        let secret = self.new_secret(key_type)?;
+        let record = pb::ApiKeyRecord {
+            id: uuid::Uuid::new_v4().to_string(),
+            account_id: account_id.to_owned(),
+            key_type: key_type as i32,
+            description: description.to_owned(),
+            created_at_ms: now_ms(),
+            expires_at_ms,
+            last_used_at_ms: None,
+            last6_chars: secret[secret.len() - 6..].to_owned(),
+        };
+        sqlx::query(
+            "INSERT INTO api_keys (id, account_id, key_type, description, secret_sha256, \
+             last6_chars, created_at_ms, expires_at_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+        )
+        .bind(&record.id)
+        .bind(&record.account_id)
+        .bind(key_type_name(key_type))
+        .bind(&record.description)
+        .bind(hex::encode(hash(&secret)))
+        .bind(&record.last6_chars)
+        .bind(record.created_at_ms)
+        .bind(record.expires_at_ms)
+        .execute(&mut *tx)
+        .await?;
+        Ok(pb::CreatedKey {
+            record: Some(record),
+            secret,
+        })
+    }
+
+    async fn flush_last_used(&self) {
+        let pending = std::mem::take(&mut *lock(&self.last_used));
+        for (key_id, at) in pending {
+            let result = sqlx::query(
+                "UPDATE api_keys SET last_used_at_ms = $1 WHERE id = $2 \
+                 AND (last_used_at_ms IS NULL OR last_used_at_ms < $1)",
+            )
+            .bind(at)
+            .bind(&key_id)
+            .execute(self.db.pool())
+            .await;
+            if let Err(error) = result {
+                tracing::warn!(%error, key_id, "could not record key use");
+            }
+        }
+    }
+
+    fn record_use(&self, key_id: &str) {
+        let mut pending = lock(&self.last_used);
+        let now = now_ms();
+        match pending.get_mut(key_id) {
+            Some(at) => *at = now,
+            None => {
+                pending.insert(key_id.to_owned(), now);
+            }
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn hash(secret: &str) -> SecretHash {
+    Sha256::digest(secret.as_bytes()).into()
+}
+
+fn key_type_name(key_type: pb::KeyType) -> &'static str {
+    match key_type {
+        pb::KeyType::Admin => "ADMIN",
+        _ => "INFERENCE",
+    }
+}
+
+fn key_type_from_name(name: &str) -> pb::KeyType {
+    if name == "ADMIN" {
+        pb::KeyType::Admin
+    } else {
+        pb::KeyType::Inference
+    }
+}
+
+fn record_from_row(row: &sqlx::any::AnyRow) -> Result<pb::ApiKeyRecord> {
+    let key_type: String = row.try_get("key_type")?;
+    Ok(pb::ApiKeyRecord {
+        id: row.try_get("id")?,
+        account_id: row.try_get("account_id")?,
+        key_type: key_type_from_name(&key_type) as i32,
+        description: row.try_get("description")?,
+        created_at_ms: row.try_get("created_at_ms")?,
+        expires_at_ms: row.try_get("expires_at_ms")?,
+        last_used_at_ms: row.try_get("last_used_at_ms")?,
+        last6_chars: row.try_get("last6_chars")?,
+    })
+}
+
+/// The columns [`record_from_row`] reads, as a literal for `concat!`.
+macro_rules! record_columns {
+    () => {
+        "id, account_id, key_type, description, created_at_ms, expires_at_ms, \
+         last_used_at_ms, last6_chars"
+    };
+}
+
+fn key_not_found() -> Error {
+    Error::new(ErrorCode::ApiKeyNotFound, "API key could not be found")
+}
+
+#[async_trait]
+impl AuthService for LocalAuth {
+    async fn authenticate(&self, request: pb::AuthenticateRequest) -> Result<pb::Principal> {
+        let inner = &self.inner;
+        let digest = hash(&request.api_key);
+        let cached = inner
+            .cache
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&digest)
+            .cloned();
+        let key = match cached {
+            Some(key) => key,
+            None => {
+                let generation = inner.generation.load(Ordering::Acquire);
+                let row = sqlx::query(
+                    "SELECT k.id, k.account_id, k.key_type, k.expires_at_ms, k.secret_sha256, \
+                     a.tier FROM api_keys k JOIN accounts a ON a.id = k.account_id \
+                     WHERE k.secret_sha256 = $1",
+                )
+                .bind(hex::encode(digest))
+                .fetch_optional(inner.db.pool())
+                .await?
+                .ok_or_else(Error::unauthenticated)?;
+                let stored: String = row.try_get("secret_sha256")?;
+                let stored = hex::decode(stored).unwrap_or_default();
+                if !bool::from(stored.as_slice().ct_eq(&digest)) {
+                    return Err(Error::unauthenticated());
+                }
+                let key_type: String = row.try_get("key_type")?;
+                let key = CachedKey {
+                    principal: pb::Principal {
+                        account_id: row.try_get("account_id")?,
+                        key_id: row.try_get("id")?,
+                        key_type: key_type_from_name(&key_type) as i32,
+                        tier: row.try_get("tier")?,
+                    },
+                    expires_at_ms: row.try_get("expires_at_ms")?,
+                };
+                let mut cache = inner.cache.write().unwrap_or_else(|p| p.into_inner());
+                // Checked under the write lock: a deletion bumps the generation
+                // before it purges, so either we see the bump or it sees our entry.
+                if inner.generation.load(Ordering::Acquire) == generation {
+                    cache.insert(digest, key.clone());
+                }
+                key
+            }
+        };
+        if key.expires_at_ms.is_some_and(|at| at <= now_ms()) {
+            return Err(Error::new(
+                ErrorCode::Unauthenticated,
+                "Authentication failed: the API key has expired",
+            ));
+        }
+        inner.record_use(&key.principal.key_id);
+        Ok(key.principal)
+    }
+
+    async fn create_account(
+        &self,
+        request: pb::CreateAccountRequest,
+    ) -> Result<pb::CreateAccountResponse> {
+        let name = request.name.trim();
+        if name.is_empty() || name.chars().count() > 128 {
+            return Err(Error::invalid("account name must be 1 to 128 characters"));
+        }
+        let account_id = uuid::Uuid::new_v4().to_string();
+        let mut tx = self.inner.db.pool().begin().await?;
+        sqlx::query("INSERT INTO accounts (id, name, tier, created_at_ms) VALUES ($1, $2, $3, $4)")
+            .bind(&account_id)
+            .bind(name)
+            .bind("standard")
+            .bind(now_ms())
+            .execute(&mut *tx)
+            .await?;
+        let key = self
+            .inner
+            .insert_key(
+                &mut tx,
+                &account_id,
+                pb::KeyType::Admin,
+                "Default admin key",
+                None,
+            )
+            .await?;
+        tx.commit().await?;
+        tracing::info!(account_id, "account created");
+        Ok(pb::CreateAccountResponse {
+            account_id,
+            api_key: Some(key),
+        })
+    }
+
+    async fn create_api_key(&self, request: pb::CreateApiKeyRequest) -> Result<pb::CreatedKey> {
+        let key_type = match pb::KeyType::try_from(request.key_type) {
+            Ok(t @ (pb::KeyType::Admin | pb::KeyType::Inference)) => t,
+            _ => return Err(Error::invalid("apiKeyType must be ADMIN or INFERENCE")),
+        };
+        let mut conn = self.inner.db.pool().acquire().await?;
+        let key = self
+            .inner
+            .insert_key(
+                &mut conn,
+                &request.account_id,
+                key_type,
+                &request.description,
+                request.expires_at_ms,
+            )
+            .await?;
+        if let Some(record) = &key.record {
+            tracing::info!(
+                key_id = record.id,
+                account_id = record.account_id,
+                "api key created"
+            );
+        }
+        Ok(key)
+    }
+
+    async fn list_api_keys(
+        &self,
+        request: pb::ListApiKeysRequest,
+    ) -> Result<pb::ListApiKeysResponse> {
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            record_columns!(),
+            " FROM api_keys WHERE account_id = $1 ORDER BY created_at_ms, id"
+        ))
+        .bind(&request.account_id)
+        .fetch_all(self.inner.db.pool())
+        .await?;
+        let keys = rows.iter().map(record_from_row).collect::<Result<_>>()?;
+        Ok(pb::ListApiKeysResponse { keys })
+    }
+
+    async fn get_api_key(&self, request: pb::GetApiKeyRequest) -> Result<pb::ApiKeyRecord> {
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            record_columns!(),
+            " FROM api_keys WHERE id = $1 AND account_id = $2"
+        ))
+        .bind(&request.id)
+        .bind(&request.account_id)
+        .fetch_optional(self.inner.db.pool())
+        .await?
+        .ok_or_else(|| Error::new(ErrorCode::ApiKeyNotFound, "API key not found"))?;
+        record_from_row(&row)
+    }
+
+    async fn delete_api_key(
+        &self,
+        request: pb::DeleteApiKeyRequest,
+    ) -> Result<pb::DeleteApiKeyResponse> {
+        let deleted = sqlx::query("DELETE FROM api_keys WHERE id = $1 AND account_id = $2")
+            .bind(&request.id)
+            .bind(&request.account_id)
+            .execute(self.inner.db.pool())
+            .await?
+            .rows_affected();
+        if deleted == 0 {
+            return Err(key_not_found());
+        }
+        let inner = &self.inner;
+        inner.generation.fetch_add(1, Ordering::AcqRel);
+        inner
+            .cache
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|_, key| key.principal.key_id != request.id);
+        lock(&inner.last_used).remove(&request.id);
+        tracing::info!(
+            key_id = request.id,
+            account_id = request.account_id,
+            "api key deleted"
+        );
+        Ok(pb::DeleteApiKeyResponse {})
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn service() -> (LocalAuth, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}/auth.db", dir.path().display());
+        let db = Database::connect(&url, 4).await.unwrap();
+        (LocalAuth::new(db, "RIALTO"), dir)
+    }
+
+    async fn account(auth: &LocalAuth) -> (String, String) {
+        let created = auth
+            .create_account(pb::CreateAccountRequest {
+                name: "acme".into(),
+            })
+            .await
+            .unwrap();
+        (created.account_id, created.api_key.unwrap().secret)
+    }
+
+    fn authn(secret: &str) -> pb::AuthenticateRequest {
+        pb::AuthenticateRequest {
+            api_key: secret.to_owned(),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_new_account_key_authenticates_as_admin() {
+        let (auth, _dir) = service().await;
+        let (account_id, secret) = account(&auth).await;
+        assert!(secret.starts_with("RIALTO_ADMIN_KEY_"));
+        let principal = auth.authenticate(authn(&secret)).await.unwrap();
+        assert_eq!(principal.account_id, account_id);
+        assert_eq!(principal.key_type, pb::KeyType::Admin as i32);
+        // Cached now; a second lookup agrees.
+        assert_eq!(auth.authenticate(authn(&secret)).await.unwrap(), principal);
+    }
+
+    #[tokio::test]
+    async fn secrets_are_stored_hashed() {
+        let (auth, _dir) = service().await;
+        let (_, secret) = account(&auth).await;
+        let rows = sqlx::query("SELECT * FROM api_keys")
+            .fetch_all(auth.inner.db.pool())
+            .await
+            .unwrap();
+        for row in rows {
+            for i in 0..row.len() {
+                let value: Option<String> = row.try_get(i).unwrap_or(None);
+                assert!(!value.unwrap_or_default().contains(&secret[17..]));
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn unknown_and_deleted_keys_are_refused() {
+        let (auth, _dir) = service().await;
+        let (account_id, admin) = account(&auth).await;
+        let error = auth
+            .authenticate(authn("RIALTO_ADMIN_KEY_nope"))
+            .await
+            .unwrap_err();
+        assert_eq!(error.code, ErrorCode::Unauthenticated);
+
+        let key = auth
+            .create_api_key(pb::CreateApiKeyRequest {
+                account_id: account_id.clone(),
+                key_type: pb::KeyType::Inference as i32,
+                description: "ci".into(),
+                expires_at_ms: None,
+            })
+            .await
+            .unwrap();
+        let id = key.record.unwrap().id;
+        auth.authenticate(authn(&key.secret)).await.unwrap();
+        auth.delete_api_key(pb::DeleteApiKeyRequest {
+            account_id: account_id.clone(),
+            id: id.clone(),
+        })
+        .await
+        .unwrap();
+        let error = auth.authenticate(authn(&key.secret)).await.unwrap_err();
+        assert_eq!(error.code, ErrorCode::Unauthenticated);
+        // The admin key is untouched.
+        auth.authenticate(authn(&admin)).await.unwrap();
+
+        let again = auth
+            .delete_api_key(pb::DeleteApiKeyRequest { account_id, id })
+            .await
+            .unwrap_err();
+        assert_eq!(again.code, ErrorCode::ApiKeyNotFound);
+        assert_eq!(again.message, "API key could not be found");
+    }
+
+    #[tokio::test]
+    async fn keys_of_another_account_are_invisible() {
+        let (auth, _dir) = service().await;
+        let (first, _) = account(&auth).await;
+        let (second, _) = account(&auth).await;
+        let keys = auth
+            .list_api_keys(pb::ListApiKeysRequest {
+                account_id: first.clone(),
+            })
+            .await
+            .unwrap()
+            .keys;
+        assert_eq!(keys.len(), 1);
+        let error = auth
+            .delete_api_key(pb::DeleteApiKeyRequest {
+                account_id: second,
+                id: keys[0].id.clone(),
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(error.code, ErrorCode::ApiKeyNotFound);
+    }
+
+    #[tokio::test]
+    async fn expired_keys_are_refused() {
+        let (auth, _dir) = service().await;
+        let (account_id, _) = account(&auth).await;
+        let key = auth
+            .create_api_key(pb::CreateApiKeyRequest {
+                account_id,
+                key_type: pb::KeyType::Inference as i32,
+                description: "old".into(),
+                expires_at_ms: Some(now_ms() - 1),
+            })
+            .await
+            .unwrap();
+        let error = auth.authenticate(authn(&key.secret)).await.unwrap_err();
+        assert_eq!(error.code, ErrorCode::Unauthenticated);
+    }
+
+    #[tokio::test]
+    async fn key_use_is_recorded_off_the_request_path() {
+        let (auth, _dir) = service().await;
+        let (account_id, secret) = account(&auth).await;
+        auth.authenticate(authn(&secret)).await.unwrap();
+        auth.inner.flush_last_used().await;
+        let keys = auth
+            .list_api_keys(pb::ListApiKeysRequest { account_id })
+            .await
+            .unwrap()
+            .keys;
+        assert!(keys[0].last_used_at_ms.is_some());
+    }
+}

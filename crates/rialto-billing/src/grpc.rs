@@ -1,0 +1,44 @@
+//! Adapters between [`BillingService`](crate::BillingService) and tonic.
+
+use async_trait::async_trait;
+use rialto_core::Result;
+use rialto_proto::billing::v1 as pb;
+use rialto_proto::billing::v1::billing_client::BillingClient as GrpcClient;
+use rialto_proto::billing::v1::billing_server::{Billing, BillingServer};
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status};
+
+use crate::{BillingClient, BillingService};
+
+/// Serves a [`BillingClient`] over gRPC.
+pub fn server(client: BillingClient) -> BillingServer<BillingGrpc> {
+    BillingServer::new(BillingGrpc(client))
+}
+
+pub struct BillingGrpc(BillingClient);
+
+#[async_trait]
+impl Billing for BillingGrpc {
+    async fn quote(
+        &self,
+        request: Request<pb::QuoteRequest>,
+    ) -> Result<Response<pb::Cost>, Status> {
+        Ok(Response::new(self.0.quote(request.into_inner()).await?))
+    }
+}
+
+/// Billing in another process, reached over gRPC.
+pub struct RemoteBilling(GrpcClient<Channel>);
+
+impl RemoteBilling {
+    pub fn new(channel: Channel) -> Self {
+        Self(GrpcClient::new(channel))
+    }
+}
+
+#[async_trait]
+impl BillingService for RemoteBilling {
+    async fn quote(&self, request: pb::QuoteRequest) -> Result<pb::Cost> {
+        Ok(self.0.clone().quote(request).await?.into_inner())
+    }
+}

@@ -1,0 +1,429 @@
+//! Layered configuration: built-in defaults, then a TOML file, then
+//! `RIALTO_<SECTION>__<KEY>` environment variables.
+//!
+//! `rialto serve` with no file must start and serve, so every field has a
+//! default. The model catalog (`[[models]]`) is configuration shared by all
+//! services: the gateway validates against it, the limiter reads tiers, billing
+//! reads prices and the router reads backends.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::Path;
+
+use figment::Figment;
+use figment::providers::{Env, Format, Serialized, Toml};
+use rust_decimal::Decimal;
+use secrecy::SecretString;
+use serde::{Deserialize, Serialize};
+
+/// Environment variable naming the configuration file.
+pub const CONFIG_ENV: &str = "RIALTO_CONFIG";
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// The brand every wire name carries (`<brand>_parameters`, `x-<brand>-version`).
+    pub brand: String,
+    /// Services this process runs when `--services` is not given.
+    pub services: Vec<String>,
+    pub gateway: GatewayConfig,
+    pub grpc: GrpcConfig,
+    pub database: DatabaseConfig,
+    pub operator: OperatorConfig,
+    pub remote: RemoteConfig,
+    pub router: RouterConfig,
+    pub log: LogConfig,
+    pub models: Vec<ModelConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GatewayConfig {
+    /// Address of the public HTTP API.
+    pub listen: SocketAddr,
+    /// Largest accepted request body; larger ones get 413.
+    pub max_body_bytes: usize,
+    /// Value of `x-<brand>-host-name`; the machine's host name when empty.
+    pub host_name: String,
+    /// HTTP worker threads; 0 means one per core.
+    pub workers: usize,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GrpcConfig {
+    /// Where this process serves the services it runs, when any but the gateway.
+    pub listen: SocketAddr,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DatabaseConfig {
+    /// `sqlite://path/to/file.db` or `postgres://user@host:port/db`.
+    pub url: String,
+    pub max_connections: u32,
+}
+
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct OperatorConfig {
+    /// Bearer token of the operator API (`/admin/v1`); the API is off when unset.
+    #[serde(skip_serializing)]
+    pub token: Option<SecretString>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RemoteConfig {
+    pub auth: String,
+    pub limiter: String,
+    pub billing: String,
+    pub router: String,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RouterConfig {
+    /// Seconds to wait for a backend to accept a connection.
+    pub connect_timeout_secs: u64,
+    /// Seconds a whole non-streamed upstream call may take.
+    pub request_timeout_secs: u64,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogConfig {
+    /// `text` or `json`.
+    pub format: String,
+    /// A `tracing` filter such as `info` or `rialto=debug,info`; `RUST_LOG` wins.
+    pub level: String,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    pub id: String,
+    /// Display name (`x-<brand>-model-name`); the id when absent.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// `text`, `image`, `audio`, `embedding`, `video`, ...
+    #[serde(default = "default_model_type", rename = "type")]
+    pub model_type: String,
+    /// Rate-limit tier: `XS`, `S`, `M` or `L`.
+    #[serde(default = "default_tier")]
+    pub tier: String,
+    #[serde(default)]
+    pub input_usd_per_mtok: f64,
+    #[serde(default)]
+    pub output_usd_per_mtok: f64,
+    #[serde(default)]
+    pub cached_input_usd_per_mtok: Option<f64>,
+    #[serde(default)]
+    pub cache_write_usd_per_mtok: Option<f64>,
+    #[serde(default)]
+    pub context_length: Option<u64>,
+    #[serde(default)]
+    pub max_completion_tokens: Option<u64>,
+    #[serde(default)]
+    pub description: Option<String>,
+    /// ISO 8601 date from which the model is deprecated.
+    #[serde(default)]
+    pub deprecation_date: Option<String>,
+    #[serde(default)]
+    pub deprecation_warning: Option<String>,
+    #[serde(default)]
+    pub backends: Vec<BackendConfig>,
+}
+
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackendConfig {
+    /// Protocol spoken by the backend; `openai` (any OpenAI-compatible server).
+    pub kind: String,
+    /// Base URL including the version path, e.g. `http://127.0.0.1:8000/v1`.
+    pub url: String,
+    /// Model name to send upstream; the catalog id when absent.
+    #[serde(default)]
+    pub model: Option<String>,
+    /// Name reported in `x-<brand>-model-router`; derived from the URL when absent.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Bearer token for the upstream, if it needs one.
+    #[serde(default, skip_serializing)]
+    pub api_key: Option<SecretString>,
+}
+
+fn default_model_type() -> String {
+    "text".to_owned()
+}
+
+fn default_tier() -> String {
+    "XS".to_owned()
+}
+
+/// The services a process can run, in start order.
+pub const SERVICES: [&str; 5] = ["auth", "limiter", "billing", "router", "gateway"];
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            brand: "rialto".to_owned(),
+            services: SERVICES.iter().map(|s| (*s).to_owned()).collect(),
+            gateway: GatewayConfig::default(),
+            grpc: GrpcConfig::default(),
+            database: DatabaseConfig::default(),
+            operator: OperatorConfig::default(),
+            remote: RemoteConfig::default(),
+            router: RouterConfig::default(),
+            log: LogConfig::default(),
+            models: Vec::new(),
+        }
+    }
+}
+
+impl Default for GatewayConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 8080)),
+            max_body_bytes: 20 * 1024 * 1024,
+            host_name: String::new(),
+            workers: 0,
+        }
+    }
+}
+
+impl Default for GrpcConfig {
+    fn default() -> Self {
+        Self {
+            listen: SocketAddr::from(([127, 0, 0, 1], 9090)),
+        }
+    }
+}
+
+impl Default for DatabaseConfig {
+    fn default() -> Self {
+        Self {
+            url: "sqlite://data/rialto.db".to_owned(),
+            max_connections: 16,
+        }
+    }
+}
+
+impl Default for RemoteConfig {
+    fn default() -> Self {
+        let local = "http://127.0.0.1:9090".to_owned();
+        Self {
+            auth: local.clone(),
+            limiter: local.clone(),
+            billing: local.clone(),
+            router: local,
+        }
+    }
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        Self {
+            connect_timeout_secs: 5,
+            request_timeout_secs: 600,
+        }
+    }
+}
+
+impl Default for LogConfig {
+    fn default() -> Self {
+        Self {
+            format: "text".to_owned(),
+            level: "info".to_owned(),
+        }
+    }
+}
+
+/// A configuration that cannot be loaded or makes no sense.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("configuration: {0}")]
+    Load(#[from] Box<figment::Error>),
+    #[error("configuration file {0} does not exist")]
+    MissingFile(String),
+    #[error("configuration: {0}")]
+    Invalid(String),
+}
+
+impl Config {
+    /// Defaults, then `file` (or the file named by `RIALTO_CONFIG`), then
+    /// `RIALTO_<SECTION>__<KEY>` variables.
+    pub fn load(file: Option<&Path>) -> Result<Self, ConfigError> {
+        let mut figment = Figment::from(Serialized::defaults(Config::default()));
+        let env_file = std::env::var_os(CONFIG_ENV).map(std::path::PathBuf::from);
+        if let Some(path) = file.map(Path::to_path_buf).or(env_file) {
+            if !path.exists() {
+                return Err(ConfigError::MissingFile(path.display().to_string()));
+            }
+            figment = figment.merge(Toml::file_exact(path));
+        }
+        figment = figment.merge(Env::prefixed("RIALTO_").ignore(&["config"]).split("__"));
+        Self::from_figment(figment)
+    }
+
+    /// Parses a TOML document on top of the defaults (tests, examples).
+    pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
+        Self::from_figment(
+            Figment::from(Serialized::defaults(Config::default())).merge(Toml::string(text)),
+        )
+    }
+
+    fn from_figment(figment: Figment) -> Result<Self, ConfigError> {
+        let config: Config = figment.extract().map_err(Box::new)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |msg: String| Err(ConfigError::Invalid(msg));
+        if !crate::Brand::is_valid_name(&self.brand) {
+            return invalid(format!(
+                "brand {:?} must be letters, digits, - or _",
+                self.brand
+            ));
+        }
+        for service in &self.services {
+            if !SERVICES.contains(&service.as_str()) {
+                return invalid(format!(
+                    "unknown service {service:?}; expected some of {}",
+                    SERVICES.join(",")
+                ));
+            }
+        }
+        let mut seen = HashSet::new();
+        for model in &self.models {
+            if model.id.is_empty() || model.id.contains(':') {
+                return invalid(format!(
+                    "model id {:?} must be non-empty without ':'",
+                    model.id
+                ));
+            }
+            if !seen.insert(model.id.as_str()) {
+                return invalid(format!("model {} is declared twice", model.id));
+            }
+            for price in [model.input_usd_per_mtok, model.output_usd_per_mtok]
+                .into_iter()
+                .chain(model.cached_input_usd_per_mtok)
+                .chain(model.cache_write_usd_per_mtok)
+            {
+                if !price.is_finite() || price < 0.0 {
+                    return invalid(format!(
+                        "model {} has a negative or invalid price",
+                        model.id
+                    ));
+                }
+            }
+            for backend in &model.backends {
+                if backend.kind != "openai" {
+                    return invalid(format!(
+                        "model {}: backend kind {:?} is not supported (use \"openai\")",
+                        model.id, backend.kind
+                    ));
+                }
+                if !(backend.url.starts_with("http://") || backend.url.starts_with("https://")) {
+                    return invalid(format!(
+                        "model {}: backend url {:?} must start with http:// or https://",
+                        model.id, backend.url
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub fn model(&self, id: &str) -> Option<&ModelConfig> {
+        self.models.iter().find(|m| m.id == id)
+    }
+}
+
+impl ModelConfig {
+    pub fn display_name(&self) -> &str {
+        self.name.as_deref().unwrap_or(&self.id)
+    }
+}
+
+/// A price from the configuration as an exact decimal.
+///
+/// Prices are written as TOML floats for convenience; the shortest decimal
+/// that round-trips the float (`0.15`, not `0.1499999...`) is the price meant.
+pub fn price_decimal(price: f64) -> Decimal {
+    price.to_string().parse().unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The example from the foundation issue, verbatim.
+    const ISSUE_EXAMPLE: &str = r#"
+brand = "rialto"
+[gateway]
+listen = "127.0.0.1:8080"
+[grpc]
+listen = "127.0.0.1:9090"           # where this process serves the services it runs
+[database]
+url = "sqlite://data/rialto.db"     # or postgres://postgres@127.0.0.1:5432/rialto
+[operator]
+token = "change-me"                 # bearer token of the operator API below
+[remote]                            # used only for services this process does not run
+auth = "http://127.0.0.1:9090"
+limiter = "http://127.0.0.1:9090"
+billing = "http://127.0.0.1:9090"
+router = "http://127.0.0.1:9090"
+[[models]]
+id = "mock-chat"
+name = "Mock Chat"
+type = "text"
+tier = "XS"
+input_usd_per_mtok = 0.5
+output_usd_per_mtok = 1.5
+backends = [{ kind = "openai", url = "http://127.0.0.1:18999/v1", model = "mock-model" }]
+"#;
+
+    #[test]
+    fn the_issue_example_loads() {
+        use secrecy::ExposeSecret;
+        let config = Config::from_toml(ISSUE_EXAMPLE).unwrap();
+        assert_eq!(config.gateway.listen.port(), 8080);
+        assert_eq!(
+            config.operator.token.as_ref().unwrap().expose_secret(),
+            "change-me"
+        );
+        let model = config.model("mock-chat").unwrap();
+        assert_eq!(model.display_name(), "Mock Chat");
+        assert_eq!(model.backends[0].model.as_deref(), Some("mock-model"));
+    }
+
+    #[test]
+    fn defaults_serve_on_8080_with_sqlite() {
+        let config = Config::from_toml("").unwrap();
+        assert_eq!(config.gateway.listen.to_string(), "127.0.0.1:8080");
+        assert!(config.database.url.starts_with("sqlite://data/"));
+        assert_eq!(config.services.len(), 5);
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_are_refused() {
+        assert!(Config::from_toml("[gateway]\nlisten_port = 1").is_err());
+        assert!(Config::from_toml("brand = \"a b\"").is_err());
+        let twice = "[[models]]\nid = \"a\"\n[[models]]\nid = \"a\"\n";
+        assert!(Config::from_toml(twice).is_err());
+    }
+
+    #[test]
+    fn prices_are_exact_decimals() {
+        assert_eq!(price_decimal(0.15).to_string(), "0.15");
+        assert_eq!(price_decimal(1.5).to_string(), "1.5");
+    }
+
+    #[test]
+    fn secrets_do_not_print() {
+        let config = Config::from_toml(ISSUE_EXAMPLE).unwrap();
+        assert!(!format!("{config:?}").contains("change-me"));
+    }
+}

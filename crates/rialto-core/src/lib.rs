@@ -1,0 +1,23 @@
+//! Shared pieces of Rialto that every service needs and none owns.
+//!
+//! - [`brand`]: every wire name that carries the brand (`<brand>_parameters`,
+//!   `x-<brand>-version`, ...) is derived here and nowhere else.
+//! - [`config`]: the layered configuration (defaults, TOML file, `RIALTO_`
+//!   environment variables) and the model catalog it declares.
+//! - [`error`]: the one error type services return, its code table, and its
+//!   mapping to HTTP statuses and gRPC codes.
+//! - [`db`]: opening the database chosen by URL scheme and applying migrations.
+//! - [`telemetry`]: the tracing subscriber.
+//!
+//! This crate holds no service logic and no HTTP or actor code.
+
+pub mod brand;
+pub mod config;
+pub mod db;
+pub mod error;
+pub mod ids;
+pub mod telemetry;
+
+pub use brand::Brand;
+pub use config::{Config, ModelConfig};
+pub use error::{Error, ErrorCode, Result};

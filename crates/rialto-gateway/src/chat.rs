@@ -1,0 +1,694 @@
+//! `POST /api/v1/chat/completions`: validation, the service parameters, and
+//! the relay of the router's answer as JSON or as SSE.
+//!
+//! Path of a request: authenticate -> validate -> limiter admits -> router
+//! relays to a backend -> billing prices the usage -> the response carries
+//! `cost`, the echoed `<brand>_parameters` and the model headers -> the
+//! limiter commits the real tokens.
+
+use std::convert::Infallible;
+
+use actix_web::http::header::ContentEncoding;
+use actix_web::{HttpMessage, HttpRequest, HttpResponse, HttpResponseBuilder, web};
+use bytes::Bytes;
+use futures_util::StreamExt;
+use rialto_core::{ErrorCode, ModelConfig};
+use rialto_proto::auth::v1::Principal;
+use rialto_proto::billing::v1 as billing_pb;
+use rialto_proto::limiter::v1 as limiter_pb;
+use rialto_proto::router::v1 as router_pb;
+use rialto_proto::router::v1::chat_stream_event::Event;
+use serde_json::{Map, Value, json};
+use tokio::sync::mpsc;
+
+use crate::headers::RequestId;
+use crate::{ApiError, Details, Gateway, authenticate, header_value, parse_json, read_body};
+
+/// Most choices one request may ask for.
+const MAX_N: u64 = 16;
+/// Completion budget assumed for the limiter's estimate when the request
+/// and the model set none.
+const DEFAULT_MAX_TOKENS: u64 = 1024;
+const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
+
+/// What validation learned about a request.
+struct Chat {
+    model_id: String,
+    stream: bool,
+    /// The effective `<brand>_parameters`, echoed in the response.
+    parameters: Map<String, Value>,
+    prompt_tokens_estimate: u64,
+    estimated_tokens: u64,
+}
+
+/// Per-request facts the response needs.
+struct Exchange {
+    request_id: String,
+    completion_id: String,
+    principal: Principal,
+    chat: Chat,
+}
+
+pub async fn completions(
+    gateway: web::Data<Gateway>,
+    request: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    let principal = authenticate(&gateway, &request).await?;
+    let body = read_body(&gateway, &request, payload).await?;
+    let mut body = parse_json(&body)?;
+    let chat = validate(&gateway, &mut body)?;
+    let model = gateway
+        .model(&chat.model_id)
+        .ok_or_else(|| ApiError::new(ErrorCode::ModelNotFound, "Specified model not found"))?;
+    let request_id = request
+        .extensions()
+        .get::<RequestId>()
+        .map(|id| id.0.clone())
+        .unwrap_or_else(rialto_core::ids::request_id);
+
+    let admitted = gateway
+        .services
+        .limiter
+        .admit(limiter_pb::AdmitRequest {
+            request_id: request_id.clone(),
+            account_id: principal.account_id.clone(),
+            key_id: principal.key_id.clone(),
+            model_id: chat.model_id.clone(),
+            estimated_tokens: chat.estimated_tokens,
+        })
+        .await?;
+    if !admitted.admitted {
+        return Err(ApiError::new(ErrorCode::RateLimited, "Rate limit exceeded"));
+    }
+
+    let router_request = router_pb::ChatRequest {
+        request_id: request_id.clone(),
+        model_id: chat.model_id.clone(),
+        body_json: serde_json::to_vec(&body).map_err(rialto_core::Error::internal)?,
+    };
+    let exchange = Exchange {
+        completion_id: format!("chatcmpl-{request_id}"),
+        request_id,
+        principal,
+        chat,
+    };
+    if exchange.chat.stream {
+        stream(&gateway, model, router_request, exchange).await
+    } else {
+        complete(&gateway, model, router_request, exchange).await
+    }
+}
+
+async fn complete(
+    gateway: &web::Data<Gateway>,
+    model: &ModelConfig,
+    router_request: router_pb::ChatRequest,
+    exchange: Exchange,
+) -> Result<HttpResponse, ApiError> {
+    let services = &gateway.services;
+    let routed = services.router.chat(router_request).await;
+    let answer = match routed {
+        Ok(answer) => answer,
+        Err(error) => {
+            commit(gateway, &exchange, 0);
+            return Err(error.into());
+        }
+    };
+    let mut body: Value = serde_json::from_slice(&answer.body_json).map_err(|_| {
+        ApiError::new(
+            ErrorCode::UpstreamFailed,
+            "The model's backend sent an invalid answer",
+        )
+    })?;
+    let Some(object) = body.as_object_mut() else {
+        return Err(ApiError::new(
+            ErrorCode::UpstreamFailed,
+            "The model's backend sent an invalid answer",
+        ));
+    };
+    object.insert("id".into(), json!(exchange.completion_id));
+    object.insert("object".into(), json!("chat.completion"));
+    object.insert("model".into(), json!(model.id));
+    object.entry("created").or_insert_with(|| json!(now()));
+    object.remove("system_fingerprint");
+    if let Some(Value::Array(choices)) = object.get_mut("choices") {
+        for choice in choices.iter_mut().filter_map(Value::as_object_mut) {
+            choice.entry("logprobs").or_insert(Value::Null);
+            choice.entry("finish_reason").or_insert(Value::Null);
+        }
+    }
+    let completion_text = completion_chars(object.get("choices"));
+    let usage = usage_or_estimate(
+        object.get("usage"),
+        exchange.chat.prompt_tokens_estimate,
+        completion_text,
+    );
+    let cost = quote(gateway, &exchange.chat.model_id, &usage).await?;
+    commit(gateway, &exchange, usage.total());
+    object.insert("usage".into(), usage.json);
+    object.insert("cost".into(), cost);
+    object.entry("prompt_logprobs").or_insert(Value::Null);
+    object.insert(
+        gateway.brand.parameters_field.clone(),
+        Value::Object(exchange.chat.parameters),
+    );
+    let mut response = HttpResponse::Ok();
+    model_headers(&mut response, gateway, model, &answer.backend);
+    Ok(response.json(body))
+}
+
+async fn stream(
+    gateway: &web::Data<Gateway>,
+    model: &ModelConfig,
+    router_request: router_pb::ChatRequest,
+    exchange: Exchange,
+) -> Result<HttpResponse, ApiError> {
+    let mut events = match gateway.services.router.chat_stream(router_request).await {
+        Ok(events) => events,
+        Err(error) => {
+            commit(gateway, &exchange, 0);
+            return Err(error.into());
+        }
+    };
+    // The first event names the backend; a failure before it is still an
+    // ordinary HTTP error.
+    let backend = match events.next().await {
+        Some(Ok(router_pb::ChatStreamEvent {
+            event: Some(Event::Backend(name)),
+        })) => name,
+        Some(Err(error)) => {
+            commit(gateway, &exchange, 0);
+            return Err(error.into());
+        }
+        _ => String::new(),
+    };
+    let (sender, receiver) = mpsc::channel::<Bytes>(64);
+    tokio::spawn(relay(
+        gateway.clone().into_inner(),
+        events,
+        sender,
+        exchange,
+    ));
+    let body = futures_util::stream::unfold(receiver, |mut receiver| async move {
+        receiver
+            .recv()
+            .await
+            .map(|bytes| (Ok::<_, Infallible>(bytes), receiver))
+    });
+    let mut response = HttpResponse::Ok();
+    response
+        .content_type("text/event-stream")
+        // Streams are never compressed (the spec applies Accept-Encoding to
+        // non-streamed responses only), and must not be buffered by proxies.
+        .insert_header(ContentEncoding::Identity)
+        .insert_header(("cache-control", "no-cache"))
+        .insert_header(("x-accel-buffering", "no"));
+    model_headers(&mut response, gateway, model, &backend);
+    Ok(response.streaming(body))
+}
+
+/// Relays upstream chunks to the client, then a final chunk with `usage` and
+/// `cost`, then `[DONE]`. Runs as its own task so a slow client never holds
+/// a worker; ends early when the client goes away.
+async fn relay(
+    gateway: std::sync::Arc<Gateway>,
+    mut events: rialto_router::ChatStream,
+    sender: mpsc::Sender<Bytes>,
+    exchange: Exchange,
+) {
+    let mut upstream_usage: Option<Value> = None;
+    let mut completion_text = 0usize;
+    let mut created: Option<Value> = None;
+    while let Some(event) = events.next().await {
+        let json = match event {
+            Ok(router_pb::ChatStreamEvent {
+                event: Some(Event::ChunkJson(json)),
+            }) => json,
+            Ok(_) => continue,
+            Err(error) => {
+                tracing::warn!(request_id = exchange.request_id, %error, "stream failed upstream");
+                let chunk = json!({"error": {
+                    "message": error.message,
+                    "type": "server_error",
+                    "code": "upstream_error",
+                    "param": null,
+                }});
+                let _ = sender.send(sse(&chunk)).await;
+                let _ = sender.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+                let usage = usage_or_estimate(
+                    upstream_usage.as_ref(),
+                    exchange.chat.prompt_tokens_estimate,
+                    completion_text,
+                );
+                commit(&gateway, &exchange, usage.total());
+                return;
+            }
+        };
+        let Ok(Value::Object(mut chunk)) = serde_json::from_slice::<Value>(&json) else {
+            continue;
+        };
+        if let Some(usage) = chunk.remove("usage").filter(Value::is_object) {
+            upstream_usage = Some(usage);
+        }
+        let has_choices = chunk
+            .get("choices")
+            .and_then(Value::as_array)
+            .is_some_and(|c| !c.is_empty());
+        if !has_choices && !chunk.contains_key("error") {
+            // A usage-only chunk: folded into our final chunk.
+            continue;
+        }
+        completion_text += delta_chars(chunk.get("choices"));
+        chunk.insert("id".into(), json!(exchange.completion_id));
+        chunk.insert("object".into(), json!("chat.completion.chunk"));
+        chunk.insert("model".into(), json!(exchange.chat.model_id));
+        let created =
+            created.get_or_insert_with(|| chunk.get("created").cloned().unwrap_or(json!(now())));
+        chunk.insert("created".into(), created.clone());
+        chunk.remove("system_fingerprint");
+        if sender.send(sse(&Value::Object(chunk))).await.is_err() {
+            tracing::info!(request_id = exchange.request_id, "client left the stream");
+            break;
+        }
+    }
+    let usage = usage_or_estimate(
+        upstream_usage.as_ref(),
+        exchange.chat.prompt_tokens_estimate,
+        completion_text,
+    );
+    let total = usage.total();
+    match quote(&gateway, &exchange.chat.model_id, &usage).await {
+        Ok(cost) => {
+            let last = json!({
+                "id": exchange.completion_id,
+                "object": "chat.completion.chunk",
+                "created": created.unwrap_or_else(|| json!(now())),
+                "model": exchange.chat.model_id,
+                "choices": [],
+                "usage": usage.json,
+                "cost": cost,
+            });
+            let _ = sender.send(sse(&last)).await;
+        }
+        Err(error) => {
+            let chunk = json!({"error": {
+                "message": error.message(),
+                "type": "server_error",
+                "code": "billing_error",
+                "param": null,
+            }});
+            let _ = sender.send(sse(&chunk)).await;
+        }
+    }
+    let _ = sender.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+    commit(&gateway, &exchange, total);
+}
+
+fn sse(value: &Value) -> Bytes {
+    let mut line = Vec::with_capacity(256);
+    line.extend_from_slice(b"data: ");
+    // Serializing a Value cannot fail.
+    let _ = serde_json::to_writer(&mut line, value);
+    line.extend_from_slice(b"\n\n");
+    Bytes::from(line)
+}
+
+fn model_headers(
+    response: &mut HttpResponseBuilder,
+    gateway: &Gateway,
+    model: &ModelConfig,
+    backend: &str,
+) {
+    let stamp = &gateway.stamp;
+    if let Some(value) = header_value(&model.id) {
+        response.insert_header((stamp.model_id.clone(), value));
+    }
+    if let Some(value) = header_value(model.display_name()) {
+        response.insert_header((stamp.model_name.clone(), value));
+    }
+    if let Some(value) = header_value(backend).filter(|_| !backend.is_empty()) {
+        response.insert_header((stamp.model_router.clone(), value));
+    }
+    if let Some(date) = &model.deprecation_date {
+        let warning = model.deprecation_warning.clone().unwrap_or_else(|| {
+            format!(
+                "The model {} is deprecated and will be removed on {date}.",
+                model.id
+            )
+        });
+        if let (Some(date), Some(warning)) = (header_value(date), header_value(&warning)) {
+            response.insert_header((stamp.deprecation_date.clone(), date));
+            response.insert_header((stamp.deprecation_warning.clone(), warning));
+        }
+    }
+}
+
+/// Token counts of a finished exchange, and their JSON for the response.
+struct Usage {
+    prompt: u64,
+    completion: u64,
+    cached: u64,
+    cache_write: u64,
+    json: Value,
+}
+
+impl Usage {
+    fn total(&self) -> u64 {
+        self.prompt + self.completion
+    }
+}
+
+/// The upstream's usage, or an estimate (4 characters a token) when the
+/// upstream reported none.
+fn usage_or_estimate(
+    upstream: Option<&Value>,
+    prompt_estimate: u64,
+    completion_chars: usize,
+) -> Usage {
+    let count = |v: &Value, key: &str| v.get(key).and_then(Value::as_u64);
+    if let Some(usage) = upstream.filter(|u| count(u, "prompt_tokens").is_some()) {
+        let prompt = count(usage, "prompt_tokens").unwrap_or_default();
+        let completion = count(usage, "completion_tokens").unwrap_or_default();
+        let details = usage.get("prompt_tokens_details").unwrap_or(&Value::Null);
+        let mut json = usage.clone();
+        json["total_tokens"] = json!(prompt + completion);
+        return Usage {
+            prompt,
+            completion,
+            cached: count(details, "cached_tokens").unwrap_or_default(),
+            cache_write: count(details, "cache_creation_input_tokens").unwrap_or_default(),
+            json,
+        };
+    }
+    let completion = (completion_chars as u64).div_ceil(4);
+    Usage {
+        prompt: prompt_estimate,
+        completion,
+        cached: 0,
+        cache_write: 0,
+        json: json!({
+            "prompt_tokens": prompt_estimate,
+            "completion_tokens": completion,
+            "total_tokens": prompt_estimate + completion,
+        }),
+    }
+}
+
+async fn quote(gateway: &Gateway, model_id: &str, usage: &Usage) -> Result<Value, ApiError> {
+    let cost = gateway
+        .services
+        .billing
+        .quote(billing_pb::QuoteRequest {
+            model_id: model_id.to_owned(),
+            usage: Some(billing_pb::Usage {
+                prompt_tokens: usage.prompt,
+                completion_tokens: usage.completion,
+                cached_prompt_tokens: usage.cached,
+                cache_write_tokens: usage.cache_write,
+            }),
+        })
+        .await?;
+    // Exact decimal strings become JSON numbers, as the spec's `cost` wants.
+    let number = |text: &str| serde_json::from_str::<Value>(text).unwrap_or(json!(0));
+    Ok(json!({"usd": number(&cost.usd), "diem": number(&cost.diem)}))
+}
+
+/// Tells the limiter what the request really used, off the response path.
+fn commit(gateway: &Gateway, exchange: &Exchange, used_tokens: u64) {
+    let limiter = gateway.services.limiter.clone();
+    let request = limiter_pb::CommitRequest {
+        request_id: exchange.request_id.clone(),
+        account_id: exchange.principal.account_id.clone(),
+        key_id: exchange.principal.key_id.clone(),
+        model_id: exchange.chat.model_id.clone(),
+        estimated_tokens: exchange.chat.estimated_tokens,
+        used_tokens,
+    };
+    tokio::spawn(async move {
+        if let Err(error) = limiter.commit(request).await {
+            tracing::warn!(%error, "limiter commit failed");
+        }
+    });
+}
+
+fn now() -> i64 {
+    chrono::Utc::now().timestamp()
+}
+
+fn completion_chars(choices: Option<&Value>) -> usize {
+    choices
+        .and_then(Value::as_array)
+        .map(|choices| {
+            choices
+                .iter()
+                .map(|c| c["message"]["content"].as_str().map_or(0, str::len))
+                .sum()
+        })
+        .unwrap_or_default()
+}
+
+fn delta_chars(choices: Option<&Value>) -> usize {
+    choices
+        .and_then(Value::as_array)
+        .map(|choices| {
+            choices
+                .iter()
+                .map(|c| c["delta"]["content"].as_str().map_or(0, str::len))
+                .sum()
+        })
+        .unwrap_or_default()
+}
+
+/// Checks the members the spec lists, takes `<brand>_parameters` out of the
+/// body (the upstream does not know it), and leaves every other member
+/// untouched for the upstream.
+fn validate(gateway: &Gateway, body: &mut Value) -> Result<Chat, ApiError> {
+    let mut details = Details::new();
+    let Some(object) = body.as_object_mut() else {
+        details.push(&[], "Expected a JSON object");
+        return Err(ApiError::validation(details));
+    };
+    let model_id = match object.get("model") {
+        Some(Value::String(model)) if !model.is_empty() => model.clone(),
+        Some(Value::String(_)) => {
+            details.push(&["model"], "String must contain at least 1 character(s)");
+            String::new()
+        }
+        Some(_) => {
+            details.push(&["model"], "Expected string");
+            String::new()
+        }
+        None => {
+            details.push(&["model"], "Required");
+            String::new()
+        }
+    };
+    let mut prompt_chars = 0usize;
+    match object.get("messages") {
+        Some(Value::Array(messages)) if messages.is_empty() => {
+            details.push(&["messages"], "Array must contain at least 1 element(s)");
+        }
+        Some(Value::Array(messages)) => {
+            for (i, message) in messages.iter().enumerate() {
+                prompt_chars += validate_message(&mut details, &i.to_string(), message);
+            }
+        }
+        Some(_) => details.push(&["messages"], "Expected array"),
+        None => details.push(&["messages"], "Required"),
+    }
+    let stream = match object.get("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(stream)) => *stream,
+        Some(_) => {
+            details.push(&["stream"], "Expected boolean");
+            false
+        }
+    };
+    let n = match object.get("n") {
+        None | Some(Value::Null) => 1,
+        Some(value) => match value.as_u64() {
+            Some(n) if (1..=MAX_N).contains(&n) => n,
+            _ => {
+                details.push(&["n"], format!("Expected an integer from 1 to {MAX_N}"));
+                1
+            }
+        },
+    };
+    let mut max_tokens = None;
+    for field in ["max_tokens", "max_completion_tokens"] {
+        match object.get(field) {
+            None | Some(Value::Null) => {}
+            Some(value) => match value.as_u64() {
+                Some(v) if v >= 1 => max_tokens = Some(max_tokens.map_or(v, |m: u64| m.min(v))),
+                _ => details.push(&[field], "Expected a positive integer"),
+            },
+        }
+    }
+    if object
+        .get("prompt_cache_key")
+        .is_some_and(|v| !v.is_string() && !v.is_null())
+    {
+        details.push(&["prompt_cache_key"], "Expected string");
+    }
+    let parameters = effective_parameters(
+        gateway,
+        object.remove(&gateway.brand.parameters_field),
+        &mut details,
+    )?;
+    details.into_result()?;
+
+    let completion_budget = max_tokens
+        .or_else(|| {
+            gateway
+                .model(&model_id)
+                .and_then(|m| m.max_completion_tokens)
+        })
+        .unwrap_or(DEFAULT_MAX_TOKENS);
+    let prompt_tokens_estimate = (prompt_chars as u64).div_ceil(4).max(1);
+    Ok(Chat {
+        model_id,
+        stream,
+        parameters,
+        prompt_tokens_estimate,
+        estimated_tokens: prompt_tokens_estimate + completion_budget.saturating_mul(n),
+    })
+}
+
+/// Validates one message; returns the characters of text it carries.
+fn validate_message(details: &mut Details, index: &str, message: &Value) -> usize {
+    let Some(message) = message.as_object() else {
+        details.push(&["messages", index], "Expected object");
+        return 0;
+    };
+    let role = message.get("role").and_then(Value::as_str);
+    match role {
+        Some(role) if ROLES.contains(&role) => {}
+        Some(other) => details.push(
+            &["messages", index, "role"],
+            format!(
+                "Invalid enum value. Expected {}, received '{other}'",
+                ROLES.join(" | ")
+            ),
+        ),
+        None => details.push(&["messages", index, "role"], "Required"),
+    }
+    match message.get("content") {
+        Some(Value::String(text)) => text.len(),
+        Some(Value::Array(parts)) => {
+            let mut chars = 0;
+            for (p, part) in parts.iter().enumerate() {
+                let p = p.to_string();
+                let Some(part) = part.as_object() else {
+                    details.push(&["messages", index, "content", &p], "Expected object");
+                    continue;
+                };
+                match part.get("type").and_then(Value::as_str) {
+                    Some("text") => match part.get("text") {
+                        Some(Value::String(text)) if !text.is_empty() => chars += text.len(),
+                        Some(Value::String(_)) => details.push(
+                            &["messages", index, "content", &p, "text"],
+                            "String must contain at least 1 character(s)",
+                        ),
+                        Some(_) => details.push(
+                            &["messages", index, "content", &p, "text"],
+                            "Expected string",
+                        ),
+                        None => {
+                            details.push(&["messages", index, "content", &p, "text"], "Required")
+                        }
+                    },
+                    Some(_) => {}
+                    None => details.push(&["messages", index, "content", &p, "type"], "Required"),
+                }
+            }
+            chars
+        }
+        // An assistant turn may carry only tool calls.
+        Some(Value::Null) | None if role == Some("assistant") => 0,
+        Some(Value::Null) | None => {
+            details.push(&["messages", index, "content"], "Required");
+            0
+        }
+        Some(_) => {
+            details.push(&["messages", index, "content"], "Expected string or array");
+            0
+        }
+    }
+}
+
+/// The `<brand>_parameters` echo: every required member, with what this
+/// server really applies. Features that arrive in later issues (web search,
+/// scraping, citations, thinking control, e2ee) are reported as off.
+fn effective_parameters(
+    gateway: &Gateway,
+    requested: Option<Value>,
+    details: &mut Details,
+) -> Result<Map<String, Value>, ApiError> {
+    let field = gateway.brand.parameters_field.as_str();
+    let include_prompt = gateway.brand.include_system_prompt_field.as_str();
+    let requested = match requested {
+        None | Some(Value::Null) => Map::new(),
+        Some(Value::Object(map)) => map,
+        Some(_) => {
+            details.push(&[field], "Expected object");
+            Map::new()
+        }
+    };
+    let booleans = [
+        "strip_thinking_response",
+        "disable_thinking",
+        "enable_web_scraping",
+        "enable_x_search",
+        "enable_web_citations",
+        "include_search_results_in_stream",
+        "return_search_results_as_documents",
+        "enable_e2ee",
+        include_prompt,
+    ];
+    for name in booleans {
+        if requested
+            .get(name)
+            .is_some_and(|v| !v.is_boolean() && !v.is_null())
+        {
+            details.push(&[field, name], "Expected boolean");
+        }
+    }
+    if let Some(value) = requested.get("enable_web_search").filter(|v| !v.is_null()) {
+        if !matches!(value.as_str(), Some("off" | "on" | "auto")) {
+            details.push(
+                &[field, "enable_web_search"],
+                "Invalid enum value. Expected 'auto' | 'off' | 'on'",
+            );
+        }
+    }
+    if let Some(slug) = requested.get("character_slug").filter(|v| !v.is_null()) {
+        if slug.is_string() {
+            // No characters exist on this server yet.
+            return Err(ApiError::new(
+                ErrorCode::NotFound,
+                "No character could be found from the provided character_slug",
+            ));
+        }
+        details.push(&[field, "character_slug"], "Expected string");
+    }
+    let mut echo = Map::new();
+    echo.insert("enable_e2ee".into(), json!(false));
+    echo.insert("enable_web_search".into(), json!("off"));
+    echo.insert("enable_web_citations".into(), json!(false));
+    echo.insert("enable_web_scraping".into(), json!(false));
+    echo.insert(
+        include_prompt.into(),
+        json!(
+            requested
+                .get(include_prompt)
+                .and_then(Value::as_bool)
+                .unwrap_or(true)
+        ),
+    );
+    echo.insert("include_search_results_in_stream".into(), json!(false));
+    echo.insert("return_search_results_as_documents".into(), json!(false));
+    echo.insert("strip_thinking_response".into(), json!(false));
+    echo.insert("disable_thinking".into(), json!(false));
+    Ok(echo)
+}

@@ -1,0 +1,159 @@
+//! The one place where errors become HTTP responses in the spec's shape:
+//! `{"error": "..."}`, plus `details` for validation errors.
+
+use actix_web::http::StatusCode;
+use actix_web::{HttpResponse, ResponseError};
+use rialto_core::{Error, ErrorCode};
+use serde_json::{Map, Value, json};
+
+/// An error on its way to the caller.
+#[derive(Debug)]
+pub struct ApiError {
+    error: Error,
+    details: Option<Details>,
+}
+
+impl ApiError {
+    pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        Error::new(code, message).into()
+    }
+
+    /// A 400 "Invalid request parameters" with per-field messages.
+    pub fn validation(details: Details) -> Self {
+        Self {
+            error: Error::invalid("Invalid request parameters"),
+            details: Some(details),
+        }
+    }
+
+    pub fn code(&self) -> ErrorCode {
+        self.error.code
+    }
+
+    pub fn message(&self) -> &str {
+        &self.error.message
+    }
+}
+
+impl From<Error> for ApiError {
+    fn from(error: Error) -> Self {
+        Self {
+            error,
+            details: None,
+        }
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.error.fmt(f)
+    }
+}
+
+impl ResponseError for ApiError {
+    fn status_code(&self) -> StatusCode {
+        StatusCode::from_u16(self.error.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+    }
+
+    fn error_response(&self) -> HttpResponse {
+        let mut body = Map::new();
+        body.insert("error".into(), Value::String(self.error.message.clone()));
+        if let Some(details) = &self.details {
+            body.insert("details".into(), Value::Object(details.0.clone()));
+        }
+        if self.error.code == ErrorCode::PayloadTooLarge {
+            body.insert("code".into(), json!("PAYLOAD_TOO_LARGE"));
+        }
+        HttpResponse::build(self.status_code()).json(Value::Object(body))
+    }
+}
+
+/// Per-field validation messages in the nested shape of the hosted API:
+/// `{"_errors": [], "messages": {"_errors": [], "0": {"content": {"_errors": ["..."]}}}}`.
+#[derive(Debug, Clone)]
+pub struct Details(Map<String, Value>);
+
+impl Default for Details {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Details {
+    pub fn new() -> Self {
+        Self(node())
+    }
+
+    /// Adds `message` at `path` (field names, and indices as strings); an
+    /// empty path is the request as a whole.
+    pub fn push(&mut self, path: &[&str], message: impl Into<String>) {
+        let mut current = &mut self.0;
+        for segment in path {
+            let child = current
+                .entry((*segment).to_owned())
+                .or_insert_with(|| Value::Object(node()));
+            if !child.is_object() {
+                *child = Value::Object(node());
+            }
+            let Value::Object(child) = child else { return };
+            current = child;
+        }
+        if let Some(Value::Array(errors)) = current.get_mut("_errors") {
+            errors.push(Value::String(message.into()));
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        fn empty(node: &Map<String, Value>) -> bool {
+            node.iter().all(|(key, value)| match (key.as_str(), value) {
+                ("_errors", Value::Array(errors)) => errors.is_empty(),
+                (_, Value::Object(child)) => empty(child),
+                _ => true,
+            })
+        }
+        empty(&self.0)
+    }
+
+    /// Ok when nothing was pushed, the validation error otherwise.
+    pub fn into_result(self) -> Result<(), ApiError> {
+        if self.is_empty() {
+            Ok(())
+        } else {
+            Err(ApiError::validation(self))
+        }
+    }
+}
+
+fn node() -> Map<String, Value> {
+    let mut node = Map::new();
+    node.insert("_errors".into(), Value::Array(Vec::new()));
+    node
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn details_nest_like_the_hosted_api() {
+        let mut details = Details::new();
+        assert!(details.is_empty());
+        details.push(&["model"], "Required");
+        details.push(&["messages", "0", "content", "1", "text"], "too short");
+        assert!(!details.is_empty());
+        let value = Value::Object(details.0);
+        assert_eq!(value["_errors"], json!([]));
+        assert_eq!(value["model"]["_errors"], json!(["Required"]));
+        assert_eq!(
+            value["messages"]["0"]["content"]["1"]["text"]["_errors"],
+            json!(["too short"])
+        );
+    }
+
+    #[test]
+    fn errors_render_in_the_spec_shape() {
+        let response =
+            ApiError::new(ErrorCode::ApiKeyNotFound, "API key could not be found").error_response();
+        assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    }
+}

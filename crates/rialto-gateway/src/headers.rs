@@ -1,0 +1,89 @@
+//! Headers every response carries, and the request id that ties a response
+//! to its log lines.
+
+use std::time::Instant;
+
+use actix_web::body::MessageBody;
+use actix_web::dev::{ServiceRequest, ServiceResponse};
+use actix_web::http::header::{HeaderName, HeaderValue};
+use actix_web::middleware::Next;
+use actix_web::{HttpMessage, web};
+use rialto_core::Brand;
+use tracing::Instrument;
+
+use crate::Gateway;
+
+/// The request id (`CF-RAY`), stored in the request's extensions.
+#[derive(Debug, Clone)]
+pub struct RequestId(pub String);
+
+/// Header names and values computed once at start.
+#[derive(Debug)]
+pub struct Stamp {
+    version_name: HeaderName,
+    version: HeaderValue,
+    host_name_name: HeaderName,
+    host_name: HeaderValue,
+    pub model_id: HeaderName,
+    pub model_name: HeaderName,
+    pub model_router: HeaderName,
+    pub deprecation_warning: HeaderName,
+    pub deprecation_date: HeaderName,
+}
+
+impl Stamp {
+    pub fn new(brand: &Brand, revision: &str, host_name: &str) -> anyhow::Result<Self> {
+        let name = |n: &str| HeaderName::from_bytes(n.as_bytes());
+        Ok(Self {
+            version_name: name(&brand.header_version)?,
+            version: HeaderValue::from_str(revision)?,
+            host_name_name: name(&brand.header_host_name)?,
+            host_name: HeaderValue::from_str(host_name)?,
+            model_id: name(&brand.header_model_id)?,
+            model_name: name(&brand.header_model_name)?,
+            model_router: name(&brand.header_model_router)?,
+            deprecation_warning: name(&brand.header_model_deprecation_warning)?,
+            deprecation_date: name(&brand.header_model_deprecation_date)?,
+        })
+    }
+}
+
+const CF_RAY: HeaderName = HeaderName::from_static("cf-ray");
+
+/// Middleware: assigns the request id, runs the request in a span that
+/// carries it, stamps the common headers and logs one line per request.
+pub async fn stamp(
+    request: ServiceRequest,
+    next: Next<impl MessageBody>,
+) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
+    let request_id = rialto_core::ids::request_id();
+    request
+        .extensions_mut()
+        .insert(RequestId(request_id.clone()));
+    let span = tracing::info_span!("request", request_id = %request_id);
+    let method = request.method().clone();
+    let path = request.path().to_owned();
+    let started = Instant::now();
+    let gateway = request.app_data::<web::Data<Gateway>>().cloned();
+    let mut response = next.call(request).instrument(span.clone()).await?;
+    let status = response.status().as_u16();
+    let headers = response.headers_mut();
+    if let Ok(value) = HeaderValue::from_str(&request_id) {
+        headers.insert(CF_RAY, value);
+    }
+    if let Some(gateway) = gateway {
+        let stamp = &gateway.stamp;
+        headers.insert(stamp.version_name.clone(), stamp.version.clone());
+        headers.insert(stamp.host_name_name.clone(), stamp.host_name.clone());
+    }
+    span.in_scope(|| {
+        tracing::info!(
+            %method,
+            path,
+            status,
+            elapsed_us = started.elapsed().as_micros() as u64,
+            "request served"
+        );
+    });
+    Ok(response)
+}

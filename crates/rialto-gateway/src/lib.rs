@@ -1,0 +1,257 @@
+//! The gateway: Rialto's public HTTP API.
+//!
+//! It parses and validates requests, answers with the spec's headers and
+//! error bodies, relays streams as SSE, and calls the other services through
+//! their clients. It never touches the database and never knows whether a
+//! service runs in this process or behind gRPC.
+//!
+//! Architecture invariants:
+//! - Every response, errors included, carries `CF-RAY`, `x-<brand>-version`,
+//!   `x-<brand>-host-name`, `Date` and `Content-Type` (see [`headers`]).
+//! - Errors become `{"error": ...}` bodies in one place ([`error::ApiError`]);
+//!   bad input is a 4xx with a clear message, never a 5xx.
+//! - No secret reaches a log line: keys are passed on, never recorded.
+
+use std::net::TcpListener;
+use std::sync::Arc;
+
+use actix_web::dev::Server;
+use actix_web::http::header::HeaderValue;
+use actix_web::{App, HttpMessage, HttpRequest, HttpServer, web};
+use bytes::Bytes;
+use futures_util::StreamExt;
+use rialto_auth::AuthClient;
+use rialto_billing::BillingClient;
+use rialto_core::{Brand, Config, ErrorCode, ModelConfig};
+use rialto_limiter::LimiterClient;
+use rialto_proto::auth::v1 as auth_pb;
+use rialto_router::RouterClient;
+use secrecy::SecretString;
+
+mod chat;
+pub mod error;
+mod headers;
+mod keys;
+mod models;
+mod openapi;
+pub mod operator;
+
+pub use error::{ApiError, Details};
+
+/// The clients of the services the gateway calls.
+#[derive(Clone, Debug)]
+pub struct Services {
+    pub auth: AuthClient,
+    pub limiter: LimiterClient,
+    pub billing: BillingClient,
+    pub router: RouterClient,
+}
+
+/// Everything a handler needs, built once at start and shared by all workers.
+pub struct Gateway {
+    services: Services,
+    brand: Brand,
+    /// `<yyyymmdd>.<hhmmss>`, in `x-<brand>-version` and the OpenAPI document.
+    revision: String,
+    models: Vec<ModelConfig>,
+    operator_token: Option<SecretString>,
+    max_body_bytes: usize,
+    openapi: String,
+    /// Precomputed header names and values stamped on every response.
+    stamp: headers::Stamp,
+}
+
+impl std::fmt::Debug for Gateway {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Gateway")
+            .field("brand", &self.brand.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Gateway {
+    pub fn new(config: &Config, services: Services, revision: &str) -> anyhow::Result<Self> {
+        let brand = Brand::new(&config.brand);
+        let host_name = if config.gateway.host_name.is_empty() {
+            rialto_core::telemetry::host_name()
+        } else {
+            config.gateway.host_name.clone()
+        };
+        let stamp = headers::Stamp::new(&brand, revision, &host_name)?;
+        Ok(Self {
+            openapi: openapi::render(&brand, revision),
+            services,
+            revision: revision.to_owned(),
+            models: config.models.clone(),
+            operator_token: config.operator.token.clone(),
+            max_body_bytes: config.gateway.max_body_bytes,
+            stamp,
+            brand,
+        })
+    }
+
+    pub fn revision(&self) -> &str {
+        &self.revision
+    }
+
+    fn model(&self, id: &str) -> Option<&ModelConfig> {
+        self.models.iter().find(|m| m.id == id)
+    }
+}
+
+/// Registers every route on an actix `App`.
+pub fn configure(gateway: web::Data<Gateway>) -> impl FnOnce(&mut web::ServiceConfig) {
+    move |cfg| {
+        cfg.app_data(gateway)
+            .route("/openapi.yaml", web::get().to(openapi::document))
+            .route("/healthz", web::get().to(health))
+            .route("/readyz", web::get().to(health))
+            .service(
+                web::scope("/api/v1")
+                    .route("/chat/completions", web::post().to(chat::completions))
+                    .route("/models", web::get().to(models::list))
+                    .route("/api_keys", web::get().to(keys::list))
+                    .route("/api_keys", web::post().to(keys::create))
+                    .route("/api_keys", web::delete().to(keys::delete))
+                    .route("/api_keys/{id}", web::get().to(keys::get)),
+            )
+            .service(
+                web::scope("/admin/v1")
+                    .route("/accounts", web::post().to(operator::create_account)),
+            )
+            .default_service(web::to(not_found));
+    }
+}
+
+/// Starts the HTTP server on `listener` (bind port 0 in tests). The returned
+/// server runs until its handle is stopped.
+pub fn serve(
+    listener: TcpListener,
+    gateway: Arc<Gateway>,
+    workers: usize,
+) -> std::io::Result<Server> {
+    let gateway = web::Data::from(gateway);
+    let mut server = HttpServer::new(move || {
+        App::new()
+            .wrap(actix_web::middleware::Compress::default())
+            .wrap(actix_web::middleware::from_fn(headers::stamp))
+            .configure(configure(gateway.clone()))
+    })
+    .disable_signals()
+    .listen(listener)?;
+    if workers > 0 {
+        server = server.workers(workers);
+    }
+    Ok(server.run())
+}
+
+async fn health() -> actix_web::HttpResponse {
+    actix_web::HttpResponse::Ok().json(serde_json::json!({"status": "ok"}))
+}
+
+async fn not_found(request: HttpRequest) -> Result<actix_web::HttpResponse, ApiError> {
+    Err(ApiError::new(
+        ErrorCode::NotFound,
+        format!("No route for {} {}", request.method(), request.path()),
+    ))
+}
+
+/// Reads a request body, refusing it with 413 past the configured limit
+/// without buffering more than the limit.
+async fn read_body(
+    gateway: &Gateway,
+    request: &HttpRequest,
+    mut payload: web::Payload,
+) -> Result<Bytes, ApiError> {
+    let limit = gateway.max_body_bytes;
+    let too_large = || {
+        ApiError::new(
+            ErrorCode::PayloadTooLarge,
+            format!("Request body is larger than the limit of {limit} bytes"),
+        )
+    };
+    let declared = request
+        .headers()
+        .get(actix_web::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|len| len > limit) {
+        return Err(too_large());
+    }
+    let mut body = web::BytesMut::with_capacity(declared.unwrap_or(1024).min(limit));
+    while let Some(chunk) = payload.next().await {
+        let chunk = chunk.map_err(|e| ApiError::new(ErrorCode::InvalidRequest, format!("{e}")))?;
+        if body.len() + chunk.len() > limit {
+            return Err(too_large());
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body.freeze())
+}
+
+/// Parses a JSON body; malformed JSON is a validation error.
+fn parse_json(body: &[u8]) -> Result<serde_json::Value, ApiError> {
+    serde_json::from_slice(body).map_err(|e| {
+        let mut details = Details::new();
+        details.push(&[], format!("Malformed JSON body: {e}"));
+        ApiError::validation(details)
+    })
+}
+
+/// The caller's principal from `Authorization: Bearer <key>`.
+async fn authenticate(
+    gateway: &Gateway,
+    request: &HttpRequest,
+) -> Result<auth_pb::Principal, ApiError> {
+    let header = request
+        .headers()
+        .get(actix_web::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .ok_or_else(|| {
+            ApiError::new(
+                ErrorCode::Unauthenticated,
+                "Authentication failed: send your API key as `Authorization: Bearer <API_KEY>`",
+            )
+        })?;
+    let key = header
+        .strip_prefix("Bearer ")
+        .or_else(|| header.strip_prefix("bearer "))
+        .map(str::trim)
+        .filter(|k| !k.is_empty())
+        .ok_or_else(|| {
+            ApiError::new(
+                ErrorCode::Unauthenticated,
+                "Authentication failed: the Authorization header must be `Bearer <API_KEY>`",
+            )
+        })?;
+    let principal = gateway
+        .services
+        .auth
+        .authenticate(auth_pb::AuthenticateRequest {
+            api_key: key.to_owned(),
+        })
+        .await?;
+    if let Some(id) = request.extensions().get::<headers::RequestId>() {
+        tracing::debug!(request_id = %id.0, key_id = principal.key_id, "authenticated");
+    }
+    Ok(principal)
+}
+
+/// Like [`authenticate`], and the key must be an ADMIN key.
+async fn authenticate_admin(
+    gateway: &Gateway,
+    request: &HttpRequest,
+) -> Result<auth_pb::Principal, ApiError> {
+    let principal = authenticate(gateway, request).await?;
+    if principal.key_type != auth_pb::KeyType::Admin as i32 {
+        return Err(ApiError::new(
+            ErrorCode::AdminRequired,
+            "Admin API key required",
+        ));
+    }
+    Ok(principal)
+}
+
+fn header_value(value: &str) -> Option<HeaderValue> {
+    HeaderValue::from_str(value).ok()
+}

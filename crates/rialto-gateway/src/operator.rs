@@ -1,0 +1,80 @@
+//! The operator API (`/admin/v1`): for whoever runs the platform, not part of
+//! the public spec. Authenticated by the configured operator token.
+
+use actix_web::{HttpRequest, HttpResponse, web};
+use rialto_core::ErrorCode;
+use rialto_proto::auth::v1 as pb;
+use secrecy::ExposeSecret;
+use serde_json::{Value, json};
+use subtle::ConstantTimeEq;
+
+use crate::{ApiError, Details, Gateway, parse_json, read_body};
+
+fn check_operator(gateway: &Gateway, request: &HttpRequest) -> Result<(), ApiError> {
+    let Some(token) = &gateway.operator_token else {
+        return Err(ApiError::new(
+            ErrorCode::Unauthenticated,
+            "The operator API is disabled: set operator.token (RIALTO_OPERATOR__TOKEN)",
+        ));
+    };
+    let presented = request
+        .headers()
+        .get(actix_web::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or_default();
+    let expected = token.expose_secret().as_bytes();
+    if expected.is_empty() || !bool::from(presented.as_bytes().ct_eq(expected)) {
+        return Err(ApiError::new(
+            ErrorCode::Unauthenticated,
+            "Authentication failed",
+        ));
+    }
+    Ok(())
+}
+
+/// `POST /admin/v1/accounts {"name": ...}` -> 201 with the first ADMIN key.
+pub async fn create_account(
+    gateway: web::Data<Gateway>,
+    request: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    check_operator(&gateway, &request)?;
+    let body = parse_json(&read_body(&gateway, &request, payload).await?)?;
+    let name = match body.get("name") {
+        Some(Value::String(name)) if !name.trim().is_empty() && name.chars().count() <= 128 => {
+            name.clone()
+        }
+        other => {
+            let mut details = Details::new();
+            details.push(
+                &["name"],
+                if other.is_none() {
+                    "Required"
+                } else {
+                    "Expected a string of 1 to 128 characters"
+                },
+            );
+            return Err(ApiError::validation(details));
+        }
+    };
+    let created = gateway
+        .services
+        .auth
+        .create_account(pb::CreateAccountRequest { name })
+        .await?;
+    Ok(HttpResponse::Created().json(account_json(&created)))
+}
+
+/// The operator API's account shape, shared with `rialto admin accounts create`.
+pub fn account_json(created: &pb::CreateAccountResponse) -> Value {
+    let key = created.api_key.clone().unwrap_or_default();
+    json!({
+        "id": created.account_id,
+        "api_key": {
+            "id": key.record.map(|r| r.id).unwrap_or_default(),
+            "key": key.secret,
+            "type": "ADMIN",
+        }
+    })
+}

@@ -1,0 +1,55 @@
+//! Adapters between [`LimiterService`](crate::LimiterService) and tonic.
+
+use async_trait::async_trait;
+use rialto_core::Result;
+use rialto_proto::limiter::v1 as pb;
+use rialto_proto::limiter::v1::limiter_client::LimiterClient as GrpcClient;
+use rialto_proto::limiter::v1::limiter_server::{Limiter, LimiterServer};
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status};
+
+use crate::{LimiterClient, LimiterService};
+
+/// Serves a [`LimiterClient`] over gRPC.
+pub fn server(client: LimiterClient) -> LimiterServer<LimiterGrpc> {
+    LimiterServer::new(LimiterGrpc(client))
+}
+
+pub struct LimiterGrpc(LimiterClient);
+
+#[async_trait]
+impl Limiter for LimiterGrpc {
+    async fn admit(
+        &self,
+        request: Request<pb::AdmitRequest>,
+    ) -> Result<Response<pb::AdmitResponse>, Status> {
+        Ok(Response::new(self.0.admit(request.into_inner()).await?))
+    }
+
+    async fn commit(
+        &self,
+        request: Request<pb::CommitRequest>,
+    ) -> Result<Response<pb::CommitResponse>, Status> {
+        Ok(Response::new(self.0.commit(request.into_inner()).await?))
+    }
+}
+
+/// The limiter in another process, reached over gRPC.
+pub struct RemoteLimiter(GrpcClient<Channel>);
+
+impl RemoteLimiter {
+    pub fn new(channel: Channel) -> Self {
+        Self(GrpcClient::new(channel))
+    }
+}
+
+#[async_trait]
+impl LimiterService for RemoteLimiter {
+    async fn admit(&self, request: pb::AdmitRequest) -> Result<pb::AdmitResponse> {
+        Ok(self.0.clone().admit(request).await?.into_inner())
+    }
+
+    async fn commit(&self, request: pb::CommitRequest) -> Result<pb::CommitResponse> {
+        Ok(self.0.clone().commit(request).await?.into_inner())
+    }
+}

@@ -1,0 +1,74 @@
+//! Adapters between [`RouterService`](crate::RouterService) and tonic. A
+//! streamed chat is a server-streaming RPC.
+
+use std::pin::Pin;
+
+use async_trait::async_trait;
+use futures_util::{Stream, StreamExt};
+use rialto_core::{Error, Result};
+use rialto_proto::router::v1 as pb;
+use rialto_proto::router::v1::router_client::RouterClient as GrpcClient;
+use rialto_proto::router::v1::router_server::{Router, RouterServer};
+use tonic::transport::Channel;
+use tonic::{Request, Response, Status};
+
+use crate::{ChatStream, RouterClient, RouterService};
+
+/// Serves a [`RouterClient`] over gRPC.
+pub fn server(client: RouterClient) -> RouterServer<RouterGrpc> {
+    RouterServer::new(RouterGrpc(client))
+        .max_decoding_message_size(usize::MAX)
+        .max_encoding_message_size(usize::MAX)
+}
+
+pub struct RouterGrpc(RouterClient);
+
+type StatusStream = Pin<Box<dyn Stream<Item = Result<pb::ChatStreamEvent, Status>> + Send>>;
+
+#[async_trait]
+impl Router for RouterGrpc {
+    type ChatStreamStream = StatusStream;
+
+    async fn chat(
+        &self,
+        request: Request<pb::ChatRequest>,
+    ) -> Result<Response<pb::ChatResponse>, Status> {
+        Ok(Response::new(self.0.chat(request.into_inner()).await?))
+    }
+
+    async fn chat_stream(
+        &self,
+        request: Request<pb::ChatRequest>,
+    ) -> Result<Response<Self::ChatStreamStream>, Status> {
+        let stream = self.0.chat_stream(request.into_inner()).await?;
+        Ok(Response::new(Box::pin(
+            stream.map(|event| event.map_err(Status::from)),
+        )))
+    }
+}
+
+/// The router in another process, reached over gRPC.
+pub struct RemoteRouter(GrpcClient<Channel>);
+
+impl RemoteRouter {
+    pub fn new(channel: Channel) -> Self {
+        // Chat bodies can be large (images, documents): lift tonic's 4 MiB cap.
+        Self(
+            GrpcClient::new(channel)
+                .max_decoding_message_size(usize::MAX)
+                .max_encoding_message_size(usize::MAX),
+        )
+    }
+}
+
+#[async_trait]
+impl RouterService for RemoteRouter {
+    async fn chat(&self, request: pb::ChatRequest) -> Result<pb::ChatResponse> {
+        Ok(self.0.clone().chat(request).await?.into_inner())
+    }
+
+    async fn chat_stream(&self, request: pb::ChatRequest) -> Result<ChatStream> {
+        let stream = self.0.clone().chat_stream(request).await?.into_inner();
+        Ok(Box::pin(stream.map(|event| event.map_err(Error::from))))
+    }
+}

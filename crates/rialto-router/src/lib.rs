@@ -1,0 +1,60 @@
+//! The inference router: which backend serves a model, and the relay of the
+//! OpenAI-compatible exchange with it.
+//!
+//! [`RouterService`] takes an already validated request body and returns the
+//! upstream's answer, whole or as a stream of chunks. [`LocalRouter`] speaks
+//! to any OpenAI-compatible server (vLLM, SGLang, llama.cpp, Ollama, hosted
+//! APIs), rotating over a model's backends and failing over to the next one
+//! when a backend is unreachable or answers 5xx/429 before any output.
+//!
+//! Invariant: a request is retried on another backend only before the first
+//! byte of output reaches the caller; after that, failures travel in-band.
+
+use std::pin::Pin;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use futures_util::Stream;
+use rialto_core::Result;
+use rialto_proto::router::v1 as pb;
+
+pub mod grpc;
+mod local;
+
+pub use local::LocalRouter;
+
+/// Events of a streamed chat: the backend's name first, then upstream chunks.
+pub type ChatStream = Pin<Box<dyn Stream<Item = Result<pb::ChatStreamEvent>> + Send>>;
+
+/// The router in domain terms.
+#[async_trait]
+pub trait RouterService: Send + Sync + 'static {
+    async fn chat(&self, request: pb::ChatRequest) -> Result<pb::ChatResponse>;
+    /// Resolves once a backend has accepted the request; errors before that
+    /// are returned here, errors after it arrive in the stream.
+    async fn chat_stream(&self, request: pb::ChatRequest) -> Result<ChatStream>;
+}
+
+/// A cloneable handle on the router, local or remote.
+#[derive(Clone)]
+pub struct RouterClient(Arc<dyn RouterService>);
+
+impl RouterClient {
+    pub fn new(service: impl RouterService) -> Self {
+        Self(Arc::new(service))
+    }
+}
+
+impl std::ops::Deref for RouterClient {
+    type Target = dyn RouterService;
+
+    fn deref(&self) -> &Self::Target {
+        self.0.as_ref()
+    }
+}
+
+impl std::fmt::Debug for RouterClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("RouterClient")
+    }
+}

@@ -1,0 +1,436 @@
+//! The in-process router: a model's backends, rotation, failover and the
+//! HTTP exchange with OpenAI-compatible upstreams.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use eventsource_stream::Eventsource;
+use futures_util::StreamExt;
+use rialto_core::config::{BackendConfig, RouterConfig};
+use rialto_core::{Error, ErrorCode, ModelConfig, Result};
+use rialto_proto::router::v1 as pb;
+use secrecy::{ExposeSecret, SecretString};
+use serde_json::Value;
+
+use crate::{ChatStream, RouterService};
+
+pub struct LocalRouter {
+    models: HashMap<String, ModelRoute>,
+    http: reqwest::Client,
+    request_timeout: Duration,
+}
+
+struct ModelRoute {
+    backends: Vec<Backend>,
+    /// Round-robin cursor: each request starts at the next backend.
+    next: AtomicUsize,
+}
+
+struct Backend {
+    name: String,
+    chat_url: String,
+    upstream_model: String,
+    api_key: Option<SecretString>,
+}
+
+impl Backend {
+    fn new(model_id: &str, config: &BackendConfig) -> Self {
+        let base = config.url.trim_end_matches('/');
+        Self {
+            name: config.name.clone().unwrap_or_else(|| backend_name(base)),
+            chat_url: format!("{base}/chat/completions"),
+            upstream_model: config.model.clone().unwrap_or_else(|| model_id.to_owned()),
+            api_key: config.api_key.clone(),
+        }
+    }
+}
+
+/// `http://10.0.0.5:8000/v1` -> `10.0.0.5:8000`: names a backend without
+/// leaking credentials that might sit in a URL's user-info.
+fn backend_name(url: &str) -> String {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let host = rest.split('/').next().unwrap_or(rest);
+    host.rsplit('@').next().unwrap_or(host).to_owned()
+}
+
+/// Why one backend did not serve a request.
+enum Attempt {
+    /// Retrying on another backend may help.
+    Retryable(Error),
+    /// The caller's request is at fault, or the failure is final.
+    Final(Error),
+}
+
+impl LocalRouter {
+    pub fn new(models: &[ModelConfig], config: &RouterConfig) -> Result<Self> {
+        // reqwest is built without a bundled crypto provider; install ring's
+        // once per process (a second install is a harmless no-op error).
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let request_timeout = Duration::from_secs(config.request_timeout_secs.max(1));
+        let http = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(config.connect_timeout_secs.max(1)))
+            .read_timeout(request_timeout)
+            .pool_idle_timeout(Duration::from_secs(90))
+            .tcp_nodelay(true)
+            .build()
+            .map_err(|e| Error::internal(format_args!("http client: {e}")))?;
+        let models = models
+            .iter()
+            .map(|model| {
+                let route = ModelRoute {
+                    backends: model
+                        .backends
+                        .iter()
+                        .map(|b| Backend::new(&model.id, b))
+                        .collect(),
+                    next: AtomicUsize::new(0),
+                };
+                (model.id.clone(), route)
+            })
+            .collect();
+        Ok(Self {
+            models,
+            http,
+            request_timeout,
+        })
+    }
+
+    fn route(&self, model_id: &str) -> Result<&ModelRoute> {
+        let route = self
+            .models
+            .get(model_id)
+            .ok_or_else(|| Error::new(ErrorCode::ModelNotFound, "Specified model not found"))?;
+        if route.backends.is_empty() {
+            return Err(Error::new(
+                ErrorCode::Unavailable,
+                format!("No backend is configured for model {model_id}"),
+            ));
+        }
+        Ok(route)
+    }
+
+    /// Sends `request` to the model's backends in rotation until one answers
+    /// with a success status; returns that response and the backend.
+    async fn send(
+        &self,
+        request: &pb::ChatRequest,
+        stream: bool,
+    ) -> Result<(reqwest::Response, &Backend)> {
+        let route = self.route(&request.model_id)?;
+        let mut body: serde_json::Map<String, Value> =
+            serde_json::from_slice(&request.body_json)
+                .map_err(|e| Error::invalid(format!("request body is not a JSON object: {e}")))?;
+        if stream {
+            // Ask for the usage chunk: the final chunk must carry usage and cost.
+            let options = body
+                .entry("stream_options")
+                .or_insert_with(|| Value::Object(Default::default()));
+            if let Value::Object(options) = options {
+                options.insert("include_usage".into(), Value::Bool(true));
+            }
+        }
+        let start = route.next.fetch_add(1, Ordering::Relaxed);
+        let count = route.backends.len();
+        let mut last_error = None;
+        for offset in 0..count {
+            let backend = &route.backends[(start + offset) % count];
+            body.insert(
+                "model".into(),
+                Value::String(backend.upstream_model.clone()),
+            );
+            match self
+                .attempt(backend, &body, stream, &request.request_id)
+                .await
+            {
+                Ok(response) => return Ok((response, backend)),
+                Err(Attempt::Final(error)) => return Err(error),
+                Err(Attempt::Retryable(error)) => {
+                    tracing::warn!(
+                        request_id = request.request_id,
+                        backend = backend.name,
+                        error = %error,
+                        "backend failed, trying the next"
+                    );
+                    last_error = Some(error);
+                }
+            }
+        }
+        Err(last_error
+            .unwrap_or_else(|| Error::new(ErrorCode::Unavailable, "No backend available")))
+    }
+
+    async fn attempt(
+        &self,
+        backend: &Backend,
+        body: &serde_json::Map<String, Value>,
+        stream: bool,
+        request_id: &str,
+    ) -> Result<reqwest::Response, Attempt> {
+        let bytes = serde_json::to_vec(body).map_err(|e| Attempt::Final(Error::internal(e)))?;
+        let mut builder = self
+            .http
+            .post(&backend.chat_url)
+            .header("content-type", "application/json")
+            .header("x-request-id", request_id)
+            .body(bytes);
+        if !stream {
+            builder = builder.timeout(self.request_timeout);
+        }
+        if let Some(key) = &backend.api_key {
+            builder = builder.bearer_auth(key.expose_secret());
+        }
+        let response = builder.send().await.map_err(|e| {
+            if e.is_timeout() {
+                Attempt::Retryable(Error::new(
+                    ErrorCode::Timeout,
+                    "The model's backend timed out",
+                ))
+            } else {
+                Attempt::Retryable(Error::new(
+                    ErrorCode::Unavailable,
+                    "No backend of the model is reachable",
+                ))
+            }
+        })?;
+        let status = response.status();
+        if status.is_success() {
+            return Ok(response);
+        }
+        let code = status.as_u16();
+        let detail = upstream_message(response).await;
+        tracing::info!(
+            request_id,
+            backend = backend.name,
+            status = code,
+            detail,
+            "upstream error"
+        );
+        Err(match code {
+            429 => Attempt::Retryable(Error::new(
+                ErrorCode::RateLimited,
+                "The model is currently overloaded. Please try again later.",
+            )),
+            408 | 500..=599 => Attempt::Retryable(Error::new(
+                ErrorCode::UpstreamFailed,
+                format!("The model's backend failed (status {code})"),
+            )),
+            // A 4xx blames the request: another backend would refuse it too.
+            _ => Attempt::Final(Error::invalid(detail)),
+        })
+    }
+}
+
+/// The message of an upstream error body, in any of the usual shapes.
+async fn upstream_message(response: reqwest::Response) -> String {
+    let status = response.status().as_u16();
+    let body: Value = response.json().await.unwrap_or(Value::Null);
+    let message = match &body["error"] {
+        Value::String(message) => Some(message.clone()),
+        Value::Object(error) => error
+            .get("message")
+            .and_then(Value::as_str)
+            .map(str::to_owned),
+        _ => body
+            .get("message")
+            .and_then(Value::as_str)
+            .map(str::to_owned),
+    };
+    message.unwrap_or_else(|| format!("The model's backend refused the request (status {status})"))
+}
+
+#[async_trait]
+impl RouterService for LocalRouter {
+    async fn chat(&self, request: pb::ChatRequest) -> Result<pb::ChatResponse> {
+        let (response, backend) = self.send(&request, false).await?;
+        let body = response.bytes().await.map_err(|e| {
+            if e.is_timeout() {
+                Error::new(ErrorCode::Timeout, "The model's backend timed out")
+            } else {
+                Error::new(
+                    ErrorCode::UpstreamFailed,
+                    "The model's backend broke off its answer",
+                )
+            }
+        })?;
+        Ok(pb::ChatResponse {
+            body_json: body.to_vec(),
+            backend: backend.name.clone(),
+        })
+    }
+
+    async fn chat_stream(&self, request: pb::ChatRequest) -> Result<ChatStream> {
+        let (response, backend) = self.send(&request, true).await?;
+        let first = futures_util::stream::once(std::future::ready(Ok(pb::ChatStreamEvent {
+            event: Some(pb::chat_stream_event::Event::Backend(backend.name.clone())),
+        })));
+        let request_id = Arc::<str>::from(request.request_id);
+        let chunks = response
+            .bytes_stream()
+            .eventsource()
+            .take_while(|event| {
+                let done = matches!(event, Ok(event) if event.data.trim() == "[DONE]");
+                std::future::ready(!done)
+            })
+            .filter_map(move |event| {
+                let item = match event {
+                    Ok(event) if event.data.trim().is_empty() => None,
+                    Ok(event) => Some(Ok(pb::ChatStreamEvent {
+                        event: Some(pb::chat_stream_event::Event::ChunkJson(
+                            event.data.into_bytes(),
+                        )),
+                    })),
+                    Err(error) => {
+                        tracing::warn!(request_id = %request_id, %error, "upstream stream broke");
+                        Some(Err(Error::new(
+                            ErrorCode::UpstreamFailed,
+                            "The model's backend broke off its answer",
+                        )))
+                    }
+                };
+                std::future::ready(item)
+            });
+        // Nothing follows a broken upstream: end after the first error.
+        let mut failed = false;
+        let chunks = chunks.take_while(move |item| {
+            let keep = !failed;
+            failed |= item.is_err();
+            std::future::ready(keep)
+        });
+        Ok(Box::pin(first.chain(chunks)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rialto_test_kit::MockUpstream;
+
+    fn models(urls: &[String]) -> Vec<ModelConfig> {
+        let backends: Vec<String> = urls
+            .iter()
+            .map(|u| format!("{{ kind = \"openai\", url = \"{u}\", model = \"mock-model\" }}"))
+            .collect();
+        let toml = format!(
+            "[[models]]\nid = \"m\"\nbackends = [{}]\n",
+            backends.join(", ")
+        );
+        rialto_core::Config::from_toml(&toml).unwrap().models
+    }
+
+    fn request(body: Value) -> pb::ChatRequest {
+        pb::ChatRequest {
+            request_id: "r1".into(),
+            model_id: "m".into(),
+            body_json: serde_json::to_vec(&body).unwrap(),
+        }
+    }
+
+    fn hello() -> Value {
+        serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    }
+
+    #[tokio::test]
+    async fn relays_to_the_upstream_with_its_model_name() {
+        let mock = MockUpstream::start().await.unwrap();
+        let router = LocalRouter::new(&models(&[mock.base_url()]), &Default::default()).unwrap();
+        let response = router.chat(request(hello())).await.unwrap();
+        let body: Value = serde_json::from_slice(&response.body_json).unwrap();
+        assert_eq!(
+            body["choices"][0]["message"]["content"],
+            "Hello from mock: hi"
+        );
+        assert_eq!(mock.requests()[0]["model"], "mock-model");
+        assert_eq!(response.backend, mock.addr().to_string());
+    }
+
+    #[tokio::test]
+    async fn fails_over_from_a_dead_backend() {
+        let mock = MockUpstream::start().await.unwrap();
+        // Port 9 on loopback: nothing listens, the connection is refused.
+        let dead = "http://127.0.0.1:9/v1".to_owned();
+        let router =
+            LocalRouter::new(&models(&[dead, mock.base_url()]), &Default::default()).unwrap();
+        for _ in 0..4 {
+            router.chat(request(hello())).await.unwrap();
+        }
+        assert_eq!(mock.request_count(), 4);
+    }
+
+    #[tokio::test]
+    async fn no_reachable_backend_is_unavailable() {
+        let dead = "http://127.0.0.1:9/v1".to_owned();
+        let router = LocalRouter::new(&models(&[dead]), &Default::default()).unwrap();
+        let error = router.chat(request(hello())).await.unwrap_err();
+        assert_eq!(error.code, ErrorCode::Unavailable);
+    }
+
+    #[tokio::test]
+    async fn upstream_4xx_blames_the_request_and_5xx_the_backend() {
+        let mock = MockUpstream::start().await.unwrap();
+        let router = LocalRouter::new(&models(&[mock.base_url()]), &Default::default()).unwrap();
+        let mut body = hello();
+        body["mock"] = serde_json::json!({"status": 400});
+        let error = router.chat(request(body.clone())).await.unwrap_err();
+        assert_eq!(error.code, ErrorCode::InvalidRequest);
+        body["mock"] = serde_json::json!({"status": 500});
+        let error = router.chat(request(body)).await.unwrap_err();
+        assert_eq!(error.code, ErrorCode::UpstreamFailed);
+    }
+
+    #[tokio::test]
+    async fn streams_name_the_backend_then_relay_chunks_with_usage() {
+        let mock = MockUpstream::start().await.unwrap();
+        let router = LocalRouter::new(&models(&[mock.base_url()]), &Default::default()).unwrap();
+        let mut body = hello();
+        body["stream"] = Value::Bool(true);
+        let events: Vec<_> = router
+            .chat_stream(request(body))
+            .await
+            .unwrap()
+            .collect()
+            .await;
+        assert!(matches!(
+            &events[0],
+            Ok(pb::ChatStreamEvent {
+                event: Some(pb::chat_stream_event::Event::Backend(_))
+            })
+        ));
+        let last = match events.last() {
+            Some(Ok(pb::ChatStreamEvent {
+                event: Some(pb::chat_stream_event::Event::ChunkJson(json)),
+            })) => serde_json::from_slice::<Value>(json).unwrap(),
+            other => panic!("unexpected last event {other:?}"),
+        };
+        assert!(last["usage"]["total_tokens"].as_u64().unwrap() > 0);
+        assert_eq!(mock.requests()[0]["stream_options"]["include_usage"], true);
+    }
+
+    #[tokio::test]
+    async fn a_broken_stream_ends_with_one_error() {
+        let mock = MockUpstream::start().await.unwrap();
+        let router = LocalRouter::new(&models(&[mock.base_url()]), &Default::default()).unwrap();
+        let mut body = hello();
+        body["stream"] = Value::Bool(true);
+        body["mock"] = serde_json::json!({"fail_after_chunks": 2});
+        let events: Vec<_> = router
+            .chat_stream(request(body))
+            .await
+            .unwrap()
+            .collect()
+            .await;
+        assert!(events.last().unwrap().is_err());
+        assert_eq!(events.iter().filter(|e| e.is_err()).count(), 1);
+    }
+
+    #[test]
+    fn backend_names_hide_credentials() {
+        assert_eq!(
+            backend_name("https://user:pw@api.example.com/v1"),
+            "api.example.com"
+        );
+        assert_eq!(backend_name("http://127.0.0.1:8000/v1"), "127.0.0.1:8000");
+    }
+}

@@ -1,0 +1,3 @@
+//! placeholder
+pub mod mock_upstream;
+pub use mock_upstream::MockUpstream;

@@ -1,0 +1,125 @@
+//! `rialto`: serves any subset of Rialto's services, and administers it.
+//!
+//! - `rialto serve` runs all five services in one process (the embedded
+//!   default: in-process calls, SQLite under `./data/`).
+//! - `rialto serve --services gateway` (any comma-separated subset of
+//!   `gateway,auth,limiter,billing,router`) runs only those; the others are
+//!   reached over gRPC at the addresses in `[remote]`.
+//! - `rialto admin accounts create --name NAME` creates an account and its
+//!   first ADMIN key directly in the configured database.
+//!
+//! This crate is wiring only: which service is local and which is remote is
+//! decided here and nowhere else.
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+use rialto_core::Config;
+
+mod serve;
+
+/// The build revision, `<yyyymmdd>.<hhmmss>` (see build.rs).
+pub const REVISION: &str = env!("RIALTO_REVISION");
+
+#[derive(Parser)]
+#[command(name = "rialto", version = REVISION, about = "Self-hostable inference API platform")]
+struct Cli {
+    /// Configuration file (TOML); also RIALTO_CONFIG. Defaults apply without one.
+    #[arg(long, global = true, value_name = "FILE")]
+    config: Option<PathBuf>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve the API and services.
+    Serve(ServeArgs),
+    /// Administer accounts.
+    Admin {
+        #[command(subcommand)]
+        command: AdminCommand,
+    },
+    /// Print the build revision.
+    Version,
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// Comma-separated services to run here: gateway,auth,limiter,billing,router.
+    #[arg(long, value_delimiter = ',')]
+    services: Option<Vec<String>>,
+}
+
+#[derive(Subcommand)]
+enum AdminCommand {
+    /// Accounts and their keys.
+    Accounts {
+        #[command(subcommand)]
+        command: AccountsCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum AccountsCommand {
+    /// Create an account with its first ADMIN key and print both as JSON.
+    Create {
+        #[arg(long)]
+        name: String,
+    },
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    let config = match Config::load(cli.config.as_deref()) {
+        Ok(config) => config,
+        Err(error) => {
+            eprintln!("rialto: {error}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    let result = match cli.command {
+        Command::Serve(args) => serve::run(config, args.services),
+        Command::Admin {
+            command:
+                AdminCommand::Accounts {
+                    command: AccountsCommand::Create { name },
+                },
+        } => create_account(config, name),
+        Command::Version => {
+            println!("{REVISION}");
+            Ok(())
+        }
+    };
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("rialto: {error:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn create_account(config: Config, name: String) -> anyhow::Result<()> {
+    use rialto_auth::AuthService;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let db = rialto_core::db::Database::connect(
+            &config.database.url,
+            config.database.max_connections,
+        )
+        .await?;
+        let auth =
+            rialto_auth::LocalAuth::new(db, &rialto_core::Brand::new(&config.brand).key_prefix);
+        let created = auth
+            .create_account(rialto_proto::auth::v1::CreateAccountRequest { name })
+            .await?;
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&rialto_gateway::operator::account_json(&created))?
+        );
+        Ok(())
+    })
+}
