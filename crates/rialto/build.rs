@@ -8,13 +8,10 @@ fn main() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let git = root.join(".git");
     println!("cargo:rerun-if-changed={}", git.join("HEAD").display());
-    if let Ok(head) = std::fs::read_to_string(git.join("HEAD")) {
-        if let Some(reference) = head.strip_prefix("ref: ") {
-            println!(
-                "cargo:rerun-if-changed={}",
-                git.join(reference.trim()).display()
-            );
-        }
+    let head = std::fs::read_to_string(git.join("HEAD")).unwrap_or_default();
+    if let Some(reference) = head.strip_prefix("ref: ") {
+        let reference = git.join(reference.trim());
+        println!("cargo:rerun-if-changed={}", reference.display());
     }
     let commit_time = Command::new("git")
         .args(["log", "-1", "--format=%ct"])

@@ -73,12 +73,11 @@ fn prepare_sqlite_url(url: &str) -> Result<String, sqlx::Error> {
         .split('?')
         .next()
         .unwrap_or_default();
-    if path != ":memory:" && !path.is_empty() {
-        if let Some(parent) = std::path::Path::new(path).parent() {
-            if !parent.as_os_str().is_empty() {
-                std::fs::create_dir_all(parent)?;
-            }
-        }
+    let parent = std::path::Path::new(path).parent();
+    if path != ":memory:"
+        && let Some(parent) = parent.filter(|p| !p.as_os_str().is_empty())
+    {
+        std::fs::create_dir_all(parent)?;
     }
     // Validate the URL now, with a clear error, rather than at first use.
     sqlx::sqlite::SqliteConnectOptions::from_str(url)?;

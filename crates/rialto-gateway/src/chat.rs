@@ -654,13 +654,13 @@ fn effective_parameters(
             details.push(&[field, name], "Expected boolean");
         }
     }
-    if let Some(value) = requested.get("enable_web_search").filter(|v| !v.is_null()) {
-        if !matches!(value.as_str(), Some("off" | "on" | "auto")) {
-            details.push(
-                &[field, "enable_web_search"],
-                "Invalid enum value. Expected 'auto' | 'off' | 'on'",
-            );
-        }
+    if let Some(value) = requested.get("enable_web_search").filter(|v| !v.is_null())
+        && !matches!(value.as_str(), Some("off" | "on" | "auto"))
+    {
+        details.push(
+            &[field, "enable_web_search"],
+            "Invalid enum value. Expected 'auto' | 'off' | 'on'",
+        );
     }
     if let Some(slug) = requested.get("character_slug").filter(|v| !v.is_null()) {
         if slug.is_string() {

@@ -139,6 +139,7 @@ pub async fn delete(
     Ok(HttpResponse::Ok().json(json!({"success": true})))
 }
 
+#[derive(Debug)]
 struct CreateKey {
     key_type: pb::KeyType,
     description: String,

@@ -1,3 +1,16 @@
-//! placeholder
+//! Test kit: what Rialto's tests need to exercise the real thing.
+//!
+//! - [`MockUpstream`]: an OpenAI-compatible server (non-stream, stream, `n`,
+//!   failures, delays), steered per request through a `mock` body member that
+//!   the gateway passes through untouched.
+//! - [`Sandbox`]: starts the real `rialto` binary in the one-process or the
+//!   split topology on ephemeral ports, with a fresh SQLite file or a fresh
+//!   PostgreSQL database, and cleans up after itself.
+//!
+//! Nothing here is used in production code.
+
 pub mod mock_upstream;
+pub mod sandbox;
+
 pub use mock_upstream::MockUpstream;
+pub use sandbox::{Account, Sandbox, SandboxBuilder, Storage, Topology};

@@ -1,0 +1,73 @@
+# Rialto's task runner; CI runs `make test` through .ci/run.
+SHELL := bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+CARGO ?= cargo
+TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
+VENV := .venv
+PYTHON_PACKAGES := openai==3.54.0
+
+.PHONY: help run test lint fmt build services venv toolchain clean
+
+help: ## List the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+run: toolchain ## Build and start Rialto on its embedded defaults (http://127.0.0.1:8080)
+	$(CARGO) build --release --locked -p rialto
+	@echo
+	@echo "Rialto serves on http://127.0.0.1:8080 (SQLite under ./data/)."
+	@echo "Get an ADMIN API key from another terminal:"
+	@echo "  $(TARGET_DIR)/release/rialto admin accounts create --name me"
+	@echo "Add models with a config file: see README.md and deploy/rialto.example.toml."
+	@echo
+	exec $(TARGET_DIR)/release/rialto serve
+
+test: toolchain services venv ## Every check: fmt, clippy -D warnings, all tests (starts PostgreSQL/NATS if needed)
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
+	$(CARGO) build --locked -p rialto
+	$(CARGO) test --workspace --locked
+
+lint: toolchain ## fmt check and clippy only
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
+
+fmt: ## Format the code
+	$(CARGO) fmt --all
+
+build: toolchain ## Debug build of everything
+	$(CARGO) build --workspace --locked
+
+toolchain: ## Make sure the pinned toolchain has rustfmt and clippy
+	@command -v cargo >/dev/null || { echo "cargo is missing: install rustup (https://rustup.rs)"; exit 1; }
+	@rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt
+	@rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy
+
+services: ## Start PostgreSQL (127.0.0.1:5432) and NATS JetStream (127.0.0.1:4222) when they are not running
+	@if ! pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null; then \
+	  echo "starting PostgreSQL"; \
+	  command -v pg_ctlcluster >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -yq postgresql; }; \
+	  version=$$(ls /etc/postgresql | sort -V | tail -n 1); \
+	  pg_ctlcluster --skip-systemctl-redirect $$version main start || true; \
+	  for i in $$(seq 1 30); do pg_isready -q -h 127.0.0.1 -p 5432 && break; sleep 1; done; \
+	  pg_isready -h 127.0.0.1 -p 5432; \
+	fi
+	@if ! (exec 3<>/dev/tcp/127.0.0.1/4222) 2>/dev/null; then \
+	  echo "starting NATS with JetStream"; \
+	  command -v nats-server >/dev/null || [ -x /usr/sbin/nats-server ] || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -yq nats-server; }; \
+	  mkdir -p /var/lib/nats-server; \
+	  start-stop-daemon --start --oknodo --background --exec /usr/sbin/nats-server -- -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server -l /var/log/nats-server.log; \
+	  for i in $$(seq 1 30); do (exec 3<>/dev/tcp/127.0.0.1/4222) 2>/dev/null && break; sleep 1; done; \
+	fi
+
+venv: $(VENV)/.installed ## Python venv with the official openai SDK (for the end-to-end SDK tests)
+
+$(VENV)/.installed: Makefile
+	python3 -m venv $(VENV) || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -yq python3-venv && python3 -m venv $(VENV); }
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check '$(PYTHON_PACKAGES)'
+	touch $@
+
+clean: ## Remove build output, the venv and local data
+	$(CARGO) clean
+	rm -rf $(VENV) data

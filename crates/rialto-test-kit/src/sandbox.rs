@@ -1,0 +1,398 @@
+//! Starts the real `rialto` binary on loopback ports in either topology.
+//!
+//! One process: `rialto serve` runs all five services. Split: each of auth,
+//! limiter, billing and router runs in its own process serving gRPC, and a
+//! gateway process reaches them through `RIALTO_REMOTE__*`. Every process
+//! binds port 0 and announces its address on stdout; the sandbox reads it.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use serde_json::{Value, json};
+
+/// Where the services run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Topology {
+    OneProcess,
+    Split,
+}
+
+/// Which database backs the auth service.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Storage {
+    Sqlite,
+    /// A fresh database on the PostgreSQL server at `E2E_POSTGRES_URL`
+    /// (default `postgres://postgres@127.0.0.1:5432`), dropped afterwards.
+    Postgres,
+}
+
+pub struct SandboxBuilder {
+    topology: Topology,
+    storage: Storage,
+    extra_toml: String,
+    envs: Vec<(String, String)>,
+}
+
+/// A running Rialto deployment. Dropping it stops every process and drops
+/// its database.
+pub struct Sandbox {
+    /// Base URL of the gateway, e.g. `http://127.0.0.1:41234`.
+    pub url: String,
+    pub operator_token: String,
+    pub topology: Topology,
+    config_path: PathBuf,
+    database_url: String,
+    processes: Vec<Process>,
+    postgres_database: Option<String>,
+    http: reqwest::Client,
+    dir: tempfile::TempDir,
+}
+
+struct Process {
+    name: String,
+    child: Child,
+}
+
+/// An account made through the operator API.
+#[derive(Debug, Clone)]
+pub struct Account {
+    pub id: String,
+    pub admin_key: String,
+}
+
+const STARTUP: Duration = Duration::from_secs(30);
+const OPERATOR_TOKEN: &str = "sandbox-operator-token";
+
+impl SandboxBuilder {
+    /// Extra TOML appended to the generated configuration (`[[models]]`, ...).
+    pub fn config(mut self, toml: &str) -> Self {
+        self.extra_toml.push_str(toml);
+        self.extra_toml.push('\n');
+        self
+    }
+
+    pub fn storage(mut self, storage: Storage) -> Self {
+        self.storage = storage;
+        self
+    }
+
+    /// An environment variable for every process (e.g. `RIALTO_GATEWAY__MAX_BODY_BYTES`).
+    pub fn env(mut self, key: &str, value: &str) -> Self {
+        self.envs.push((key.to_owned(), value.to_owned()));
+        self
+    }
+
+    pub async fn start(self) -> anyhow::Result<Sandbox> {
+        let dir = tempfile::tempdir()?;
+        let (database_url, postgres_database) = match self.storage {
+            Storage::Sqlite => (format!("sqlite://{}/rialto.db", dir.path().display()), None),
+            Storage::Postgres => {
+                let name = format!("rialto_e2e_{}", uuid::Uuid::new_v4().simple());
+                let server = postgres_server_url();
+                postgres_admin(&server, &format!("CREATE DATABASE {name}")).await?;
+                (format!("{server}/{name}"), Some(name))
+            }
+        };
+        let config = format!(
+            r#"brand = "rialto"
+[gateway]
+listen = "127.0.0.1:0"
+workers = 2
+[grpc]
+listen = "127.0.0.1:0"
+[database]
+url = "{database_url}"
+max_connections = 8
+[operator]
+token = "{OPERATOR_TOKEN}"
+[log]
+level = "info"
+{}
+"#,
+            self.extra_toml
+        );
+        let config_path = dir.path().join("rialto.toml");
+        std::fs::File::create(&config_path)?.write_all(config.as_bytes())?;
+        let mut sandbox = Sandbox {
+            url: String::new(),
+            operator_token: OPERATOR_TOKEN.to_owned(),
+            topology: self.topology,
+            config_path,
+            database_url,
+            processes: Vec::new(),
+            postgres_database,
+            http: http_client()?,
+            dir,
+        };
+        match self.topology {
+            Topology::OneProcess => {
+                let addr = sandbox.spawn("all", &[], &self.envs, "gateway listening on ")?;
+                sandbox.url = addr;
+            }
+            Topology::Split => {
+                let mut envs = self.envs.clone();
+                for service in ["auth", "limiter", "billing", "router"] {
+                    let addr = sandbox.spawn(
+                        service,
+                        &["--services", service],
+                        &self.envs,
+                        "grpc listening on ",
+                    )?;
+                    let addr = addr.split(' ').next().unwrap_or_default().to_owned();
+                    envs.push((
+                        format!("RIALTO_REMOTE__{}", service.to_ascii_uppercase()),
+                        format!("http://{addr}"),
+                    ));
+                }
+                sandbox.url = sandbox.spawn(
+                    "gateway",
+                    &["--services", "gateway"],
+                    &envs,
+                    "gateway listening on ",
+                )?;
+            }
+        }
+        sandbox.wait_ready().await?;
+        Ok(sandbox)
+    }
+}
+
+impl Sandbox {
+    pub fn builder(topology: Topology) -> SandboxBuilder {
+        SandboxBuilder {
+            topology,
+            storage: Storage::Sqlite,
+            extra_toml: String::new(),
+            envs: Vec::new(),
+        }
+    }
+
+    /// The HTTP client the sandbox uses (no pooling surprises across tests).
+    pub fn http(&self) -> &reqwest::Client {
+        &self.http
+    }
+
+    /// `url` + `/api/v1` + `path`.
+    pub fn api(&self, path: &str) -> String {
+        format!("{}/api/v1{path}", self.url)
+    }
+
+    pub fn config_path(&self) -> &Path {
+        &self.config_path
+    }
+
+    pub fn database_url(&self) -> &str {
+        &self.database_url
+    }
+
+    /// A `rialto` command with this sandbox's configuration, for CLI tests.
+    pub fn command(&self) -> anyhow::Result<Command> {
+        let mut command = Command::new(rialto_binary()?);
+        command.arg("--config").arg(&self.config_path);
+        Ok(command)
+    }
+
+    /// Creates an account through the operator API.
+    pub async fn create_account(&self, name: &str) -> anyhow::Result<Account> {
+        let response = self
+            .http
+            .post(format!("{}/admin/v1/accounts", self.url))
+            .bearer_auth(&self.operator_token)
+            .json(&json!({"name": name}))
+            .send()
+            .await?;
+        let status = response.status().as_u16();
+        let body: Value = response.json().await?;
+        if status != 201 {
+            bail!("account creation answered {status}: {body}");
+        }
+        Ok(Account {
+            id: body["id"].as_str().unwrap_or_default().to_owned(),
+            admin_key: body["api_key"]["key"]
+                .as_str()
+                .unwrap_or_default()
+                .to_owned(),
+        })
+    }
+
+    /// Creates a key of `key_type` (`ADMIN` or `INFERENCE`) with `admin_key`;
+    /// returns (id, secret).
+    pub async fn create_key(
+        &self,
+        admin_key: &str,
+        key_type: &str,
+    ) -> anyhow::Result<(String, String)> {
+        let response = self
+            .http
+            .post(self.api("/api_keys"))
+            .bearer_auth(admin_key)
+            .json(&json!({"apiKeyType": key_type, "description": "sandbox"}))
+            .send()
+            .await?;
+        let body: Value = response.json().await?;
+        let id = body["data"]["id"].as_str().context("no key id")?.to_owned();
+        let secret = body["data"]["apiKey"]
+            .as_str()
+            .context("no key")?
+            .to_owned();
+        Ok((id, secret))
+    }
+
+    /// Everything the processes logged so far (for assertions on logs).
+    pub fn logs(&self) -> String {
+        self.processes
+            .iter()
+            .map(|p| std::fs::read_to_string(self.log_path(&p.name)).unwrap_or_default())
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    fn log_path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(format!("{name}.log"))
+    }
+
+    /// Starts `rialto serve` and waits for its `rialto: <announce><addr>` line.
+    fn spawn(
+        &mut self,
+        name: &str,
+        args: &[&str],
+        envs: &[(String, String)],
+        announce: &str,
+    ) -> anyhow::Result<String> {
+        let log_path = self.log_path(name);
+        let log = std::fs::File::create(&log_path)?;
+        let mut command = Command::new(rialto_binary()?);
+        command
+            .arg("--config")
+            .arg(&self.config_path)
+            .arg("serve")
+            .args(args)
+            .current_dir(self.dir.path())
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(log.try_clone()?);
+        for (key, value) in envs {
+            command.env(key, value);
+        }
+        let mut child = command.spawn().context("cannot start the rialto binary")?;
+        let stdout = child.stdout.take().context("no stdout")?;
+        let (lines_tx, lines_rx) = mpsc::channel::<String>();
+        std::thread::spawn(move || {
+            let mut log = log;
+            for line in BufReader::new(stdout).lines() {
+                let Ok(line) = line else { break };
+                let _ = writeln!(log, "{line}");
+                if line.starts_with("rialto: ") {
+                    let _ = lines_tx.send(line);
+                }
+            }
+        });
+        self.processes.push(Process {
+            name: name.to_owned(),
+            child,
+        });
+        let deadline = std::time::Instant::now() + STARTUP;
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match lines_rx.recv_timeout(left) {
+                Ok(line) => {
+                    if let Some(rest) = line.split_once(announce).map(|(_, rest)| rest) {
+                        return Ok(rest.to_owned());
+                    }
+                }
+                Err(_) => {
+                    let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+                    bail!("{name} did not announce {announce:?} in time; its log:\n{log}");
+                }
+            }
+        }
+    }
+
+    async fn wait_ready(&self) -> anyhow::Result<()> {
+        for _ in 0..100 {
+            let response = self.http.get(format!("{}/healthz", self.url)).send().await;
+            if response.is_ok_and(|r| r.status().is_success()) {
+                return Ok(());
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        bail!("gateway at {} never became healthy", self.url)
+    }
+}
+
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        for process in &mut self.processes {
+            let _ = process.child.kill();
+            let _ = process.child.wait();
+        }
+        if let Some(name) = self.postgres_database.take() {
+            // Drop runs outside any async context we can rely on: use a
+            // thread with its own runtime.
+            let _ = std::thread::spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build();
+                if let Ok(runtime) = runtime {
+                    let sql = format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)");
+                    let _ = runtime.block_on(postgres_admin(&postgres_server_url(), &sql));
+                }
+            })
+            .join();
+        }
+    }
+}
+
+/// The `rialto` binary next to the test executable (`target/<profile>/rialto`),
+/// or `E2E_RIALTO_BIN`. `make test` builds it before the tests run.
+pub fn rialto_binary() -> anyhow::Result<PathBuf> {
+    if let Some(path) = std::env::var_os("E2E_RIALTO_BIN") {
+        return Ok(PathBuf::from(path));
+    }
+    let exe = std::env::current_exe()?;
+    let mut dir = exe.parent().context("test executable has no folder")?;
+    if dir.ends_with("deps") {
+        dir = dir.parent().context("no profile folder")?;
+    }
+    let binary = dir.join("rialto");
+    if !binary.exists() {
+        bail!(
+            "{} does not exist: build it first with `cargo build -p rialto` (make test does)",
+            binary.display()
+        );
+    }
+    Ok(binary)
+}
+
+/// The HTTP client tests use. reqwest is built without a bundled crypto
+/// provider; install ring's once.
+pub fn http_client() -> anyhow::Result<reqwest::Client> {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    Ok(reqwest::Client::builder()
+        .timeout(Duration::from_secs(60))
+        .build()?)
+}
+
+fn postgres_server_url() -> String {
+    std::env::var("E2E_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".to_owned())
+        .trim_end_matches('/')
+        .to_owned()
+}
+
+async fn postgres_admin(server: &str, sql: &str) -> anyhow::Result<()> {
+    use sqlx::Connection;
+    let mut conn = sqlx::postgres::PgConnection::connect(&format!("{server}/postgres"))
+        .await
+        .with_context(|| format!("cannot reach PostgreSQL at {server}"))?;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
+        .execute(&mut conn)
+        .await?;
+    conn.close().await?;
+    Ok(())
+}

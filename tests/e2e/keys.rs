@@ -1,0 +1,256 @@
+//! Accounts and API keys: the operator API, the CLI, the key routes, and a
+//! deleted key refused on the very next request.
+
+use rialto_test_kit::{Storage, Topology};
+use serde_json::{Value, json};
+
+use crate::both_topologies;
+use crate::support::{World, assert_common_headers, world};
+
+both_topologies!(
+    key_lifecycle,
+    key_routes_need_an_admin_key,
+    operator_api_is_guarded
+);
+
+async fn chat(world: &World, key: &str) -> reqwest::Response {
+    world
+        .sandbox
+        .http()
+        .post(world.sandbox.api("/chat/completions"))
+        .bearer_auth(key)
+        .json(&json!({"model": "mock-chat", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap()
+}
+
+async fn key_lifecycle(world: &World) {
+    let sandbox = &world.sandbox;
+    let account = sandbox.create_account("acme").await.unwrap();
+    assert!(account.admin_key.starts_with("RIALTO_ADMIN_KEY_"));
+
+    // Create an INFERENCE key: the secret is shown once.
+    let response = sandbox
+        .http()
+        .post(sandbox.api("/api_keys"))
+        .bearer_auth(&account.admin_key)
+        .json(&json!({"apiKeyType": "INFERENCE", "description": "ci", "expiresAt": "2099-01-01"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert_common_headers(&response);
+    let created: Value = response.json().await.unwrap();
+    assert_eq!(created["success"], true);
+    let id = created["data"]["id"].as_str().unwrap().to_owned();
+    let secret = created["data"]["apiKey"].as_str().unwrap().to_owned();
+    assert!(secret.starts_with("RIALTO_INFERENCE_KEY_"));
+    assert_eq!(created["data"]["apiKeyType"], "INFERENCE");
+    assert!(
+        created["data"]["expiresAt"]
+            .as_str()
+            .unwrap()
+            .starts_with("2099-01-01T23:59:59")
+    );
+
+    assert_eq!(chat(world, &secret).await.status(), 200);
+
+    // List and get show the record, never the secret.
+    let list: Value = sandbox
+        .http()
+        .get(sandbox.api("/api_keys"))
+        .bearer_auth(&account.admin_key)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(list["object"], "list");
+    assert_eq!(list["data"].as_array().unwrap().len(), 2);
+    assert!(!list.to_string().contains(&secret[21..]));
+    let record: Value = sandbox
+        .http()
+        .get(sandbox.api(&format!("/api_keys/{id}")))
+        .bearer_auth(&account.admin_key)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(record["data"]["id"], id.as_str());
+    assert_eq!(record["data"]["last6Chars"], &secret[secret.len() - 6..]);
+    for field in [
+        "createdAt",
+        "expiresAt",
+        "lastUsedAt",
+        "consumptionLimits",
+        "limitPeriod",
+        "modelPrivacy",
+    ] {
+        assert!(record["data"].get(field).is_some(), "record lacks {field}");
+    }
+
+    // Delete with ?id=, then the very next request is refused.
+    let deleted = sandbox
+        .http()
+        .delete(sandbox.api(&format!("/api_keys?id={id}")))
+        .bearer_auth(&account.admin_key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(deleted.status(), 200);
+    assert_eq!(
+        deleted.json::<Value>().await.unwrap(),
+        json!({"success": true})
+    );
+    let refused = chat(world, &secret).await;
+    assert_eq!(refused.status(), 401);
+    assert_common_headers(&refused);
+    let body: Value = refused.json().await.unwrap();
+    assert!(body["error"].is_string());
+
+    // Deleting it again, by JSON body this time: the hosted API's 400.
+    let again = sandbox
+        .http()
+        .delete(sandbox.api("/api_keys"))
+        .bearer_auth(&account.admin_key)
+        .json(&json!({"id": id}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(again.status(), 400);
+    assert_eq!(
+        again.json::<Value>().await.unwrap(),
+        json!({"error": "API key could not be found"})
+    );
+
+    // Without any id: a validation error with details.
+    let missing = sandbox
+        .http()
+        .delete(sandbox.api("/api_keys"))
+        .bearer_auth(&account.admin_key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(missing.status(), 400);
+    let body: Value = missing.json().await.unwrap();
+    assert!(body["details"]["id"]["_errors"][0].is_string());
+
+    // The admin key still works.
+    assert_eq!(chat(world, &account.admin_key).await.status(), 200);
+}
+
+async fn key_routes_need_an_admin_key(world: &World) {
+    let sandbox = &world.sandbox;
+    let account = sandbox.create_account("acme").await.unwrap();
+    let (_, inference) = sandbox
+        .create_key(&account.admin_key, "INFERENCE")
+        .await
+        .unwrap();
+    let response = sandbox
+        .http()
+        .get(sandbox.api("/api_keys"))
+        .bearer_auth(&inference)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 401);
+    assert_eq!(
+        response.json::<Value>().await.unwrap(),
+        json!({"error": "Admin API key required"})
+    );
+    // Another account's key ids are invisible.
+    let other = sandbox.create_account("other").await.unwrap();
+    let (other_id, _) = sandbox
+        .create_key(&other.admin_key, "INFERENCE")
+        .await
+        .unwrap();
+    let response = sandbox
+        .http()
+        .delete(sandbox.api(&format!("/api_keys?id={other_id}")))
+        .bearer_auth(&account.admin_key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 400);
+    // Unknown create fields are refused like the hosted API does.
+    let response = sandbox
+        .http()
+        .post(sandbox.api("/api_keys"))
+        .bearer_auth(&account.admin_key)
+        .json(&json!({"apiKeyType": "INFERENCE", "description": "x", "color": "red"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 400);
+    let body: Value = response.json().await.unwrap();
+    assert!(
+        body["details"]["_errors"][0]
+            .as_str()
+            .unwrap()
+            .contains("color")
+    );
+}
+
+async fn operator_api_is_guarded(world: &World) {
+    let sandbox = &world.sandbox;
+    let url = format!("{}/admin/v1/accounts", sandbox.url);
+    let wrong = sandbox
+        .http()
+        .post(&url)
+        .bearer_auth("not-the-token")
+        .json(&json!({"name": "x"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong.status(), 401);
+    let no_name = sandbox
+        .http()
+        .post(&url)
+        .bearer_auth(&sandbox.operator_token)
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(no_name.status(), 400);
+    let body: Value = no_name.json().await.unwrap();
+    assert_eq!(body["details"]["name"]["_errors"][0], "Required");
+}
+
+/// `rialto admin accounts create` writes to the same database the server uses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cli_creates_accounts() {
+    let world = world(Topology::OneProcess, Storage::Sqlite).await;
+    let output = world
+        .sandbox
+        .command()
+        .unwrap()
+        .args(["admin", "accounts", "create", "--name", "from-cli"])
+        .output()
+        .unwrap();
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let created: Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(created["api_key"]["type"], "ADMIN");
+    let key = created["api_key"]["key"].as_str().unwrap();
+    assert_eq!(chat(&world, key).await.status(), 200);
+}
+
+/// The same lifecycle on PostgreSQL, in both topologies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_one_process() {
+    let world = world(Topology::OneProcess, Storage::Postgres).await;
+    key_lifecycle(&world).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_split() {
+    let world = world(Topology::Split, Storage::Postgres).await;
+    key_lifecycle(&world).await;
+}
