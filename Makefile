@@ -6,7 +6,7 @@ SHELL := bash
 CARGO ?= cargo
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 VENV := .venv
-PYTHON_PACKAGES := openai==3.54.0
+PYTHON_PACKAGES := openai==3.54.0 openapi-core==0.19.5 pyyaml==6.0.3 requests==2.34.2
 
 .PHONY: help run test lint fmt build services venv toolchain clean
 
@@ -65,7 +65,7 @@ venv: $(VENV)/.installed ## Python venv with the official openai SDK (for the en
 
 $(VENV)/.installed: Makefile
 	python3 -m venv $(VENV) || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -yq python3-venv && python3 -m venv $(VENV); }
-	$(VENV)/bin/pip install --quiet --disable-pip-version-check '$(PYTHON_PACKAGES)'
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check $(PYTHON_PACKAGES)
 	touch $@
 
 clean: ## Remove build output, the venv and local data

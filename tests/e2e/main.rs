@@ -8,5 +8,5 @@
 
 mod chat;
 mod keys;
-mod python_sdk;
+mod python;
 mod support;

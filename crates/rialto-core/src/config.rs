@@ -161,6 +161,12 @@ fn default_tier() -> String {
     "XS".to_owned()
 }
 
+/// Top-level keys of [`Config`], the only ones `RIALTO_*` variables may set.
+const TOP_LEVEL_KEYS: [&str; 10] = [
+    "brand", "services", "gateway", "grpc", "database", "operator", "remote", "router", "log",
+    "models",
+];
+
 /// The services a process can run, in start order.
 pub const SERVICES: [&str; 5] = ["auth", "limiter", "billing", "router", "gateway"];
 
@@ -262,7 +268,20 @@ impl Config {
             }
             figment = figment.merge(Toml::file_exact(path));
         }
-        figment = figment.merge(Env::prefixed("RIALTO_").ignore(&["config"]).split("__"));
+        // Only variables naming a known top-level key are configuration:
+        // others with the prefix (Kubernetes service links such as
+        // RIALTO_AUTH_SERVICE_HOST) are not ours. A typo inside a known
+        // section is still refused. (`filter` sees the name without prefix.)
+        figment = figment.merge(
+            Env::prefixed("RIALTO_")
+                .filter(|key| {
+                    let section = key.as_str().split("__").next().unwrap_or_default();
+                    TOP_LEVEL_KEYS
+                        .iter()
+                        .any(|k| section.eq_ignore_ascii_case(k))
+                })
+                .split("__"),
+        );
         Self::from_figment(figment)
     }
 
@@ -419,6 +438,27 @@ backends = [{ kind = "openai", url = "http://127.0.0.1:18999/v1", model = "mock-
     fn prices_are_exact_decimals() {
         assert_eq!(price_decimal(0.15).to_string(), "0.15");
         assert_eq!(price_decimal(1.5).to_string(), "1.5");
+    }
+
+    #[test]
+    fn environment_overrides_the_file_and_ignores_foreign_variables() {
+        figment::Jail::expect_with(|jail| {
+            jail.create_file("rialto.toml", ISSUE_EXAMPLE)?;
+            jail.set_env("RIALTO_GATEWAY__LISTEN", "127.0.0.1:9999");
+            jail.set_env("RIALTO_OPERATOR__TOKEN", "from-env");
+            // What Kubernetes injects for a Service named rialto-auth.
+            jail.set_env("RIALTO_AUTH_SERVICE_HOST", "10.0.0.1");
+            let config = Config::load(Some(Path::new("rialto.toml"))).map_err(|e| e.to_string())?;
+            assert_eq!(config.gateway.listen.port(), 9999);
+            use secrecy::ExposeSecret;
+            assert_eq!(
+                config.operator.token.as_ref().unwrap().expose_secret(),
+                "from-env"
+            );
+            jail.set_env("RIALTO_GATEWAY__LISTN", "127.0.0.1:1");
+            assert!(Config::load(Some(Path::new("rialto.toml"))).is_err());
+            Ok(())
+        });
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::time::Instant;
 
 use actix_web::body::MessageBody;
 use actix_web::dev::{ServiceRequest, ServiceResponse};
-use actix_web::http::header::{HeaderName, HeaderValue};
+use actix_web::http::header::{CONTENT_ENCODING, HeaderName, HeaderValue};
 use actix_web::middleware::Next;
 use actix_web::{HttpMessage, web};
 use rialto_core::Brand;
@@ -68,6 +68,15 @@ pub async fn stamp(
     let mut response = next.call(request).instrument(span.clone()).await?;
     let status = response.status().as_u16();
     let headers = response.headers_mut();
+    // Streams carry `Content-Encoding: identity` only to keep the Compress
+    // middleware (which runs inside this one) off them; identity is the
+    // default, and the spec allows only gzip or br in this header.
+    if headers
+        .get(CONTENT_ENCODING)
+        .is_some_and(|v| v.as_bytes() == b"identity")
+    {
+        headers.remove(CONTENT_ENCODING);
+    }
     if let Ok(value) = HeaderValue::from_str(&request_id) {
         headers.insert(CF_RAY, value);
     }

@@ -1,12 +1,14 @@
-//! The official `openai` Python SDK against Rialto, in both topologies:
-//! a plain chat, a streamed chat and `n = 2` (tests/python/openai_sdk_check.py).
+//! Python clients against Rialto, in both topologies: the official `openai`
+//! SDK (a plain chat, a streamed chat, `n = 2`; tests/python/openai_sdk_check.py)
+//! and an OpenAPI conformance check of the published document against real
+//! exchanges (tests/python/openapi_conformance.py).
 
 use std::path::PathBuf;
 
 use crate::both_topologies;
 use crate::support::World;
 
-both_topologies!(openai_python_sdk);
+both_topologies!(openai_python_sdk, openapi_conformance);
 
 /// The venv's Python that `make test` prepares (or `E2E_PYTHON`).
 fn python() -> PathBuf {
@@ -49,4 +51,23 @@ async fn openai_python_sdk(world: &World) {
         stdout.contains("plain ok") && stdout.contains("stream ok") && stdout.contains("n=2 ok"),
         "{stdout}"
     );
+}
+
+async fn openapi_conformance(world: &World) {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/openapi_conformance.py");
+    let output = tokio::process::Command::new(python())
+        .arg(script)
+        .env("RIALTO_E2E_ROOT_URL", &world.sandbox.url)
+        .env("RIALTO_E2E_OPERATOR_TOKEN", &world.sandbox.operator_token)
+        .env("RIALTO_E2E_MODEL", "mock-chat")
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "conformance failed:\n{stdout}\n{stderr}"
+    );
+    assert!(stdout.contains("conformance ok"), "{stdout}");
 }
