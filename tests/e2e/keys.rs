@@ -254,3 +254,30 @@ async fn postgres_split() {
     let world = world(Topology::Split, Storage::Postgres).await;
     key_lifecycle(&world).await;
 }
+
+/// In the split topology the services answer only callers with the shared
+/// gRPC token: a stranger cannot mint keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_refuses_callers_without_the_token() {
+    use rialto_proto::auth::v1::{CreateAccountRequest, auth_client::AuthClient};
+    let world = world(Topology::Split, Storage::Sqlite).await;
+    let addr = world.sandbox.grpc_addr("auth").unwrap();
+    let mut stranger = AuthClient::connect(format!("http://{addr}")).await.unwrap();
+    let status = stranger
+        .create_account(CreateAccountRequest {
+            name: "intruder".into(),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(status.code(), tonic::Code::Unauthenticated);
+
+    let token: tonic::metadata::MetadataValue<_> =
+        format!("Bearer {}", rialto_test_kit::GRPC_TOKEN)
+            .parse()
+            .unwrap();
+    let mut request = tonic::Request::new(CreateAccountRequest {
+        name: "insider".into(),
+    });
+    request.metadata_mut().insert("authorization", token);
+    assert!(stranger.create_account(request).await.is_ok());
+}

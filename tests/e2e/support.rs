@@ -44,6 +44,7 @@ pub async fn world(topology: Topology, storage: Storage) -> World {
         .storage(storage)
         .config(&models_toml(&mock.base_url()))
         .env("RIALTO_GATEWAY__MAX_BODY_BYTES", "1048576")
+        .env("RIALTO_ROUTER__REQUEST_TIMEOUT_SECS", "2")
         .start()
         .await
         .unwrap();

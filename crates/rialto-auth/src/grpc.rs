@@ -4,17 +4,22 @@
 
 use async_trait::async_trait;
 use rialto_core::Result;
+use rialto_core::grpc_auth::{ClientToken, ServerToken};
 use rialto_proto::auth::v1 as pb;
 use rialto_proto::auth::v1::auth_client::AuthClient as GrpcClient;
 use rialto_proto::auth::v1::auth_server::{Auth, AuthServer};
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
 use crate::{AuthClient, AuthService};
 
-/// Serves an [`AuthClient`] over gRPC.
-pub fn server(client: AuthClient) -> AuthServer<AuthGrpc> {
-    AuthServer::new(AuthGrpc(client))
+/// Serves a [`AuthClient`] over gRPC, behind the shared token.
+pub fn server(
+    client: AuthClient,
+    token: ServerToken,
+) -> InterceptedService<AuthServer<AuthGrpc>, ServerToken> {
+    InterceptedService::new(AuthServer::new(AuthGrpc(client)), token)
 }
 
 pub struct AuthGrpc(AuthClient);
@@ -77,11 +82,11 @@ impl Auth for AuthGrpc {
 }
 
 /// The auth service in another process, reached over gRPC.
-pub struct RemoteAuth(GrpcClient<Channel>);
+pub struct RemoteAuth(GrpcClient<InterceptedService<Channel, ClientToken>>);
 
 impl RemoteAuth {
-    pub fn new(channel: Channel) -> Self {
-        Self(GrpcClient::new(channel))
+    pub fn new(channel: Channel, token: ClientToken) -> Self {
+        Self(GrpcClient::with_interceptor(channel, token))
     }
 }
 

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use rialto_core::db::{Database, now_ms};
@@ -20,6 +20,10 @@ type SecretHash = [u8; 32];
 
 /// How often buffered `last_used_at` times are written to the database.
 const LAST_USED_FLUSH: Duration = Duration::from_secs(5);
+/// How long a cached key is trusted before the database is asked again. This
+/// bounds how long a key deleted through *another* auth replica keeps working;
+/// deletions through this replica take effect at once.
+const KEY_RECHECK: Duration = Duration::from_secs(1);
 
 pub struct LocalAuth {
     inner: Arc<Inner>,
@@ -41,6 +45,17 @@ struct Inner {
 struct CachedKey {
     principal: pb::Principal,
     expires_at_ms: Option<i64>,
+    checked_at: Instant,
+}
+
+/// Whether a presented secret could be one of ours at all: keys are
+/// `<BRAND>_<TYPE>_KEY_<base58>`. Anything else is refused without a
+/// database query, so garbage keys cannot exhaust the pool.
+fn plausible_secret(secret: &str) -> bool {
+    (20..=256).contains(&secret.len())
+        && secret
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
 impl LocalAuth {
@@ -119,6 +134,51 @@ impl Inner {
             record: Some(record),
             secret,
         })
+    }
+
+    /// Reads a key by the hash of its secret and caches it; a key that is
+    /// gone is dropped from the cache.
+    async fn load_key(&self, digest: SecretHash) -> Result<CachedKey> {
+        let generation = self.generation.load(Ordering::Acquire);
+        let row = sqlx::query(
+            "SELECT k.id, k.account_id, k.key_type, k.expires_at_ms, k.secret_sha256, \
+             a.tier FROM api_keys k JOIN accounts a ON a.id = k.account_id \
+             WHERE k.secret_sha256 = $1",
+        )
+        .bind(hex::encode(digest))
+        .fetch_optional(self.db.pool())
+        .await?;
+        let stored = match &row {
+            Some(row) => {
+                hex::decode(row.try_get::<String, _>("secret_sha256")?).unwrap_or_default()
+            }
+            None => Vec::new(),
+        };
+        let (Some(row), true) = (row, bool::from(stored.as_slice().ct_eq(&digest))) else {
+            self.cache
+                .write()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&digest);
+            return Err(Error::unauthenticated());
+        };
+        let key_type: String = row.try_get("key_type")?;
+        let key = CachedKey {
+            principal: pb::Principal {
+                account_id: row.try_get("account_id")?,
+                key_id: row.try_get("id")?,
+                key_type: key_type_from_name(&key_type) as i32,
+                tier: row.try_get("tier")?,
+            },
+            expires_at_ms: row.try_get("expires_at_ms")?,
+            checked_at: Instant::now(),
+        };
+        let mut cache = self.cache.write().unwrap_or_else(|p| p.into_inner());
+        // Checked under the write lock: a deletion bumps the generation before
+        // it purges, so either we see the bump or it sees our entry.
+        if self.generation.load(Ordering::Acquire) == generation {
+            cache.insert(digest, key.clone());
+        }
+        Ok(key)
     }
 
     async fn flush_last_used(&self) {
@@ -205,49 +265,20 @@ fn key_not_found() -> Error {
 impl AuthService for LocalAuth {
     async fn authenticate(&self, request: pb::AuthenticateRequest) -> Result<pb::Principal> {
         let inner = &self.inner;
+        if !plausible_secret(&request.api_key) {
+            return Err(Error::unauthenticated());
+        }
         let digest = hash(&request.api_key);
         let cached = inner
             .cache
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .get(&digest)
+            .filter(|key| key.checked_at.elapsed() < KEY_RECHECK)
             .cloned();
         let key = match cached {
             Some(key) => key,
-            None => {
-                let generation = inner.generation.load(Ordering::Acquire);
-                let row = sqlx::query(
-                    "SELECT k.id, k.account_id, k.key_type, k.expires_at_ms, k.secret_sha256, \
-                     a.tier FROM api_keys k JOIN accounts a ON a.id = k.account_id \
-                     WHERE k.secret_sha256 = $1",
-                )
-                .bind(hex::encode(digest))
-                .fetch_optional(inner.db.pool())
-                .await?
-                .ok_or_else(Error::unauthenticated)?;
-                let stored: String = row.try_get("secret_sha256")?;
-                let stored = hex::decode(stored).unwrap_or_default();
-                if !bool::from(stored.as_slice().ct_eq(&digest)) {
-                    return Err(Error::unauthenticated());
-                }
-                let key_type: String = row.try_get("key_type")?;
-                let key = CachedKey {
-                    principal: pb::Principal {
-                        account_id: row.try_get("account_id")?,
-                        key_id: row.try_get("id")?,
-                        key_type: key_type_from_name(&key_type) as i32,
-                        tier: row.try_get("tier")?,
-                    },
-                    expires_at_ms: row.try_get("expires_at_ms")?,
-                };
-                let mut cache = inner.cache.write().unwrap_or_else(|p| p.into_inner());
-                // Checked under the write lock: a deletion bumps the generation
-                // before it purges, so either we see the bump or it sees our entry.
-                if inner.generation.load(Ordering::Acquire) == generation {
-                    cache.insert(digest, key.clone());
-                }
-                key
-            }
+            None => inner.load_key(digest).await?,
         };
         if key.expires_at_ms.is_some_and(|at| at <= now_ms()) {
             return Err(Error::new(
@@ -496,6 +527,91 @@ mod tests {
             .await
             .unwrap_err();
         assert_eq!(error.code, ErrorCode::ApiKeyNotFound);
+    }
+
+    /// Lookups racing a deletion: once the deletion has returned, no lookup
+    /// may succeed, whatever was in flight.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn a_deletion_wins_over_concurrent_lookups() {
+        let (auth, _dir) = service().await;
+        let auth = Arc::new(auth);
+        let (account_id, _) = account(&auth).await;
+        for round in 0..20 {
+            let key = auth
+                .create_api_key(pb::CreateApiKeyRequest {
+                    account_id: account_id.clone(),
+                    key_type: pb::KeyType::Inference as i32,
+                    description: format!("round {round}"),
+                    expires_at_ms: None,
+                })
+                .await
+                .unwrap();
+            let deleted = Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let lookups: Vec<_> = (0..8)
+                .map(|_| {
+                    let (auth, secret, deleted) =
+                        (auth.clone(), key.secret.clone(), deleted.clone());
+                    tokio::spawn(async move {
+                        for _ in 0..50 {
+                            let after_delete = deleted.load(Ordering::SeqCst);
+                            let result = auth.authenticate(authn(&secret)).await;
+                            assert!(
+                                !(after_delete && result.is_ok()),
+                                "a deleted key authenticated"
+                            );
+                            tokio::task::yield_now().await;
+                        }
+                    })
+                })
+                .collect();
+            tokio::task::yield_now().await;
+            auth.delete_api_key(pb::DeleteApiKeyRequest {
+                account_id: account_id.clone(),
+                id: key.record.unwrap().id,
+            })
+            .await
+            .unwrap();
+            deleted.store(true, Ordering::SeqCst);
+            for lookup in lookups {
+                lookup.await.unwrap();
+            }
+            assert!(auth.authenticate(authn(&key.secret)).await.is_err());
+        }
+    }
+
+    #[tokio::test]
+    async fn keys_deleted_elsewhere_stop_working_within_the_recheck_interval() {
+        let (auth, _dir) = service().await;
+        let (account_id, _) = account(&auth).await;
+        let key = auth
+            .create_api_key(pb::CreateApiKeyRequest {
+                account_id,
+                key_type: pb::KeyType::Inference as i32,
+                description: "x".into(),
+                expires_at_ms: None,
+            })
+            .await
+            .unwrap();
+        auth.authenticate(authn(&key.secret)).await.unwrap();
+        // Another replica deletes it: straight in the database.
+        sqlx::query("DELETE FROM api_keys WHERE id = $1")
+            .bind(key.record.unwrap().id)
+            .execute(auth.inner.db.pool())
+            .await
+            .unwrap();
+        tokio::time::sleep(KEY_RECHECK).await;
+        assert!(auth.authenticate(authn(&key.secret)).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn garbage_secrets_are_refused_without_a_query() {
+        assert!(!plausible_secret("short"));
+        assert!(!plausible_secret(
+            "RIALTO_ADMIN_KEY_has spaces and more text"
+        ));
+        assert!(plausible_secret(
+            "RIALTO_ADMIN_KEY_6gNXwu1AeVCrRwg7nr3zSYkYv38cVuG6oYseVXTsRSik"
+        ));
     }
 
     #[tokio::test]

@@ -2,17 +2,22 @@
 
 use async_trait::async_trait;
 use rialto_core::Result;
+use rialto_core::grpc_auth::{ClientToken, ServerToken};
 use rialto_proto::billing::v1 as pb;
 use rialto_proto::billing::v1::billing_client::BillingClient as GrpcClient;
 use rialto_proto::billing::v1::billing_server::{Billing, BillingServer};
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
 use crate::{BillingClient, BillingService};
 
-/// Serves a [`BillingClient`] over gRPC.
-pub fn server(client: BillingClient) -> BillingServer<BillingGrpc> {
-    BillingServer::new(BillingGrpc(client))
+/// Serves a [`BillingClient`] over gRPC, behind the shared token.
+pub fn server(
+    client: BillingClient,
+    token: ServerToken,
+) -> InterceptedService<BillingServer<BillingGrpc>, ServerToken> {
+    InterceptedService::new(BillingServer::new(BillingGrpc(client)), token)
 }
 
 pub struct BillingGrpc(BillingClient);
@@ -28,11 +33,11 @@ impl Billing for BillingGrpc {
 }
 
 /// Billing in another process, reached over gRPC.
-pub struct RemoteBilling(GrpcClient<Channel>);
+pub struct RemoteBilling(GrpcClient<InterceptedService<Channel, ClientToken>>);
 
 impl RemoteBilling {
-    pub fn new(channel: Channel) -> Self {
-        Self(GrpcClient::new(channel))
+    pub fn new(channel: Channel, token: ClientToken) -> Self {
+        Self(GrpcClient::with_interceptor(channel, token))
     }
 }
 

@@ -54,6 +54,10 @@ pub struct GatewayConfig {
 pub struct GrpcConfig {
     /// Where this process serves the services it runs, when any but the gateway.
     pub listen: SocketAddr,
+    /// Shared bearer token of the internal gRPC interfaces; set it wherever
+    /// the gRPC port is reachable by anyone but Rialto's own processes.
+    #[serde(skip_serializing)]
+    pub token: Option<SecretString>,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -202,6 +206,7 @@ impl Default for GrpcConfig {
     fn default() -> Self {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 9090)),
+            token: None,
         }
     }
 }
@@ -441,6 +446,7 @@ backends = [{ kind = "openai", url = "http://127.0.0.1:18999/v1", model = "mock-
     }
 
     #[test]
+    #[allow(clippy::result_large_err)] // figment::Jail's closure type, not ours
     fn environment_overrides_the_file_and_ignores_foreign_variables() {
         figment::Jail::expect_with(|jail| {
             jail.create_file("rialto.toml", ISSUE_EXAMPLE)?;

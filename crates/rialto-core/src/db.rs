@@ -31,7 +31,11 @@ impl Database {
             (DatabaseKind::Postgres, url.to_owned())
         } else {
             return Err(sqlx::Error::Configuration(
-                format!("database url must start with sqlite: or postgres:// (got {url:?})").into(),
+                format!(
+                    "database url must start with sqlite: or postgres:// (got {:?})",
+                    redacted(url)
+                )
+                .into(),
             ));
         };
         let pool = AnyPoolOptions::new()
@@ -86,6 +90,14 @@ fn prepare_sqlite_url(url: &str) -> Result<String, sqlx::Error> {
     } else {
         format!("{url}?mode=rwc")
     })
+}
+
+/// `scheme://user:password@host/db` -> `scheme://***@host/db`, for messages.
+pub fn redacted(url: &str) -> String {
+    match (url.split_once("://"), url.rfind('@')) {
+        (Some((scheme, _)), Some(at)) => format!("{scheme}://***{}", &url[at..]),
+        _ => url.to_owned(),
+    }
 }
 
 /// Milliseconds since the Unix epoch, the unit of every stored time.

@@ -15,6 +15,7 @@ pub mod brand;
 pub mod config;
 pub mod db;
 pub mod error;
+pub mod grpc_auth;
 pub mod ids;
 pub mod telemetry;
 

@@ -12,8 +12,8 @@ use actix_web::http::header::ContentEncoding;
 use actix_web::{HttpMessage, HttpRequest, HttpResponse, HttpResponseBuilder, web};
 use bytes::Bytes;
 use futures_util::StreamExt;
-use rialto_core::{ErrorCode, ModelConfig};
-use rialto_proto::auth::v1::Principal;
+use rialto_core::ErrorCode;
+use rialto_limiter::LimiterClient;
 use rialto_proto::billing::v1 as billing_pb;
 use rialto_proto::limiter::v1 as limiter_pb;
 use rialto_proto::router::v1 as router_pb;
@@ -22,7 +22,9 @@ use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 
 use crate::headers::RequestId;
-use crate::{ApiError, Details, Gateway, authenticate, header_value, parse_json, read_body};
+use crate::{
+    ApiError, Details, Gateway, ModelEntry, authenticate, header_value, parse_json, read_body,
+};
 
 /// Most choices one request may ask for.
 const MAX_N: u64 = 16;
@@ -45,8 +47,45 @@ struct Chat {
 struct Exchange {
     request_id: String,
     completion_id: String,
-    principal: Principal,
     chat: Chat,
+    settlement: Settlement,
+}
+
+/// Tells the limiter what an admitted request really used, exactly once: on
+/// the normal path with the real usage, and if the request ends any other
+/// way (an error, the client gone, the handler dropped) with what is known.
+struct Settlement {
+    limiter: LimiterClient,
+    request: Option<limiter_pb::CommitRequest>,
+}
+
+impl Settlement {
+    fn settle(mut self, used_tokens: u64) {
+        if let Some(mut request) = self.request.take() {
+            request.used_tokens = used_tokens;
+            self.send(request);
+        }
+    }
+
+    fn send(&self, request: limiter_pb::CommitRequest) {
+        let limiter = self.limiter.clone();
+        // Off the response path; Drop may run outside a runtime at shutdown.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                if let Err(error) = limiter.commit(request).await {
+                    tracing::warn!(%error, "limiter commit failed");
+                }
+            });
+        }
+    }
+}
+
+impl Drop for Settlement {
+    fn drop(&mut self) {
+        if let Some(request) = self.request.take() {
+            self.send(request);
+        }
+    }
 }
 
 pub async fn completions(
@@ -67,9 +106,8 @@ pub async fn completions(
         .map(|id| id.0.clone())
         .unwrap_or_else(rialto_core::ids::request_id);
 
-    let admitted = gateway
-        .services
-        .limiter
+    let limiter = &gateway.services.limiter;
+    let admitted = limiter
         .admit(limiter_pb::AdmitRequest {
             request_id: request_id.clone(),
             account_id: principal.account_id.clone(),
@@ -81,6 +119,18 @@ pub async fn completions(
     if !admitted.admitted {
         return Err(ApiError::new(ErrorCode::RateLimited, "Rate limit exceeded"));
     }
+    // From here on the limiter hears back however the request ends.
+    let settlement = Settlement {
+        limiter: limiter.clone(),
+        request: Some(limiter_pb::CommitRequest {
+            request_id: request_id.clone(),
+            account_id: principal.account_id,
+            key_id: principal.key_id,
+            model_id: chat.model_id.clone(),
+            estimated_tokens: chat.estimated_tokens,
+            used_tokens: 0,
+        }),
+    };
 
     let router_request = router_pb::ChatRequest {
         request_id: request_id.clone(),
@@ -90,8 +140,8 @@ pub async fn completions(
     let exchange = Exchange {
         completion_id: format!("chatcmpl-{request_id}"),
         request_id,
-        principal,
         chat,
+        settlement,
     };
     if exchange.chat.stream {
         stream(&gateway, model, router_request, exchange).await
@@ -100,36 +150,28 @@ pub async fn completions(
     }
 }
 
+fn invalid_answer() -> ApiError {
+    ApiError::new(
+        ErrorCode::UpstreamFailed,
+        "The model's backend sent an invalid answer",
+    )
+}
+
 async fn complete(
-    gateway: &web::Data<Gateway>,
-    model: &ModelConfig,
+    gateway: &Gateway,
+    model: &ModelEntry,
     router_request: router_pb::ChatRequest,
     exchange: Exchange,
 ) -> Result<HttpResponse, ApiError> {
-    let services = &gateway.services;
-    let routed = services.router.chat(router_request).await;
-    let answer = match routed {
-        Ok(answer) => answer,
-        Err(error) => {
-            commit(gateway, &exchange, 0);
-            return Err(error.into());
-        }
-    };
-    let mut body: Value = serde_json::from_slice(&answer.body_json).map_err(|_| {
-        ApiError::new(
-            ErrorCode::UpstreamFailed,
-            "The model's backend sent an invalid answer",
-        )
-    })?;
+    let answer = gateway.services.router.chat(router_request).await?;
+    let mut body: Value =
+        serde_json::from_slice(&answer.body_json).map_err(|_| invalid_answer())?;
     let Some(object) = body.as_object_mut() else {
-        return Err(ApiError::new(
-            ErrorCode::UpstreamFailed,
-            "The model's backend sent an invalid answer",
-        ));
+        return Err(invalid_answer());
     };
     object.insert("id".into(), json!(exchange.completion_id));
     object.insert("object".into(), json!("chat.completion"));
-    object.insert("model".into(), json!(model.id));
+    object.insert("model".into(), json!(model.config.id));
     object.entry("created").or_insert_with(|| json!(now()));
     object.remove("system_fingerprint");
     if let Some(Value::Array(choices)) = object.get_mut("choices") {
@@ -144,10 +186,11 @@ async fn complete(
         exchange.chat.prompt_tokens_estimate,
         completion_text,
     );
-    let cost = quote(gateway, &exchange.chat.model_id, &usage).await?;
-    commit(gateway, &exchange, usage.total());
+    let total = usage.total();
+    let cost = quote(gateway, &exchange.chat.model_id, &usage).await;
+    exchange.settlement.settle(total);
     object.insert("usage".into(), usage.json);
-    object.insert("cost".into(), cost);
+    object.insert("cost".into(), cost?);
     object.entry("prompt_logprobs").or_insert(Value::Null);
     object.insert(
         gateway.brand.parameters_field.clone(),
@@ -160,28 +203,24 @@ async fn complete(
 
 async fn stream(
     gateway: &web::Data<Gateway>,
-    model: &ModelConfig,
+    model: &ModelEntry,
     router_request: router_pb::ChatRequest,
     exchange: Exchange,
 ) -> Result<HttpResponse, ApiError> {
-    let mut events = match gateway.services.router.chat_stream(router_request).await {
-        Ok(events) => events,
-        Err(error) => {
-            commit(gateway, &exchange, 0);
-            return Err(error.into());
-        }
-    };
+    let mut events = gateway.services.router.chat_stream(router_request).await?;
     // The first event names the backend; a failure before it is still an
     // ordinary HTTP error.
     let backend = match events.next().await {
         Some(Ok(router_pb::ChatStreamEvent {
             event: Some(Event::Backend(name)),
         })) => name,
-        Some(Err(error)) => {
-            commit(gateway, &exchange, 0);
-            return Err(error.into());
+        Some(Err(error)) => return Err(error.into()),
+        // A router that names no backend: keep whatever came first.
+        Some(Ok(first)) => {
+            events = Box::pin(futures_util::stream::iter([Ok(first)]).chain(events));
+            String::new()
         }
-        _ => String::new(),
+        None => String::new(),
     };
     let (sender, receiver) = mpsc::channel::<Bytes>(64);
     tokio::spawn(relay(
@@ -208,9 +247,11 @@ async fn stream(
     Ok(response.streaming(body))
 }
 
+const DONE: &[u8] = b"data: [DONE]\n\n";
+
 /// Relays upstream chunks to the client, then a final chunk with `usage` and
 /// `cost`, then `[DONE]`. Runs as its own task so a slow client never holds
-/// a worker; ends early when the client goes away.
+/// a worker; stops reading the upstream as soon as the client goes away.
 async fn relay(
     gateway: std::sync::Arc<Gateway>,
     mut events: rialto_router::ChatStream,
@@ -220,13 +261,27 @@ async fn relay(
     let mut upstream_usage: Option<Value> = None;
     let mut completion_text = 0usize;
     let mut created: Option<Value> = None;
-    while let Some(event) = events.next().await {
+    let estimate = |usage: &Option<Value>, text: usize| {
+        usage_or_estimate(usage.as_ref(), exchange.chat.prompt_tokens_estimate, text)
+    };
+    loop {
+        let event = tokio::select! {
+            biased;
+            () = sender.closed() => {
+                tracing::info!(request_id = exchange.request_id, "client left the stream");
+                let used = estimate(&upstream_usage, completion_text).total();
+                exchange.settlement.settle(used);
+                return;
+            }
+            event = events.next() => event,
+        };
         let json = match event {
-            Ok(router_pb::ChatStreamEvent {
+            None => break,
+            Some(Ok(router_pb::ChatStreamEvent {
                 event: Some(Event::ChunkJson(json)),
-            }) => json,
-            Ok(_) => continue,
-            Err(error) => {
+            })) => json,
+            Some(Ok(_)) => continue,
+            Some(Err(error)) => {
                 tracing::warn!(request_id = exchange.request_id, %error, "stream failed upstream");
                 let chunk = json!({"error": {
                     "message": error.message,
@@ -235,19 +290,24 @@ async fn relay(
                     "param": null,
                 }});
                 let _ = sender.send(sse(&chunk)).await;
-                let _ = sender.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
-                let usage = usage_or_estimate(
-                    upstream_usage.as_ref(),
-                    exchange.chat.prompt_tokens_estimate,
-                    completion_text,
-                );
-                commit(&gateway, &exchange, usage.total());
+                let _ = sender.send(Bytes::from_static(DONE)).await;
+                let used = estimate(&upstream_usage, completion_text).total();
+                exchange.settlement.settle(used);
                 return;
             }
         };
         let Ok(Value::Object(mut chunk)) = serde_json::from_slice::<Value>(&json) else {
             continue;
         };
+        if chunk.contains_key("error") {
+            // The upstream reported a failure in-band: pass it on as it is
+            // and end the stream.
+            let _ = sender.send(sse(&Value::Object(chunk))).await;
+            let _ = sender.send(Bytes::from_static(DONE)).await;
+            let used = estimate(&upstream_usage, completion_text).total();
+            exchange.settlement.settle(used);
+            return;
+        }
         if let Some(usage) = chunk.remove("usage").filter(Value::is_object) {
             upstream_usage = Some(usage);
         }
@@ -255,7 +315,7 @@ async fn relay(
             .get("choices")
             .and_then(Value::as_array)
             .is_some_and(|c| !c.is_empty());
-        if !has_choices && !chunk.contains_key("error") {
+        if !has_choices {
             // A usage-only chunk: folded into our final chunk.
             continue;
         }
@@ -268,41 +328,32 @@ async fn relay(
         chunk.insert("created".into(), created.clone());
         chunk.remove("system_fingerprint");
         if sender.send(sse(&Value::Object(chunk))).await.is_err() {
-            tracing::info!(request_id = exchange.request_id, "client left the stream");
-            break;
+            // Closed: the select above settles on the next turn.
+            continue;
         }
     }
-    let usage = usage_or_estimate(
-        upstream_usage.as_ref(),
-        exchange.chat.prompt_tokens_estimate,
-        completion_text,
-    );
+    let usage = estimate(&upstream_usage, completion_text);
     let total = usage.total();
-    match quote(&gateway, &exchange.chat.model_id, &usage).await {
-        Ok(cost) => {
-            let last = json!({
-                "id": exchange.completion_id,
-                "object": "chat.completion.chunk",
-                "created": created.unwrap_or_else(|| json!(now())),
-                "model": exchange.chat.model_id,
-                "choices": [],
-                "usage": usage.json,
-                "cost": cost,
-            });
-            let _ = sender.send(sse(&last)).await;
-        }
-        Err(error) => {
-            let chunk = json!({"error": {
-                "message": error.message(),
-                "type": "server_error",
-                "code": "billing_error",
-                "param": null,
-            }});
-            let _ = sender.send(sse(&chunk)).await;
-        }
-    }
-    let _ = sender.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
-    commit(&gateway, &exchange, total);
+    let last = match quote(&gateway, &exchange.chat.model_id, &usage).await {
+        Ok(cost) => json!({
+            "id": exchange.completion_id,
+            "object": "chat.completion.chunk",
+            "created": created.unwrap_or_else(|| json!(now())),
+            "model": exchange.chat.model_id,
+            "choices": [],
+            "usage": usage.json,
+            "cost": cost,
+        }),
+        Err(error) => json!({"error": {
+            "message": error.message(),
+            "type": "server_error",
+            "code": "billing_error",
+            "param": null,
+        }}),
+    };
+    exchange.settlement.settle(total);
+    let _ = sender.send(sse(&last)).await;
+    let _ = sender.send(Bytes::from_static(DONE)).await;
 }
 
 fn sse(value: &Value) -> Bytes {
@@ -317,30 +368,14 @@ fn sse(value: &Value) -> Bytes {
 fn model_headers(
     response: &mut HttpResponseBuilder,
     gateway: &Gateway,
-    model: &ModelConfig,
+    model: &ModelEntry,
     backend: &str,
 ) {
-    let stamp = &gateway.stamp;
-    if let Some(value) = header_value(&model.id) {
-        response.insert_header((stamp.model_id.clone(), value));
-    }
-    if let Some(value) = header_value(model.display_name()) {
-        response.insert_header((stamp.model_name.clone(), value));
+    for (name, value) in &model.headers {
+        response.insert_header((name.clone(), value.clone()));
     }
     if let Some(value) = header_value(backend).filter(|_| !backend.is_empty()) {
-        response.insert_header((stamp.model_router.clone(), value));
-    }
-    if let Some(date) = &model.deprecation_date {
-        let warning = model.deprecation_warning.clone().unwrap_or_else(|| {
-            format!(
-                "The model {} is deprecated and will be removed on {date}.",
-                model.id
-            )
-        });
-        if let (Some(date), Some(warning)) = (header_value(date), header_value(&warning)) {
-            response.insert_header((stamp.deprecation_date.clone(), date));
-            response.insert_header((stamp.deprecation_warning.clone(), warning));
-        }
+        response.insert_header((gateway.stamp.model_router.clone(), value));
     }
 }
 
@@ -355,7 +390,7 @@ struct Usage {
 
 impl Usage {
     fn total(&self) -> u64 {
-        self.prompt + self.completion
+        self.prompt.saturating_add(self.completion)
     }
 }
 
@@ -372,7 +407,7 @@ fn usage_or_estimate(
         let completion = count(usage, "completion_tokens").unwrap_or_default();
         let details = usage.get("prompt_tokens_details").unwrap_or(&Value::Null);
         let mut json = usage.clone();
-        json["total_tokens"] = json!(prompt + completion);
+        json["total_tokens"] = json!(prompt.saturating_add(completion));
         return Usage {
             prompt,
             completion,
@@ -390,7 +425,7 @@ fn usage_or_estimate(
         json: json!({
             "prompt_tokens": prompt_estimate,
             "completion_tokens": completion,
-            "total_tokens": prompt_estimate + completion,
+            "total_tokens": prompt_estimate.saturating_add(completion),
         }),
     }
 }
@@ -409,27 +444,10 @@ async fn quote(gateway: &Gateway, model_id: &str, usage: &Usage) -> Result<Value
             }),
         })
         .await?;
-    // Exact decimal strings become JSON numbers, as the spec's `cost` wants.
+    // Exact decimal strings become JSON numbers written digit for digit
+    // (serde_json's arbitrary_precision), as the spec's `cost` wants.
     let number = |text: &str| serde_json::from_str::<Value>(text).unwrap_or(json!(0));
     Ok(json!({"usd": number(&cost.usd), "diem": number(&cost.diem)}))
-}
-
-/// Tells the limiter what the request really used, off the response path.
-fn commit(gateway: &Gateway, exchange: &Exchange, used_tokens: u64) {
-    let limiter = gateway.services.limiter.clone();
-    let request = limiter_pb::CommitRequest {
-        request_id: exchange.request_id.clone(),
-        account_id: exchange.principal.account_id.clone(),
-        key_id: exchange.principal.key_id.clone(),
-        model_id: exchange.chat.model_id.clone(),
-        estimated_tokens: exchange.chat.estimated_tokens,
-        used_tokens,
-    };
-    tokio::spawn(async move {
-        if let Err(error) = limiter.commit(request).await {
-            tracing::warn!(%error, "limiter commit failed");
-        }
-    });
 }
 
 fn now() -> i64 {
@@ -542,7 +560,7 @@ fn validate(gateway: &Gateway, body: &mut Value) -> Result<Chat, ApiError> {
         .or_else(|| {
             gateway
                 .model(&model_id)
-                .and_then(|m| m.max_completion_tokens)
+                .and_then(|m| m.config.max_completion_tokens)
         })
         .unwrap_or(DEFAULT_MAX_TOKENS);
     let prompt_tokens_estimate = (prompt_chars as u64).div_ceil(4).max(1);
@@ -551,7 +569,8 @@ fn validate(gateway: &Gateway, body: &mut Value) -> Result<Chat, ApiError> {
         stream,
         parameters,
         prompt_tokens_estimate,
-        estimated_tokens: prompt_tokens_estimate + completion_budget.saturating_mul(n),
+        estimated_tokens: prompt_tokens_estimate
+            .saturating_add(completion_budget.saturating_mul(n)),
     })
 }
 

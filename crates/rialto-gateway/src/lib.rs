@@ -16,7 +16,9 @@ use std::net::TcpListener;
 use std::sync::Arc;
 
 use actix_web::dev::Server;
-use actix_web::http::header::HeaderValue;
+use std::collections::HashMap;
+
+use actix_web::http::header::{HeaderName, HeaderValue};
 use actix_web::{App, HttpMessage, HttpRequest, HttpServer, web};
 use bytes::Bytes;
 use futures_util::StreamExt;
@@ -53,10 +55,13 @@ pub struct Gateway {
     brand: Brand,
     /// `<yyyymmdd>.<hhmmss>`, in `x-<brand>-version` and the OpenAPI document.
     revision: String,
-    models: Vec<ModelConfig>,
+    /// The catalog in configuration order, with each model's response
+    /// headers built once.
+    models: Vec<ModelEntry>,
+    model_index: HashMap<String, usize>,
     operator_token: Option<SecretString>,
     max_body_bytes: usize,
-    openapi: String,
+    openapi: Bytes,
     /// Precomputed header names and values stamped on every response.
     stamp: headers::Stamp,
 }
@@ -78,11 +83,22 @@ impl Gateway {
             config.gateway.host_name.clone()
         };
         let stamp = headers::Stamp::new(&brand, revision, &host_name)?;
+        let models: Vec<ModelEntry> = config
+            .models
+            .iter()
+            .map(|model| ModelEntry::new(model, &stamp))
+            .collect::<anyhow::Result<_>>()?;
+        let model_index = models
+            .iter()
+            .enumerate()
+            .map(|(i, m)| (m.config.id.clone(), i))
+            .collect();
         Ok(Self {
-            openapi: openapi::render(&brand, revision),
+            openapi: Bytes::from(openapi::render(&brand, revision)),
             services,
             revision: revision.to_owned(),
-            models: config.models.clone(),
+            models,
+            model_index,
             operator_token: config.operator.token.clone(),
             max_body_bytes: config.gateway.max_body_bytes,
             stamp,
@@ -94,8 +110,43 @@ impl Gateway {
         &self.revision
     }
 
-    fn model(&self, id: &str) -> Option<&ModelConfig> {
-        self.models.iter().find(|m| m.id == id)
+    fn model(&self, id: &str) -> Option<&ModelEntry> {
+        self.model_index.get(id).map(|&i| &self.models[i])
+    }
+}
+
+/// A model of the catalog with the headers every response about it carries
+/// (`x-<brand>-model-id`, `-model-name`, and the deprecation pair).
+pub struct ModelEntry {
+    config: ModelConfig,
+    headers: Vec<(HeaderName, HeaderValue)>,
+}
+
+impl ModelEntry {
+    fn new(config: &ModelConfig, stamp: &headers::Stamp) -> anyhow::Result<Self> {
+        let value = |text: &str| {
+            HeaderValue::from_str(text).map_err(|_| {
+                anyhow::anyhow!("model {}: {text:?} cannot be a header value", config.id)
+            })
+        };
+        let mut headers = vec![
+            (stamp.model_id.clone(), value(&config.id)?),
+            (stamp.model_name.clone(), value(config.display_name())?),
+        ];
+        if let Some(date) = &config.deprecation_date {
+            let warning = config.deprecation_warning.clone().unwrap_or_else(|| {
+                format!(
+                    "The model {} is deprecated and will be removed on {date}.",
+                    config.id
+                )
+            });
+            headers.push((stamp.deprecation_date.clone(), value(date)?));
+            headers.push((stamp.deprecation_warning.clone(), value(&warning)?));
+        }
+        Ok(Self {
+            config: config.clone(),
+            headers,
+        })
     }
 }
 
@@ -103,6 +154,17 @@ impl Gateway {
 pub fn configure(gateway: web::Data<Gateway>) -> impl FnOnce(&mut web::ServiceConfig) {
     move |cfg| {
         cfg.app_data(gateway)
+            // Malformed query strings and paths get the spec's error body too.
+            .app_data(web::QueryConfig::default().error_handler(|error, _| {
+                let mut details = Details::new();
+                details.push(&[], format!("Invalid query string: {error}"));
+                ApiError::validation(details).into()
+            }))
+            .app_data(web::PathConfig::default().error_handler(|error, _| {
+                let mut details = Details::new();
+                details.push(&[], format!("Invalid path: {error}"));
+                ApiError::validation(details).into()
+            }))
             .route("/openapi.yaml", web::get().to(openapi::document))
             .route("/healthz", web::get().to(health))
             .route("/readyz", web::get().to(health))

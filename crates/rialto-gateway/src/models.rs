@@ -48,6 +48,7 @@ pub async fn list(
     let data: Vec<Value> = gateway
         .models
         .iter()
+        .map(|entry| &entry.config)
         .filter(|m| match wanted {
             "all" => true,
             // No model declares itself optimized for code yet.

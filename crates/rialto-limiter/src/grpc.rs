@@ -2,17 +2,22 @@
 
 use async_trait::async_trait;
 use rialto_core::Result;
+use rialto_core::grpc_auth::{ClientToken, ServerToken};
 use rialto_proto::limiter::v1 as pb;
 use rialto_proto::limiter::v1::limiter_client::LimiterClient as GrpcClient;
 use rialto_proto::limiter::v1::limiter_server::{Limiter, LimiterServer};
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
 use crate::{LimiterClient, LimiterService};
 
-/// Serves a [`LimiterClient`] over gRPC.
-pub fn server(client: LimiterClient) -> LimiterServer<LimiterGrpc> {
-    LimiterServer::new(LimiterGrpc(client))
+/// Serves a [`LimiterClient`] over gRPC, behind the shared token.
+pub fn server(
+    client: LimiterClient,
+    token: ServerToken,
+) -> InterceptedService<LimiterServer<LimiterGrpc>, ServerToken> {
+    InterceptedService::new(LimiterServer::new(LimiterGrpc(client)), token)
 }
 
 pub struct LimiterGrpc(LimiterClient);
@@ -35,11 +40,11 @@ impl Limiter for LimiterGrpc {
 }
 
 /// The limiter in another process, reached over gRPC.
-pub struct RemoteLimiter(GrpcClient<Channel>);
+pub struct RemoteLimiter(GrpcClient<InterceptedService<Channel, ClientToken>>);
 
 impl RemoteLimiter {
-    pub fn new(channel: Channel) -> Self {
-        Self(GrpcClient::new(channel))
+    pub fn new(channel: Channel, token: ClientToken) -> Self {
+        Self(GrpcClient::with_interceptor(channel, token))
     }
 }
 

@@ -5,20 +5,28 @@ use std::pin::Pin;
 
 use async_trait::async_trait;
 use futures_util::{Stream, StreamExt};
+use rialto_core::grpc_auth::{ClientToken, ServerToken};
 use rialto_core::{Error, Result};
 use rialto_proto::router::v1 as pb;
 use rialto_proto::router::v1::router_client::RouterClient as GrpcClient;
 use rialto_proto::router::v1::router_server::{Router, RouterServer};
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
 use crate::{ChatStream, RouterClient, RouterService};
 
-/// Serves a [`RouterClient`] over gRPC.
-pub fn server(client: RouterClient) -> RouterServer<RouterGrpc> {
-    RouterServer::new(RouterGrpc(client))
-        .max_decoding_message_size(usize::MAX)
-        .max_encoding_message_size(usize::MAX)
+/// Serves a [`RouterClient`] over gRPC, behind the shared token. Chat bodies
+/// can be large (images, documents): messages up to `max_message_bytes` pass.
+pub fn server(
+    client: RouterClient,
+    token: ServerToken,
+    max_message_bytes: usize,
+) -> InterceptedService<RouterServer<RouterGrpc>, ServerToken> {
+    let server = RouterServer::new(RouterGrpc(client))
+        .max_decoding_message_size(max_message_bytes)
+        .max_encoding_message_size(max_message_bytes);
+    InterceptedService::new(server, token)
 }
 
 pub struct RouterGrpc(RouterClient);
@@ -48,15 +56,14 @@ impl Router for RouterGrpc {
 }
 
 /// The router in another process, reached over gRPC.
-pub struct RemoteRouter(GrpcClient<Channel>);
+pub struct RemoteRouter(GrpcClient<InterceptedService<Channel, ClientToken>>);
 
 impl RemoteRouter {
-    pub fn new(channel: Channel) -> Self {
-        // Chat bodies can be large (images, documents): lift tonic's 4 MiB cap.
+    pub fn new(channel: Channel, token: ClientToken, max_message_bytes: usize) -> Self {
         Self(
-            GrpcClient::new(channel)
-                .max_decoding_message_size(usize::MAX)
-                .max_encoding_message_size(usize::MAX),
+            GrpcClient::with_interceptor(channel, token)
+                .max_decoding_message_size(max_message_bytes)
+                .max_encoding_message_size(max_message_bytes),
         )
     }
 }

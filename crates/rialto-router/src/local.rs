@@ -30,17 +30,26 @@ struct ModelRoute {
 }
 
 struct Backend {
+    /// Public name, in `x-<brand>-model-router`.
     name: String,
+    /// `host:port`, for logs only.
+    host: String,
     chat_url: String,
     upstream_model: String,
     api_key: Option<SecretString>,
 }
 
 impl Backend {
-    fn new(model_id: &str, config: &BackendConfig) -> Self {
+    /// `index` names an unnamed backend (`<model>/<index>`): the public
+    /// `x-<brand>-model-router` header must not reveal internal addresses.
+    fn new(model_id: &str, index: usize, config: &BackendConfig) -> Self {
         let base = config.url.trim_end_matches('/');
         Self {
-            name: config.name.clone().unwrap_or_else(|| backend_name(base)),
+            name: config
+                .name
+                .clone()
+                .unwrap_or_else(|| format!("{model_id}/{index}")),
+            host: backend_host(base),
             chat_url: format!("{base}/chat/completions"),
             upstream_model: config.model.clone().unwrap_or_else(|| model_id.to_owned()),
             api_key: config.api_key.clone(),
@@ -48,9 +57,9 @@ impl Backend {
     }
 }
 
-/// `http://10.0.0.5:8000/v1` -> `10.0.0.5:8000`: names a backend without
-/// leaking credentials that might sit in a URL's user-info.
-fn backend_name(url: &str) -> String {
+/// `http://10.0.0.5:8000/v1` -> `10.0.0.5:8000`: names a backend in logs
+/// without leaking credentials that might sit in a URL's user-info.
+fn backend_host(url: &str) -> String {
     let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
     let host = rest.split('/').next().unwrap_or(rest);
     host.rsplit('@').next().unwrap_or(host).to_owned()
@@ -84,7 +93,8 @@ impl LocalRouter {
                     backends: model
                         .backends
                         .iter()
-                        .map(|b| Backend::new(&model.id, b))
+                        .enumerate()
+                        .map(|(i, b)| Backend::new(&model.id, i, b))
                         .collect(),
                     next: AtomicUsize::new(0),
                 };
@@ -151,6 +161,7 @@ impl LocalRouter {
                     tracing::warn!(
                         request_id = request.request_id,
                         backend = backend.name,
+                        host = backend.host,
                         error = %error,
                         "backend failed, trying the next"
                     );
@@ -204,6 +215,7 @@ impl LocalRouter {
         tracing::info!(
             request_id,
             backend = backend.name,
+            host = backend.host,
             status = code,
             detail,
             "upstream error"
@@ -213,14 +225,30 @@ impl LocalRouter {
                 ErrorCode::RateLimited,
                 "The model is currently overloaded. Please try again later.",
             )),
-            408 | 500..=599 => Attempt::Retryable(Error::new(
+            // The backend's own credentials or address are wrong: the
+            // operator's fault, and another backend may be fine. The detail
+            // (which may quote a key) stays in the log.
+            401 | 403 | 404 | 408 | 500..=599 => Attempt::Retryable(Error::new(
                 ErrorCode::UpstreamFailed,
                 format!("The model's backend failed (status {code})"),
             )),
-            // A 4xx blames the request: another backend would refuse it too.
-            _ => Attempt::Final(Error::invalid(detail)),
+            // Any other 4xx blames the request: another backend would refuse
+            // it too. Its message helps the caller fix it.
+            _ => Attempt::Final(Error::invalid(truncated(detail, 500))),
         })
     }
+}
+
+fn truncated(mut text: String, max: usize) -> String {
+    if text.len() > max {
+        let mut end = max;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+        text.push('…');
+    }
+    text
 }
 
 /// The message of an upstream error body, in any of the usual shapes.
@@ -343,7 +371,7 @@ mod tests {
             "Hello from mock: hi"
         );
         assert_eq!(mock.requests()[0]["model"], "mock-model");
-        assert_eq!(response.backend, mock.addr().to_string());
+        assert_eq!(response.backend, "m/0");
     }
 
     #[tokio::test]
@@ -426,11 +454,29 @@ mod tests {
     }
 
     #[test]
-    fn backend_names_hide_credentials() {
+    fn backend_hosts_hide_credentials() {
         assert_eq!(
-            backend_name("https://user:pw@api.example.com/v1"),
+            backend_host("https://user:pw@api.example.com/v1"),
             "api.example.com"
         );
-        assert_eq!(backend_name("http://127.0.0.1:8000/v1"), "127.0.0.1:8000");
+        assert_eq!(backend_host("http://127.0.0.1:8000/v1"), "127.0.0.1:8000");
+    }
+
+    #[tokio::test]
+    async fn a_backend_refusing_its_credentials_fails_over_without_leaking() {
+        let bad = MockUpstream::start().await.unwrap();
+        let good = MockUpstream::start().await.unwrap();
+        let router = LocalRouter::new(
+            &models(&[bad.base_url(), good.base_url()]),
+            &Default::default(),
+        )
+        .unwrap();
+        let mut body = hello();
+        body["mock"] = serde_json::json!({"status": 401});
+        // Both mocks obey the directive, so both fail: a 502, not the 401.
+        let error = router.chat(request(body)).await.unwrap_err();
+        assert_eq!(error.code, ErrorCode::UpstreamFailed);
+        assert!(!error.message.contains("mock failure"));
+        assert_eq!(bad.request_count() + good.request_count(), 2);
     }
 }

@@ -13,4 +13,4 @@ pub mod mock_upstream;
 pub mod sandbox;
 
 pub use mock_upstream::MockUpstream;
-pub use sandbox::{Account, Sandbox, SandboxBuilder, Storage, Topology};
+pub use sandbox::{Account, GRPC_TOKEN, Sandbox, SandboxBuilder, Storage, Topology};

@@ -47,6 +47,8 @@ pub struct Sandbox {
     config_path: PathBuf,
     database_url: String,
     processes: Vec<Process>,
+    /// service name -> `host:port` of its gRPC server (split topology).
+    grpc_addrs: Vec<(String, String)>,
     postgres_database: Option<String>,
     http: reqwest::Client,
     dir: tempfile::TempDir,
@@ -66,6 +68,8 @@ pub struct Account {
 
 const STARTUP: Duration = Duration::from_secs(30);
 const OPERATOR_TOKEN: &str = "sandbox-operator-token";
+/// The shared token of the internal gRPC interfaces in a sandbox.
+pub const GRPC_TOKEN: &str = "sandbox-grpc-token";
 
 impl SandboxBuilder {
     /// Extra TOML appended to the generated configuration (`[[models]]`, ...).
@@ -104,6 +108,7 @@ listen = "127.0.0.1:0"
 workers = 2
 [grpc]
 listen = "127.0.0.1:0"
+token = "{GRPC_TOKEN}"
 [database]
 url = "{database_url}"
 max_connections = 8
@@ -124,6 +129,7 @@ level = "info"
             config_path,
             database_url,
             processes: Vec::new(),
+            grpc_addrs: Vec::new(),
             postgres_database,
             http: http_client()?,
             dir,
@@ -143,6 +149,7 @@ level = "info"
                         "grpc listening on ",
                     )?;
                     let addr = addr.split(' ').next().unwrap_or_default().to_owned();
+                    sandbox.grpc_addrs.push((service.to_owned(), addr.clone()));
                     envs.push((
                         format!("RIALTO_REMOTE__{}", service.to_ascii_uppercase()),
                         format!("http://{addr}"),
@@ -179,6 +186,14 @@ impl Sandbox {
     /// `url` + `/api/v1` + `path`.
     pub fn api(&self, path: &str) -> String {
         format!("{}/api/v1{path}", self.url)
+    }
+
+    /// `host:port` of a service's gRPC server, in the split topology.
+    pub fn grpc_addr(&self, service: &str) -> Option<&str> {
+        self.grpc_addrs
+            .iter()
+            .find(|(name, _)| name == service)
+            .map(|(_, addr)| addr.as_str())
     }
 
     pub fn config_path(&self) -> &Path {

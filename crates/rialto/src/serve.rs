@@ -13,6 +13,13 @@ use rialto_core::config::SERVICES;
 use rialto_gateway::{Gateway, Services};
 use rialto_limiter::{LimiterClient, LocalLimiter};
 use rialto_router::{LocalRouter, RouterClient};
+use std::time::Duration;
+
+use rialto_auth::grpc::RemoteAuth;
+use rialto_billing::grpc::RemoteBilling;
+use rialto_core::grpc_auth::{ClientToken, ServerToken};
+use rialto_limiter::grpc::RemoteLimiter;
+use rialto_router::grpc::RemoteRouter;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::REVISION;
@@ -54,16 +61,38 @@ fn selected_services(
     Ok(here)
 }
 
-fn channel(url: &str, service: &str) -> anyhow::Result<Channel> {
-    // Lazy: processes of a split deployment may start in any order.
-    Ok(Endpoint::from_shared(url.to_owned())
+/// A lazy channel to a remote service: processes of a split deployment may
+/// start in any order. Keepalives find dead peers; `call_timeout` bounds
+/// unary calls (none for the router, whose streams may run for minutes).
+fn channel(url: &str, service: &str, call_timeout: Option<Duration>) -> anyhow::Result<Channel> {
+    let mut endpoint = Endpoint::from_shared(url.to_owned())
         .with_context(|| format!("remote.{service} = {url:?} is not a valid URL"))?
         .tcp_nodelay(true)
-        .connect_lazy())
+        .connect_timeout(Duration::from_secs(5))
+        .http2_keep_alive_interval(Duration::from_secs(20))
+        .keep_alive_timeout(Duration::from_secs(10))
+        .keep_alive_while_idle(true);
+    if let Some(timeout) = call_timeout {
+        endpoint = endpoint.timeout(timeout);
+    }
+    Ok(endpoint.connect_lazy())
+}
+
+/// Bound on one unary call to auth, limiter or billing.
+const UNARY_TIMEOUT: Option<Duration> = Some(Duration::from_secs(30));
+
+/// Largest gRPC message: a chat body of the largest accepted size, with room
+/// for the answer's framing.
+fn max_message_bytes(config: &Config) -> usize {
+    config.gateway.max_body_bytes.saturating_mul(2).max(4 << 20)
 }
 
 async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<()> {
     let brand = rialto_core::Brand::new(&config.brand);
+    let client_token = ClientToken::new(config.grpc.token.as_ref())?;
+    let server_token = ServerToken::new(config.grpc.token.as_ref());
+    let max_message = max_message_bytes(&config);
+    let remote = &config.remote;
     let auth = if here.contains("auth") {
         let db = rialto_core::db::Database::connect(
             &config.database.url,
@@ -73,34 +102,26 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
         .with_context(|| "cannot open the database (database.url)")?;
         AuthClient::new(LocalAuth::new(db, &brand.key_prefix))
     } else {
-        AuthClient::new(rialto_auth::grpc::RemoteAuth::new(channel(
-            &config.remote.auth,
-            "auth",
-        )?))
+        let channel = channel(&remote.auth, "auth", UNARY_TIMEOUT)?;
+        AuthClient::new(RemoteAuth::new(channel, client_token.clone()))
     };
     let limiter = if here.contains("limiter") {
         LimiterClient::new(LocalLimiter)
     } else {
-        LimiterClient::new(rialto_limiter::grpc::RemoteLimiter::new(channel(
-            &config.remote.limiter,
-            "limiter",
-        )?))
+        let channel = channel(&remote.limiter, "limiter", UNARY_TIMEOUT)?;
+        LimiterClient::new(RemoteLimiter::new(channel, client_token.clone()))
     };
     let billing = if here.contains("billing") {
         BillingClient::new(LocalBilling::new(&config.models))
     } else {
-        BillingClient::new(rialto_billing::grpc::RemoteBilling::new(channel(
-            &config.remote.billing,
-            "billing",
-        )?))
+        let channel = channel(&remote.billing, "billing", UNARY_TIMEOUT)?;
+        BillingClient::new(RemoteBilling::new(channel, client_token.clone()))
     };
     let router = if here.contains("router") {
         RouterClient::new(LocalRouter::new(&config.models, &config.router)?)
     } else {
-        RouterClient::new(rialto_router::grpc::RemoteRouter::new(channel(
-            &config.remote.router,
-            "router",
-        )?))
+        let channel = channel(&remote.router, "router", None)?;
+        RouterClient::new(RemoteRouter::new(channel, client_token, max_message))
     };
     let services = Services {
         auth,
@@ -128,6 +149,7 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
         tracing::info!(%addr, services = backend_services.join(","), "grpc listening");
         let (health, health_service) = tonic_health::server::health_reporter();
         let local = |name: &str| here.contains(name);
+        let token = &server_token;
         for service in &backend_services {
             let name = format!("rialto.{service}.v1.{}", capitalized(service));
             health
@@ -138,17 +160,20 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
             .tcp_nodelay(true)
             .add_service(health_service)
             .add_optional_service(
-                local("auth").then(|| rialto_auth::grpc::server(services.auth.clone())),
+                local("auth")
+                    .then(|| rialto_auth::grpc::server(services.auth.clone(), token.clone())),
             )
             .add_optional_service(
-                local("limiter").then(|| rialto_limiter::grpc::server(services.limiter.clone())),
+                local("limiter")
+                    .then(|| rialto_limiter::grpc::server(services.limiter.clone(), token.clone())),
             )
             .add_optional_service(
-                local("billing").then(|| rialto_billing::grpc::server(services.billing.clone())),
+                local("billing")
+                    .then(|| rialto_billing::grpc::server(services.billing.clone(), token.clone())),
             )
-            .add_optional_service(
-                local("router").then(|| rialto_router::grpc::server(services.router.clone())),
-            );
+            .add_optional_service(local("router").then(|| {
+                rialto_router::grpc::server(services.router.clone(), token.clone(), max_message)
+            }));
         let mut stop = stop_rx.clone();
         tasks.spawn(async move {
             server
