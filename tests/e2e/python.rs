@@ -25,6 +25,27 @@ fn python() -> PathBuf {
     python
 }
 
+/// Runs `tests/python/<script>` with `envs`; fails the test with its output
+/// unless it exits 0. Returns its stdout.
+async fn run_script(script: &str, envs: &[(&str, &str)]) -> String {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("python")
+        .join(script);
+    let output = tokio::process::Command::new(python())
+        .arg(path)
+        .envs(envs.iter().copied())
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "{script} failed:\n{stdout}\n{stderr}"
+    );
+    stdout
+}
+
 async fn openai_python_sdk(world: &World) {
     let account = world.sandbox.create_account("sdk").await.unwrap();
     let (_, key) = world
@@ -32,42 +53,30 @@ async fn openai_python_sdk(world: &World) {
         .create_key(&account.admin_key, "INFERENCE")
         .await
         .unwrap();
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/openai_sdk_check.py");
-    let output = tokio::process::Command::new(python())
-        .arg(script)
-        .env("RIALTO_E2E_BASE_URL", world.sandbox.api(""))
-        .env("RIALTO_E2E_API_KEY", &key)
-        .env("RIALTO_E2E_MODEL", "mock-chat")
-        .output()
-        .await
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "SDK check failed:\n{stdout}\n{stderr}"
-    );
-    assert!(
-        stdout.contains("plain ok") && stdout.contains("stream ok") && stdout.contains("n=2 ok"),
-        "{stdout}"
-    );
+    let base_url = world.sandbox.api("");
+    let stdout = run_script(
+        "openai_sdk_check.py",
+        &[
+            ("RIALTO_E2E_BASE_URL", &base_url),
+            ("RIALTO_E2E_API_KEY", &key),
+            ("RIALTO_E2E_MODEL", "mock-chat"),
+        ],
+    )
+    .await;
+    for check in ["plain ok", "stream ok", "n=2 ok", "auth error ok"] {
+        assert!(stdout.contains(check), "{stdout}");
+    }
 }
 
 async fn openapi_conformance(world: &World) {
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/openapi_conformance.py");
-    let output = tokio::process::Command::new(python())
-        .arg(script)
-        .env("RIALTO_E2E_ROOT_URL", &world.sandbox.url)
-        .env("RIALTO_E2E_OPERATOR_TOKEN", &world.sandbox.operator_token)
-        .env("RIALTO_E2E_MODEL", "mock-chat")
-        .output()
-        .await
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "conformance failed:\n{stdout}\n{stderr}"
-    );
+    let stdout = run_script(
+        "openapi_conformance.py",
+        &[
+            ("RIALTO_E2E_ROOT_URL", &world.sandbox.url),
+            ("RIALTO_E2E_OPERATOR_TOKEN", &world.sandbox.operator_token),
+            ("RIALTO_E2E_MODEL", "mock-chat"),
+        ],
+    )
+    .await;
     assert!(stdout.contains("conformance ok"), "{stdout}");
 }
