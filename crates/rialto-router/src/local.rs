@@ -34,7 +34,8 @@ struct Backend {
     name: String,
     /// `host:port`, for logs only.
     host: String,
-    chat_url: String,
+    /// Parsed once: reqwest would parse a string on every request.
+    chat_url: reqwest::Url,
     upstream_model: String,
     api_key: Option<SecretString>,
 }
@@ -42,18 +43,21 @@ struct Backend {
 impl Backend {
     /// `index` names an unnamed backend (`<model>/<index>`): the public
     /// `x-<brand>-model-router` header must not reveal internal addresses.
-    fn new(model_id: &str, index: usize, config: &BackendConfig) -> Self {
+    fn new(model_id: &str, index: usize, config: &BackendConfig) -> Result<Self> {
         let base = config.url.trim_end_matches('/');
-        Self {
+        let chat_url = format!("{base}/chat/completions")
+            .parse()
+            .map_err(|e| Error::invalid(format!("model {model_id}: backend url: {e}")))?;
+        Ok(Self {
             name: config
                 .name
                 .clone()
                 .unwrap_or_else(|| format!("{model_id}/{index}")),
             host: backend_host(base),
-            chat_url: format!("{base}/chat/completions"),
+            chat_url,
             upstream_model: config.model.clone().unwrap_or_else(|| model_id.to_owned()),
             api_key: config.api_key.clone(),
-        }
+        })
     }
 }
 
@@ -95,12 +99,12 @@ impl LocalRouter {
                         .iter()
                         .enumerate()
                         .map(|(i, b)| Backend::new(&model.id, i, b))
-                        .collect(),
+                        .collect::<Result<_>>()?,
                     next: AtomicUsize::new(0),
                 };
-                (model.id.clone(), route)
+                Ok((model.id.clone(), route))
             })
-            .collect();
+            .collect::<Result<_>>()?;
         Ok(Self {
             models,
             http,
@@ -183,7 +187,7 @@ impl LocalRouter {
         let bytes = serde_json::to_vec(body).map_err(|e| Attempt::Final(Error::internal(e)))?;
         let mut builder = self
             .http
-            .post(&backend.chat_url)
+            .post(backend.chat_url.clone())
             .header("content-type", "application/json")
             .header("x-request-id", request_id)
             .body(bytes);

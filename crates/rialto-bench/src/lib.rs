@@ -1,0 +1,61 @@
+//! Benchmark instruments for `make bench` (see `bench/run.py` and
+//! BENCHMARKS.md). Not used by the service.
+//!
+//! - `bench-upstream`: an OpenAI-compatible mock upstream built for speed: a
+//!   precomputed answer of a fixed size, an optional fixed latency, and SSE
+//!   streams with a set number of chunks and delay between them. It reads only
+//!   enough of a request to know whether it asks for a stream.
+//! - `bench-load`: a load generator with HDR histograms, closed-loop (fixed
+//!   concurrency), open-loop (fixed rate, latency measured from each request's
+//!   intended start so coordinated omission cannot hide queueing) and
+//!   streaming (time to first token and total stream time).
+//!
+//! Both speak HTTP/1.1 over hyper with keep-alive connections and print
+//! their results as JSON.
+
+/// Whether a JSON request body asks for a stream: `"stream"` followed by
+/// optional white space, `:`, optional white space and `true`. Enough for
+/// the bodies Rialto and LiteLLM send, without parsing them.
+pub fn wants_stream(body: &[u8]) -> bool {
+    let key = b"\"stream\"";
+    let mut rest = body;
+    while let Some(at) = find(rest, key) {
+        let after = &rest[at + key.len()..];
+        let after = skip_space(after);
+        if let Some(after) = after.strip_prefix(b":")
+            && skip_space(after).starts_with(b"true")
+        {
+            return true;
+        }
+        rest = &rest[at + key.len()..];
+    }
+    false
+}
+
+fn skip_space(bytes: &[u8]) -> &[u8] {
+    let start = bytes
+        .iter()
+        .position(|b| !b.is_ascii_whitespace())
+        .unwrap_or(bytes.len());
+    &bytes[start..]
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::wants_stream;
+
+    #[test]
+    fn finds_stream_true_in_compact_and_spaced_json() {
+        assert!(wants_stream(br#"{"model":"m","stream":true}"#));
+        assert!(wants_stream(br#"{"model": "m", "stream" : true}"#));
+        assert!(!wants_stream(br#"{"model":"m","stream":false}"#));
+        assert!(!wants_stream(br#"{"model":"m"}"#));
+        assert!(!wants_stream(
+            br#"{"stream_options":{"include_usage":true}}"#
+        ));
+    }
+}
