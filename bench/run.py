@@ -390,6 +390,9 @@ def report(results, meta):
     for count in floor["streams"]:
         for name in SCENARIOS:
             s = results[name]["streams"][count]
+            if not s["streams"]:
+                lines.append(f"| {name} | {count} | no stream finished in the window | | | | | 0 | {s['errors']} |")
+                continue
             added = s["first_token_us"]["p50"] - floor["streams"][count]["first_token_us"]["p50"]
             lines.append(f"| {name} | {count} | {ms(s['first_token_us']['p50'])} | {ms(s['first_token_us']['p99'])} | "
                          f"{added if name != 'floor' else '–'} | {ms(s['total_us']['p50'])} | {ms(s['total_us']['p99'])} | "

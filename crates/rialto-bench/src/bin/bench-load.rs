@@ -241,8 +241,11 @@ async fn run_closed(target: &Target, workers: usize) -> anyhow::Result<(Tally, f
             let mut tally = Tally::new()?;
             let mut sender = None;
             while Instant::now() < end {
+                let result = exchange(&template, &mut sender).await;
+                // Counted when it ends in the window: a slow stream begun
+                // during warm-up still shows up.
                 let measured = Instant::now() >= begin;
-                match exchange(&template, &mut sender).await {
+                match result {
                     Ok(timing) if measured => {
                         let _ = tally.latency.record(micros(timing.total));
                         let _ = tally.first.record(micros(timing.first));
