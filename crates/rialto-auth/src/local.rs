@@ -438,6 +438,22 @@ mod tests {
         }
     }
 
+    /// A new INFERENCE key of `account_id`, expiring at `expires_at_ms`.
+    async fn inference_key(
+        auth: &LocalAuth,
+        account_id: &str,
+        expires_at_ms: Option<i64>,
+    ) -> pb::CreatedKey {
+        auth.create_api_key(pb::CreateApiKeyRequest {
+            account_id: account_id.to_owned(),
+            key_type: pb::KeyType::Inference as i32,
+            description: "test".into(),
+            expires_at_ms,
+        })
+        .await
+        .unwrap()
+    }
+
     #[tokio::test]
     async fn a_new_account_key_authenticates_as_admin() {
         let (auth, _dir) = service().await;
@@ -476,15 +492,7 @@ mod tests {
             .unwrap_err();
         assert_eq!(error.code, ErrorCode::Unauthenticated);
 
-        let key = auth
-            .create_api_key(pb::CreateApiKeyRequest {
-                account_id: account_id.clone(),
-                key_type: pb::KeyType::Inference as i32,
-                description: "ci".into(),
-                expires_at_ms: None,
-            })
-            .await
-            .unwrap();
+        let key = inference_key(&auth, &account_id, None).await;
         let id = key.record.unwrap().id;
         auth.authenticate(authn(&key.secret)).await.unwrap();
         auth.delete_api_key(pb::DeleteApiKeyRequest {
@@ -583,15 +591,7 @@ mod tests {
     async fn keys_deleted_elsewhere_stop_working_within_the_recheck_interval() {
         let (auth, _dir) = service().await;
         let (account_id, _) = account(&auth).await;
-        let key = auth
-            .create_api_key(pb::CreateApiKeyRequest {
-                account_id,
-                key_type: pb::KeyType::Inference as i32,
-                description: "x".into(),
-                expires_at_ms: None,
-            })
-            .await
-            .unwrap();
+        let key = inference_key(&auth, &account_id, None).await;
         auth.authenticate(authn(&key.secret)).await.unwrap();
         // Another replica deletes it: straight in the database.
         sqlx::query("DELETE FROM api_keys WHERE id = $1")
@@ -618,15 +618,7 @@ mod tests {
     async fn expired_keys_are_refused() {
         let (auth, _dir) = service().await;
         let (account_id, _) = account(&auth).await;
-        let key = auth
-            .create_api_key(pb::CreateApiKeyRequest {
-                account_id,
-                key_type: pb::KeyType::Inference as i32,
-                description: "old".into(),
-                expires_at_ms: Some(now_ms() - 1),
-            })
-            .await
-            .unwrap();
+        let key = inference_key(&auth, &account_id, Some(now_ms() - 1)).await;
         let error = auth.authenticate(authn(&key.secret)).await.unwrap_err();
         assert_eq!(error.code, ErrorCode::Unauthenticated);
     }
