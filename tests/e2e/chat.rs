@@ -28,11 +28,7 @@ async fn inference_key(world: &World) -> String {
 async fn post(world: &World, key: &str, body: Value) -> reqwest::Response {
     world
         .sandbox
-        .http()
-        .post(world.sandbox.api("/chat/completions"))
-        .bearer_auth(key)
-        .json(&body)
-        .send()
+        .call(reqwest::Method::POST, "/chat/completions", key, Some(&body))
         .await
         .unwrap()
 }

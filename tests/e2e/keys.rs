@@ -16,11 +16,12 @@ both_topologies!(
 async fn chat(world: &World, key: &str) -> reqwest::Response {
     world
         .sandbox
-        .http()
-        .post(world.sandbox.api("/chat/completions"))
-        .bearer_auth(key)
-        .json(&json!({"model": "mock-chat", "messages": [{"role": "user", "content": "hi"}]}))
-        .send()
+        .call(
+            reqwest::Method::POST,
+            "/chat/completions",
+            key,
+            Some(&json!({"model": "mock-chat", "messages": [{"role": "user", "content": "hi"}]})),
+        )
         .await
         .unwrap()
 }
@@ -32,11 +33,14 @@ async fn key_lifecycle(world: &World) {
 
     // Create an INFERENCE key: the secret is shown once.
     let response = sandbox
-        .http()
-        .post(sandbox.api("/api_keys"))
-        .bearer_auth(&account.admin_key)
-        .json(&json!({"apiKeyType": "INFERENCE", "description": "ci", "expiresAt": "2099-01-01"}))
-        .send()
+        .call(
+            reqwest::Method::POST,
+            "/api_keys",
+            &account.admin_key,
+            Some(
+                &json!({"apiKeyType": "INFERENCE", "description": "ci", "expiresAt": "2099-01-01"}),
+            ),
+        )
         .await
         .unwrap();
     assert_eq!(response.status(), 200);
@@ -58,10 +62,7 @@ async fn key_lifecycle(world: &World) {
 
     // List and get show the record, never the secret.
     let list: Value = sandbox
-        .http()
-        .get(sandbox.api("/api_keys"))
-        .bearer_auth(&account.admin_key)
-        .send()
+        .call(reqwest::Method::GET, "/api_keys", &account.admin_key, None)
         .await
         .unwrap()
         .json()
@@ -71,10 +72,12 @@ async fn key_lifecycle(world: &World) {
     assert_eq!(list["data"].as_array().unwrap().len(), 2);
     assert!(!list.to_string().contains(&secret[21..]));
     let record: Value = sandbox
-        .http()
-        .get(sandbox.api(&format!("/api_keys/{id}")))
-        .bearer_auth(&account.admin_key)
-        .send()
+        .call(
+            reqwest::Method::GET,
+            &format!("/api_keys/{id}"),
+            &account.admin_key,
+            None,
+        )
         .await
         .unwrap()
         .json()
@@ -95,10 +98,12 @@ async fn key_lifecycle(world: &World) {
 
     // Delete with ?id=, then the very next request is refused.
     let deleted = sandbox
-        .http()
-        .delete(sandbox.api(&format!("/api_keys?id={id}")))
-        .bearer_auth(&account.admin_key)
-        .send()
+        .call(
+            reqwest::Method::DELETE,
+            &format!("/api_keys?id={id}"),
+            &account.admin_key,
+            None,
+        )
         .await
         .unwrap();
     assert_eq!(deleted.status(), 200);
@@ -114,11 +119,12 @@ async fn key_lifecycle(world: &World) {
 
     // Deleting it again, by JSON body this time: the hosted API's 400.
     let again = sandbox
-        .http()
-        .delete(sandbox.api("/api_keys"))
-        .bearer_auth(&account.admin_key)
-        .json(&json!({"id": id}))
-        .send()
+        .call(
+            reqwest::Method::DELETE,
+            "/api_keys",
+            &account.admin_key,
+            Some(&json!({"id": id})),
+        )
         .await
         .unwrap();
     assert_eq!(again.status(), 400);
@@ -129,10 +135,12 @@ async fn key_lifecycle(world: &World) {
 
     // Without any id: a validation error with details.
     let missing = sandbox
-        .http()
-        .delete(sandbox.api("/api_keys"))
-        .bearer_auth(&account.admin_key)
-        .send()
+        .call(
+            reqwest::Method::DELETE,
+            "/api_keys",
+            &account.admin_key,
+            None,
+        )
         .await
         .unwrap();
     assert_eq!(missing.status(), 400);
@@ -151,10 +159,7 @@ async fn key_routes_need_an_admin_key(world: &World) {
         .await
         .unwrap();
     let response = sandbox
-        .http()
-        .get(sandbox.api("/api_keys"))
-        .bearer_auth(&inference)
-        .send()
+        .call(reqwest::Method::GET, "/api_keys", &inference, None)
         .await
         .unwrap();
     assert_eq!(response.status(), 401);
@@ -169,20 +174,23 @@ async fn key_routes_need_an_admin_key(world: &World) {
         .await
         .unwrap();
     let response = sandbox
-        .http()
-        .delete(sandbox.api(&format!("/api_keys?id={other_id}")))
-        .bearer_auth(&account.admin_key)
-        .send()
+        .call(
+            reqwest::Method::DELETE,
+            &format!("/api_keys?id={other_id}"),
+            &account.admin_key,
+            None,
+        )
         .await
         .unwrap();
     assert_eq!(response.status(), 400);
     // Unknown create fields are refused like the hosted API does.
     let response = sandbox
-        .http()
-        .post(sandbox.api("/api_keys"))
-        .bearer_auth(&account.admin_key)
-        .json(&json!({"apiKeyType": "INFERENCE", "description": "x", "color": "red"}))
-        .send()
+        .call(
+            reqwest::Method::POST,
+            "/api_keys",
+            &account.admin_key,
+            Some(&json!({"apiKeyType": "INFERENCE", "description": "x", "color": "red"})),
+        )
         .await
         .unwrap();
     assert_eq!(response.status(), 400);

@@ -196,6 +196,22 @@ impl Sandbox {
             .map(|(_, addr)| addr.as_str())
     }
 
+    /// Sends `method` to `/api/v1<path>` with `key` as the bearer and `body`
+    /// as JSON: the shape of almost every call the end-to-end tests make.
+    pub async fn call(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        key: &str,
+        body: Option<&Value>,
+    ) -> reqwest::Result<reqwest::Response> {
+        let mut request = self.http.request(method, self.api(path)).bearer_auth(key);
+        if let Some(body) = body {
+            request = request.json(body);
+        }
+        request.send().await
+    }
+
     pub fn config_path(&self) -> &Path {
         &self.config_path
     }
