@@ -6,7 +6,7 @@
 //! services: the gateway validates against it, the limiter reads tiers, billing
 //! reads prices and the router reads backends.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
 use std::path::Path;
 
@@ -33,6 +33,8 @@ pub struct Config {
     pub remote: RemoteConfig,
     pub router: RouterConfig,
     pub log: LogConfig,
+    pub limits: LimitsConfig,
+    pub bus: BusConfig,
     pub models: Vec<ModelConfig>,
 }
 
@@ -80,6 +82,8 @@ pub struct OperatorConfig {
 #[serde(default, deny_unknown_fields)]
 pub struct RemoteConfig {
     pub auth: String,
+    /// One limiter address, or several separated by commas: each principal
+    /// is owned by one of them, chosen by a consistent hash.
     pub limiter: String,
     pub billing: String,
     pub router: String,
@@ -101,6 +105,108 @@ pub struct LogConfig {
     pub format: String,
     /// A `tracing` filter such as `info` or `rialto=debug,info`; `RUST_LOG` wins.
     pub level: String,
+}
+
+/// Rate limits (`[limits]`). Every number is a limit per window
+/// (`window_secs`, a minute by default) unless its name says otherwise.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LimitsConfig {
+    /// Length of the rolling window of `rpm` and `tpm`, in seconds.
+    pub window_secs: u64,
+    /// Completion tokens assumed at admission when a request sets no
+    /// `max_tokens` and its model no `max_completion_tokens`.
+    pub default_completion_tokens: u64,
+    /// Seconds an idle principal's actor lives after its windows empty.
+    pub idle_secs: u64,
+    /// Per-key limits: account tier (`standard`, `partner`, ...) -> limit
+    /// class -> limit. A text model's class is its tier (`XS`, `S`, `M`,
+    /// `L`); another model's is its type (`image`, `audio`, `embedding`,
+    /// `video`); `endpoint` covers the non-inference endpoints. A class
+    /// missing from the table is not limited.
+    pub tiers: BTreeMap<String, BTreeMap<String, Limit>>,
+    /// Replacements of the tier table for one account's keys or one key.
+    pub overrides: Vec<LimitOverride>,
+    /// Account-wide (`user`) windows shared by all keys of an account.
+    pub user: Vec<UserLimit>,
+    pub abuse: AbuseConfig,
+}
+
+/// Requests per window, and optionally tokens per window and requests per
+/// UTC day.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Limit {
+    pub rpm: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tpm: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rpd: Option<u64>,
+}
+
+/// `[[limits.overrides]]`: for the keys of `account`, or for the one key
+/// `key`, and for `model` or every model, the given fields replace the
+/// tier's.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct LimitOverride {
+    #[serde(default)]
+    pub account: Option<String>,
+    #[serde(default)]
+    pub key: Option<String>,
+    #[serde(default)]
+    pub model: Option<String>,
+    #[serde(default)]
+    pub rpm: Option<u64>,
+    #[serde(default)]
+    pub tpm: Option<u64>,
+    #[serde(default)]
+    pub rpd: Option<u64>,
+}
+
+/// `[[limits.user]]`: one window for all keys of `account` together, on
+/// `model` or on each model.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct UserLimit {
+    pub account: String,
+    #[serde(default)]
+    pub model: Option<String>,
+    pub rpm: u64,
+    #[serde(default)]
+    pub tpm: Option<u64>,
+    #[serde(default)]
+    pub rpd: Option<u64>,
+}
+
+impl UserLimit {
+    pub fn limit(&self) -> Limit {
+        Limit {
+            rpm: self.rpm,
+            tpm: self.tpm,
+            rpd: self.rpd,
+        }
+    }
+}
+
+/// Abuse protection: more than `threshold` failed requests within
+/// `window_secs` block the principal (or client address) for `block_secs`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AbuseConfig {
+    pub threshold: u32,
+    pub window_secs: u64,
+    pub block_secs: u64,
+}
+
+/// The event bus (`[bus]`): in-process when `url` is empty, else NATS.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BusConfig {
+    /// `nats://host:port`; empty for the in-process bus of one process.
+    pub url: String,
+    /// First token of every subject; the brand when empty.
+    pub subject_prefix: String,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -135,6 +241,12 @@ pub struct ModelConfig {
     pub deprecation_date: Option<String>,
     #[serde(default)]
     pub deprecation_warning: Option<String>,
+    /// Requests per window for all callers together, protecting the backends.
+    #[serde(default)]
+    pub global_rpm: Option<u64>,
+    /// Tokens per window for all callers together.
+    #[serde(default)]
+    pub global_tpm: Option<u64>,
     #[serde(default)]
     pub backends: Vec<BackendConfig>,
 }
@@ -166,9 +278,9 @@ fn default_tier() -> String {
 }
 
 /// Top-level keys of [`Config`], the only ones `RIALTO_*` variables may set.
-const TOP_LEVEL_KEYS: [&str; 10] = [
+const TOP_LEVEL_KEYS: [&str; 12] = [
     "brand", "services", "gateway", "grpc", "database", "operator", "remote", "router", "log",
-    "models",
+    "limits", "bus", "models",
 ];
 
 /// The services a process can run, in start order.
@@ -186,6 +298,8 @@ impl Default for Config {
             remote: RemoteConfig::default(),
             router: RouterConfig::default(),
             log: LogConfig::default(),
+            limits: LimitsConfig::default(),
+            bus: BusConfig::default(),
             models: Vec::new(),
         }
     }
@@ -246,6 +360,79 @@ impl Default for LogConfig {
         Self {
             format: "text".to_owned(),
             level: "info".to_owned(),
+        }
+    }
+}
+
+impl Default for LimitsConfig {
+    fn default() -> Self {
+        let limit = |rpm, tpm| Limit {
+            rpm,
+            tpm,
+            rpd: None,
+        };
+        let table = |rows: &[(&str, u64, Option<u64>)]| {
+            rows.iter()
+                .map(|(class, rpm, tpm)| ((*class).to_owned(), limit(*rpm, *tpm)))
+                .collect::<BTreeMap<_, _>>()
+        };
+        // The spec's defaults ("Limits"); `endpoint` is ours.
+        let standard = table(&[
+            ("XS", 500, Some(1_000_000)),
+            ("S", 75, Some(750_000)),
+            ("M", 50, Some(750_000)),
+            ("L", 20, Some(500_000)),
+            ("image", 20, None),
+            ("audio", 60, None),
+            ("embedding", 500, None),
+            ("video", 40, None),
+            ("video_retrieve", 120, None),
+            ("endpoint", 500, None),
+        ]);
+        let partner = table(&[
+            ("XS", 500, Some(2_000_000)),
+            ("S", 150, Some(1_500_000)),
+            ("M", 100, Some(1_500_000)),
+            ("L", 60, Some(1_000_000)),
+            ("image", 60, None),
+            ("audio", 120, None),
+            ("embedding", 500, None),
+            ("video", 40, None),
+            ("video_retrieve", 120, None),
+            ("endpoint", 500, None),
+        ]);
+        Self {
+            window_secs: 60,
+            default_completion_tokens: 1024,
+            idle_secs: 120,
+            tiers: BTreeMap::from([
+                ("standard".to_owned(), standard),
+                ("partner".to_owned(), partner),
+            ]),
+            overrides: Vec::new(),
+            user: Vec::new(),
+            abuse: AbuseConfig::default(),
+        }
+    }
+}
+
+impl Default for AbuseConfig {
+    fn default() -> Self {
+        Self {
+            threshold: 20,
+            window_secs: 30,
+            block_secs: 30,
+        }
+    }
+}
+
+impl ModelConfig {
+    /// The limit class of this model in the tier tables.
+    pub fn limit_class(&self) -> &str {
+        if self.model_type == "text" {
+            &self.tier
+        } else {
+            &self.model_type
         }
     }
 }
@@ -318,6 +505,26 @@ impl Config {
                     SERVICES.join(",")
                 ));
             }
+        }
+        let limits = &self.limits;
+        if limits.window_secs == 0 || limits.abuse.window_secs == 0 {
+            return invalid("limits.window_secs and limits.abuse.window_secs must be > 0".into());
+        }
+        if !limits.tiers.contains_key("standard") {
+            return invalid("limits.tiers must define the \"standard\" tier".into());
+        }
+        for o in &limits.overrides {
+            if o.account.is_some() == o.key.is_some() {
+                return invalid(
+                    "each [[limits.overrides]] names exactly one of `account` or `key`".into(),
+                );
+            }
+        }
+        if !(self.bus.url.is_empty() || self.bus.url.starts_with("nats://")) {
+            return invalid(format!(
+                "bus.url {:?} must be empty (in-process) or nats://host:port",
+                self.bus.url
+            ));
         }
         let mut seen = HashSet::new();
         for model in &self.models {

@@ -6,12 +6,14 @@
 //!   environment variables) and the model catalog it declares.
 //! - [`error`]: the one error type services return, its code table, and its
 //!   mapping to HTTP statuses and gRPC codes.
+//! - [`bus`]: the event bus, in-process or NATS.
 //! - [`db`]: opening the database chosen by URL scheme and applying migrations.
 //! - [`telemetry`]: the tracing subscriber.
 //!
 //! This crate holds no service logic and no HTTP or actor code.
 
 pub mod brand;
+pub mod bus;
 pub mod config;
 pub mod db;
 pub mod error;

@@ -13,9 +13,8 @@ use actix_web::{HttpMessage, HttpRequest, HttpResponse, HttpResponseBuilder, web
 use bytes::Bytes;
 use futures_util::StreamExt;
 use rialto_core::ErrorCode;
-use rialto_limiter::LimiterClient;
+use rialto_limiter::{RateLimiter, Target, Ticket};
 use rialto_proto::billing::v1 as billing_pb;
-use rialto_proto::limiter::v1 as limiter_pb;
 use rialto_proto::router::v1 as router_pb;
 use rialto_proto::router::v1::chat_stream_event::Event;
 use serde_json::{Map, Value, json};
@@ -23,14 +22,12 @@ use tokio::sync::mpsc;
 
 use crate::headers::RequestId;
 use crate::{
-    ApiError, Details, Gateway, ModelEntry, authenticate, header_value, parse_json, read_body,
+    ApiError, Details, Gateway, ModelEntry, RateLimitHeaders, authenticate, header_value,
+    parse_json, read_body,
 };
 
 /// Most choices one request may ask for.
 const MAX_N: u64 = 16;
-/// Completion budget assumed for the limiter's estimate when the request
-/// and the model set none.
-const DEFAULT_MAX_TOKENS: u64 = 1024;
 const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
 
 /// What validation learned about a request.
@@ -53,37 +50,24 @@ struct Exchange {
 
 /// Tells the limiter what an admitted request really used, exactly once: on
 /// the normal path with the real usage, and if the request ends any other
-/// way (an error, the client gone, the handler dropped) with what is known.
+/// way (an error, the handler dropped) with none.
 struct Settlement {
-    limiter: LimiterClient,
-    request: Option<limiter_pb::CommitRequest>,
+    limiter: RateLimiter,
+    ticket: Option<Ticket>,
 }
 
 impl Settlement {
     fn settle(mut self, used_tokens: u64) {
-        if let Some(mut request) = self.request.take() {
-            request.used_tokens = used_tokens;
-            self.send(request);
-        }
-    }
-
-    fn send(&self, request: limiter_pb::CommitRequest) {
-        let limiter = self.limiter.clone();
-        // Off the response path; Drop may run outside a runtime at shutdown.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                if let Err(error) = limiter.commit(request).await {
-                    tracing::warn!(%error, "limiter commit failed");
-                }
-            });
+        if let Some(ticket) = self.ticket.take() {
+            self.limiter.commit(ticket, used_tokens, false);
         }
     }
 }
 
 impl Drop for Settlement {
     fn drop(&mut self) {
-        if let Some(request) = self.request.take() {
-            self.send(request);
+        if let Some(ticket) = self.ticket.take() {
+            self.limiter.commit(ticket, 0, false);
         }
     }
 }
@@ -107,29 +91,24 @@ pub async fn completions(
         .unwrap_or_else(rialto_core::ids::request_id);
 
     let limiter = &gateway.services.limiter;
-    let admitted = limiter
-        .admit(limiter_pb::AdmitRequest {
-            request_id: request_id.clone(),
-            account_id: principal.account_id.clone(),
-            key_id: principal.key_id.clone(),
-            model_id: chat.model_id.clone(),
-            estimated_tokens: chat.estimated_tokens,
-        })
+    let admission = limiter
+        .admit(
+            crate::caller(&principal),
+            Target::model(&model.config),
+            &request_id,
+            chat.estimated_tokens,
+        )
         .await?;
-    if !admitted.admitted {
-        return Err(ApiError::new(ErrorCode::RateLimited, "Rate limit exceeded"));
+    if let Some(headers) = admission.headers {
+        request.extensions_mut().insert(RateLimitHeaders(headers));
+    }
+    if let Some(refusal) = admission.refusal {
+        return Err(refusal.into());
     }
     // From here on the limiter hears back however the request ends.
     let settlement = Settlement {
         limiter: limiter.clone(),
-        request: Some(limiter_pb::CommitRequest {
-            request_id: request_id.clone(),
-            account_id: principal.account_id,
-            key_id: principal.key_id,
-            model_id: chat.model_id.clone(),
-            estimated_tokens: chat.estimated_tokens,
-            used_tokens: 0,
-        }),
+        ticket: Some(admission.ticket),
     };
 
     let router_request = router_pb::ChatRequest {
@@ -562,7 +541,7 @@ fn validate(gateway: &Gateway, body: &mut Value) -> Result<Chat, ApiError> {
                 .model(&model_id)
                 .and_then(|m| m.config.max_completion_tokens)
         })
-        .unwrap_or(DEFAULT_MAX_TOKENS);
+        .unwrap_or(gateway.services.limiter.policy().default_completion_tokens);
     let prompt_tokens_estimate = (prompt_chars as u64).div_ceil(4).max(1);
     Ok(Chat {
         model_id,

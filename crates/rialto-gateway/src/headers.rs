@@ -3,7 +3,8 @@
 
 use std::time::Instant;
 
-use actix_web::body::MessageBody;
+use actix_web::ResponseError;
+use actix_web::body::{EitherBody, MessageBody};
 use actix_web::dev::{ServiceRequest, ServiceResponse};
 use actix_web::http::header::{CONTENT_ENCODING, HeaderName, HeaderValue};
 use actix_web::middleware::Next;
@@ -11,7 +12,8 @@ use actix_web::{HttpMessage, web};
 use rialto_core::Brand;
 use tracing::Instrument;
 
-use crate::Gateway;
+use crate::limits::AbuseSubjects;
+use crate::{Authenticated, Gateway, RateLimitHeaders};
 
 /// The request id (`CF-RAY`), stored in the request's extensions.
 #[derive(Debug, Clone)]
@@ -50,12 +52,14 @@ impl Stamp {
 
 const CF_RAY: HeaderName = HeaderName::from_static("cf-ray");
 
-/// Middleware: assigns the request id, runs the request in a span that
-/// carries it, stamps the common headers and logs one line per request.
+/// Middleware: assigns the request id, refuses callers the abuse guard
+/// blocks (before anything else), runs the request in a span that carries
+/// its id, stamps the common and rate-limit headers, counts failures, and
+/// logs one line per request.
 pub async fn stamp(
     request: ServiceRequest,
     next: Next<impl MessageBody>,
-) -> Result<ServiceResponse<impl MessageBody>, actix_web::Error> {
+) -> Result<ServiceResponse<EitherBody<impl MessageBody>>, actix_web::Error> {
     let request_id = rialto_core::ids::request_id();
     request
         .extensions_mut()
@@ -65,7 +69,37 @@ pub async fn stamp(
     let path = request.path().to_owned();
     let started = Instant::now();
     let gateway = request.app_data::<web::Data<Gateway>>().cloned();
-    let mut response = next.call(request).instrument(span.clone()).await?;
+    let subjects = gateway
+        .as_ref()
+        .map(|gateway| AbuseSubjects::of(gateway, &request));
+    let blocked = gateway
+        .as_ref()
+        .zip(subjects.as_ref())
+        .and_then(|(gateway, subjects)| subjects.refusal(gateway));
+    let mut response = match blocked {
+        Some((error, headers)) => {
+            let (request, _) = request.into_parts();
+            let mut response = error.error_response();
+            crate::limits::write_headers(response.headers_mut(), &headers, true);
+            ServiceResponse::new(request, response).map_into_right_body()
+        }
+        None => {
+            let response = next.call(request).instrument(span.clone()).await?;
+            let status = response.status().as_u16();
+            let extensions = response.request().extensions();
+            if let (Some(gateway), Some(subjects)) = (&gateway, &subjects) {
+                let authenticated = extensions.get::<Authenticated>();
+                subjects.record(gateway, status, authenticated, &path);
+            }
+            let rate = extensions.get::<RateLimitHeaders>().cloned();
+            drop(extensions);
+            let mut response = response.map_into_left_body();
+            if let Some(RateLimitHeaders(values)) = rate {
+                crate::limits::write_headers(response.headers_mut(), &values, status == 429);
+            }
+            response
+        }
+    };
     let status = response.status().as_u16();
     let headers = response.headers_mut();
     // Streams carry `Content-Encoding: identity` only to keep the Compress

@@ -7,7 +7,7 @@ use rialto_proto::auth::v1 as pb;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::{ApiError, Details, Gateway, authenticate_admin, parse_json, read_body};
+use crate::{ApiError, Details, Gateway, authenticate_endpoint, parse_json, read_body};
 
 /// Members `POST /api_keys` accepts (the hosted API refuses any other).
 const CREATE_FIELDS: &[&str] = &[
@@ -23,7 +23,7 @@ pub async fn list(
     gateway: web::Data<Gateway>,
     request: HttpRequest,
 ) -> Result<HttpResponse, ApiError> {
-    let principal = authenticate_admin(&gateway, &request).await?;
+    let principal = authenticate_endpoint(&gateway, &request, true).await?;
     let keys = gateway
         .services
         .auth
@@ -41,7 +41,7 @@ pub async fn get(
     request: HttpRequest,
     id: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
-    let principal = authenticate_admin(&gateway, &request).await?;
+    let principal = authenticate_endpoint(&gateway, &request, true).await?;
     let record = gateway
         .services
         .auth
@@ -58,7 +58,7 @@ pub async fn create(
     request: HttpRequest,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let principal = authenticate_admin(&gateway, &request).await?;
+    let principal = authenticate_endpoint(&gateway, &request, true).await?;
     let body = parse_json(&read_body(&gateway, &request, payload).await?)?;
     let create = validate_create(&body)?;
     let created = gateway
@@ -98,7 +98,7 @@ pub async fn delete(
     query: web::Query<DeleteQuery>,
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
-    let principal = authenticate_admin(&gateway, &request).await?;
+    let principal = authenticate_endpoint(&gateway, &request, true).await?;
     // The id comes as `?id=` (the hosted API's documented form) or as a JSON
     // body `{"id": ...}` (also accepted there).
     let id = match query.into_inner().id {

@@ -25,7 +25,8 @@ use futures_util::StreamExt;
 use rialto_auth::AuthClient;
 use rialto_billing::BillingClient;
 use rialto_core::{Brand, Config, ErrorCode, ModelConfig};
-use rialto_limiter::LimiterClient;
+use rialto_limiter::abuse::AbuseGuard;
+use rialto_limiter::{Caller, RateHeaders, RateLimiter, Target};
 use rialto_proto::auth::v1 as auth_pb;
 use rialto_router::RouterClient;
 use secrecy::SecretString;
@@ -34,6 +35,7 @@ mod chat;
 pub mod error;
 mod headers;
 mod keys;
+mod limits;
 mod models;
 mod openapi;
 pub mod operator;
@@ -44,7 +46,7 @@ pub use error::{ApiError, Details};
 #[derive(Clone, Debug)]
 pub struct Services {
     pub auth: AuthClient,
-    pub limiter: LimiterClient,
+    pub limiter: RateLimiter,
     pub billing: BillingClient,
     pub router: RouterClient,
 }
@@ -64,6 +66,8 @@ pub struct Gateway {
     openapi: Bytes,
     /// Precomputed header names and values stamped on every response.
     stamp: headers::Stamp,
+    /// Failed-request counts per credential and client address.
+    abuse: AbuseGuard,
 }
 
 impl std::fmt::Debug for Gateway {
@@ -103,6 +107,7 @@ impl Gateway {
             max_body_bytes: config.gateway.max_body_bytes,
             stamp,
             brand,
+            abuse: AbuseGuard::new(&config.limits.abuse),
         })
     }
 
@@ -175,6 +180,10 @@ pub fn configure(gateway: web::Data<Gateway>) -> impl FnOnce(&mut web::ServiceCo
                     .route("/api_keys", web::get().to(keys::list))
                     .route("/api_keys", web::post().to(keys::create))
                     .route("/api_keys", web::delete().to(keys::delete))
+                    // Before `/api_keys/{id}`, which would match them too.
+                    .route("/api_keys/rate_limits", web::get().to(limits::rate_limits))
+                    .route("/api_keys/rate_limits/log", web::get().to(limits::log))
+                    .route("/api_keys/rate_limit_logs", web::get().to(limits::log))
                     .route("/api_keys/{id}", web::get().to(keys::get)),
             )
             .service(
@@ -299,6 +308,79 @@ async fn authenticate(
     if let Some(id) = request.extensions().get::<headers::RequestId>() {
         tracing::debug!(request_id = %id.0, key_id = principal.key_id, "authenticated");
     }
+    // Failures from here on count against the credential, not the address.
+    request.extensions_mut().insert(Authenticated {
+        account_id: principal.account_id.clone(),
+        key_id: principal.key_id.clone(),
+        tier: principal.tier.clone(),
+    });
+    Ok(principal)
+}
+
+/// Marks a request whose credentials were accepted (request extensions).
+#[derive(Debug, Clone)]
+pub(crate) struct Authenticated {
+    account_id: String,
+    key_id: String,
+    tier: String,
+}
+
+/// The `x-ratelimit-*` values of a request (request extensions); the stamp
+/// middleware writes them on the response, whatever its status.
+#[derive(Debug, Clone)]
+pub(crate) struct RateLimitHeaders(pub RateHeaders);
+
+fn caller(principal: &auth_pb::Principal) -> Caller<'_> {
+    Caller {
+        account_id: &principal.account_id,
+        key_id: &principal.key_id,
+        tier: &principal.tier,
+    }
+}
+
+/// Authenticates a call of a non-inference endpoint (ADMIN keys only when
+/// `admin`) and takes a slot in the caller's window of that endpoint.
+async fn authenticate_endpoint(
+    gateway: &Gateway,
+    request: &HttpRequest,
+    admin: bool,
+) -> Result<auth_pb::Principal, ApiError> {
+    let principal = if admin {
+        authenticate_admin(gateway, request).await?
+    } else {
+        authenticate(gateway, request).await?
+    };
+    let window = format!(
+        "endpoint:{}",
+        request
+            .match_pattern()
+            .as_deref()
+            .unwrap_or(request.path())
+            .trim_start_matches('/')
+    );
+    let request_id = request
+        .extensions()
+        .get::<headers::RequestId>()
+        .map(|id| id.0.clone())
+        .unwrap_or_default();
+    let admission = gateway
+        .services
+        .limiter
+        .admit(
+            caller(&principal),
+            Target::endpoint(&window),
+            &request_id,
+            0,
+        )
+        .await?;
+    if let Some(headers) = admission.headers {
+        request.extensions_mut().insert(RateLimitHeaders(headers));
+    }
+    if let Some(refusal) = admission.refusal {
+        return Err(refusal.into());
+    }
+    // No tokens to correct: the slot stays taken for the window.
+    drop(admission.ticket);
     Ok(principal)
 }
 

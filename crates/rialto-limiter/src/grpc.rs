@@ -37,6 +37,24 @@ impl Limiter for LimiterGrpc {
     ) -> Result<Response<pb::CommitResponse>, Status> {
         Ok(Response::new(self.0.commit(request.into_inner()).await?))
     }
+
+    async fn record_hits(
+        &self,
+        request: Request<pb::RecordHitsRequest>,
+    ) -> Result<Response<pb::RecordHitsResponse>, Status> {
+        Ok(Response::new(
+            self.0.record_hits(request.into_inner()).await?,
+        ))
+    }
+
+    async fn recent_hits(
+        &self,
+        request: Request<pb::RecentHitsRequest>,
+    ) -> Result<Response<pb::RecentHitsResponse>, Status> {
+        Ok(Response::new(
+            self.0.recent_hits(request.into_inner()).await?,
+        ))
+    }
 }
 
 /// The limiter in another process, reached over gRPC.
@@ -56,5 +74,13 @@ impl LimiterService for RemoteLimiter {
 
     async fn commit(&self, request: pb::CommitRequest) -> Result<pb::CommitResponse> {
         Ok(self.0.clone().commit(request).await?.into_inner())
+    }
+
+    async fn record_hits(&self, request: pb::RecordHitsRequest) -> Result<pb::RecordHitsResponse> {
+        Ok(self.0.clone().record_hits(request).await?.into_inner())
+    }
+
+    async fn recent_hits(&self, request: pb::RecentHitsRequest) -> Result<pb::RecentHitsResponse> {
+        Ok(self.0.clone().recent_hits(request).await?.into_inner())
     }
 }

@@ -11,7 +11,7 @@ use rialto_billing::{BillingClient, LocalBilling};
 use rialto_core::Config;
 use rialto_core::config::SERVICES;
 use rialto_gateway::{Gateway, Services};
-use rialto_limiter::{LimiterClient, LocalLimiter};
+use rialto_limiter::{LimiterClient, LocalLimiter, RateLimiter};
 use rialto_router::{LocalRouter, RouterClient};
 use std::time::Duration;
 
@@ -94,23 +94,59 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
     let server_token = ServerToken::new(config.grpc.token.as_ref());
     let max_message = max_message_bytes(&config);
     let remote = &config.remote;
-    let auth = if here.contains("auth") {
-        let db = rialto_core::db::Database::connect(
-            &config.database.url,
-            config.database.max_connections,
-        )
+    let bus = rialto_core::bus::Bus::from_config(&config.bus, &brand.name)
         .await
-        .with_context(|| "cannot open the database (database.url)")?;
+        .context("cannot connect the event bus (bus.url)")?;
+    let db = if here.contains("auth") || here.contains("limiter") {
+        Some(
+            rialto_core::db::Database::connect(
+                &config.database.url,
+                config.database.max_connections,
+            )
+            .await
+            .with_context(|| "cannot open the database (database.url)")?,
+        )
+    } else {
+        None
+    };
+    let auth = if let Some(db) = db.clone().filter(|_| here.contains("auth")) {
         AuthClient::new(LocalAuth::new(db, &brand.key_prefix))
     } else {
         let channel = channel(&remote.auth, "auth", UNARY_TIMEOUT)?;
         AuthClient::new(RemoteAuth::new(channel, client_token.clone()))
     };
-    let limiter = if here.contains("limiter") {
-        LimiterClient::new(LocalLimiter)
-    } else {
-        let channel = channel(&remote.limiter, "limiter", UNARY_TIMEOUT)?;
-        LimiterClient::new(RemoteLimiter::new(channel, client_token.clone()))
+    // The limiter replica of this process, if it runs one; otherwise every
+    // replica listed in remote.limiter, each owning a share of principals.
+    let local_limiter = match db.clone().filter(|_| here.contains("limiter")) {
+        Some(db) => Some(LimiterClient::new(
+            LocalLimiter::start(&config, db, bus.clone()).await?,
+        )),
+        None => None,
+    };
+    let limiter = match &local_limiter {
+        // The bus of this process reaches its own replica.
+        Some(local) => RateLimiter::new(
+            &config,
+            vec![("local".to_owned(), local.clone())],
+            Some(bus.clone()),
+        ),
+        None => {
+            let mut replicas = Vec::new();
+            for address in remote
+                .limiter
+                .split(',')
+                .map(str::trim)
+                .filter(|a| !a.is_empty())
+            {
+                let channel = channel(address, "limiter", UNARY_TIMEOUT)?;
+                let client = LimiterClient::new(RemoteLimiter::new(channel, client_token.clone()));
+                replicas.push((address.to_owned(), client));
+            }
+            anyhow::ensure!(!replicas.is_empty(), "remote.limiter lists no address");
+            // Commits and hits ride the bus when it reaches other processes.
+            let shared = bus.is_shared().then(|| bus.clone());
+            RateLimiter::new(&config, replicas, shared)
+        }
     };
     let billing = if here.contains("billing") {
         BillingClient::new(LocalBilling::new(&config.models))
@@ -165,8 +201,9 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
                     .then(|| rialto_auth::grpc::server(services.auth.clone(), token.clone())),
             )
             .add_optional_service(
-                local("limiter")
-                    .then(|| rialto_limiter::grpc::server(services.limiter.clone(), token.clone())),
+                local_limiter
+                    .clone()
+                    .map(|limiter| rialto_limiter::grpc::server(limiter, token.clone())),
             )
             .add_optional_service(
                 local("billing")

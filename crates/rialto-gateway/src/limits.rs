@@ -1,0 +1,225 @@
+//! The limits endpoints (`GET /api_keys/rate_limits`, the rate-limit log
+//! under both of its paths), the `x-ratelimit-*` headers, and the abuse
+//! guard's place in the request path.
+
+use std::time::Instant;
+
+use actix_web::http::header::{HeaderMap, HeaderName, HeaderValue};
+use actix_web::{HttpRequest, HttpResponse, web};
+use chrono::{DateTime, Duration as ChronoDuration, SecondsFormat, Utc};
+use rialto_core::ErrorCode;
+use rialto_limiter::abuse::{Recorded, Subject, is_failure};
+use rialto_limiter::{RateHeaders, Target};
+use rialto_proto::auth::v1 as auth_pb;
+use rialto_proto::limiter::v1 as limiter_pb;
+use serde_json::{Value, json};
+
+use crate::{ApiError, Authenticated, Gateway, authenticate_endpoint, caller};
+
+const LIMIT_REQUESTS: HeaderName = HeaderName::from_static("x-ratelimit-limit-requests");
+const REMAINING_REQUESTS: HeaderName = HeaderName::from_static("x-ratelimit-remaining-requests");
+const RESET_REQUESTS: HeaderName = HeaderName::from_static("x-ratelimit-reset-requests");
+const LIMIT_TOKENS: HeaderName = HeaderName::from_static("x-ratelimit-limit-tokens");
+const REMAINING_TOKENS: HeaderName = HeaderName::from_static("x-ratelimit-remaining-tokens");
+const RESET_TOKENS: HeaderName = HeaderName::from_static("x-ratelimit-reset-tokens");
+const LIMIT_TYPE: HeaderName = HeaderName::from_static("x-ratelimit-type");
+const RETRY_AFTER: HeaderName = HeaderName::from_static("retry-after");
+
+/// Writes the `x-ratelimit-*` headers; on a 429 also `Retry-After`.
+pub fn write_headers(headers: &mut HeaderMap, values: &RateHeaders, refused: bool) {
+    let number = |n: i64| HeaderValue::from(n);
+    let count = |n: u64| HeaderValue::from(n);
+    headers.insert(LIMIT_REQUESTS, count(values.limit_requests));
+    headers.insert(REMAINING_REQUESTS, count(values.remaining_requests));
+    headers.insert(RESET_REQUESTS, number(values.reset_requests));
+    if let Some(tokens) = &values.tokens {
+        headers.insert(LIMIT_TOKENS, count(tokens.limit));
+        headers.insert(REMAINING_TOKENS, count(tokens.remaining));
+        headers.insert(RESET_TOKENS, number(tokens.reset_secs));
+    }
+    headers.insert(LIMIT_TYPE, HeaderValue::from_static(values.scope.as_str()));
+    if refused {
+        let wait = (values.reset_requests - Utc::now().timestamp()).max(1);
+        headers.insert(RETRY_AFTER, number(wait));
+    }
+}
+
+/// Who a request is, for the abuse guard, before authentication: the
+/// fingerprint of its credential, and its client address.
+pub struct AbuseSubjects {
+    credential: Option<Subject>,
+    address: Option<Subject>,
+    started: Instant,
+}
+
+impl AbuseSubjects {
+    pub fn of(gateway: &Gateway, request: &actix_web::dev::ServiceRequest) -> Self {
+        let credential = request
+            .headers()
+            .get(actix_web::http::header::AUTHORIZATION)
+            .map(|value| gateway.abuse.credential(value.as_bytes()));
+        let address = request.peer_addr().map(|a| Subject::Address(a.ip()));
+        Self {
+            credential,
+            address,
+            started: Instant::now(),
+        }
+    }
+
+    /// The refusal of a blocked subject: checked before anything else.
+    pub fn refusal(&self, gateway: &Gateway) -> Option<(ApiError, RateHeaders)> {
+        let guard = &gateway.abuse;
+        let until = [self.credential, self.address]
+            .iter()
+            .flatten()
+            .find_map(|subject| guard.blocked_until(subject, self.started))?;
+        let wait = until.saturating_duration_since(self.started);
+        let reset = Utc::now().timestamp() + wait.as_secs_f64().ceil() as i64;
+        let error = ApiError::new(
+            ErrorCode::RateLimited,
+            format!(
+                "Too many failed attempts (> {}) resulting in a non-success status code. \
+                 Please wait {}s and try again.",
+                guard.threshold(),
+                guard.block().as_secs()
+            ),
+        );
+        let headers = RateHeaders {
+            scope: rialto_limiter::Scope::ApiKey,
+            limit_requests: guard.threshold() as u64,
+            remaining_requests: 0,
+            reset_requests: reset,
+            tokens: None,
+        };
+        Some((error, headers))
+    }
+
+    /// Counts a finished request that failed; a block that starts now is
+    /// logged as a FAILED_REQUESTS hit of the account.
+    pub fn record(
+        &self,
+        gateway: &Gateway,
+        status: u16,
+        authenticated: Option<&Authenticated>,
+        path: &str,
+    ) {
+        if !is_failure(status) {
+            return;
+        }
+        let subject = match authenticated {
+            Some(_) => self.credential,
+            None => self.address,
+        };
+        let Some(subject) = subject else { return };
+        if gateway.abuse.record_failure(subject, self.started) == Recorded::Blocked {
+            tracing::warn!(path, "too many failed requests: blocking the caller");
+            if let Some(who) = authenticated {
+                gateway.services.limiter.record_hit(limiter_pb::LimitHit {
+                    account_id: who.account_id.clone(),
+                    api_key_id: who.key_id.clone(),
+                    model_id: format!("endpoint:{}", path.trim_start_matches('/')),
+                    tier: who.tier.clone(),
+                    limit_type: "FAILED_REQUESTS".to_owned(),
+                    at_ms: rialto_core::db::now_ms(),
+                });
+            }
+        }
+    }
+}
+
+/// The next UTC midnight: when daily limits reset (`nextEpochBegins`).
+fn next_epoch() -> String {
+    let now = Utc::now();
+    let midnight = now
+        .date_naive()
+        .and_hms_opt(0, 0, 0)
+        .map(|t| t.and_utc() + ChronoDuration::days(1))
+        .unwrap_or(now);
+    iso(midnight)
+}
+
+fn iso(time: DateTime<Utc>) -> String {
+    time.to_rfc3339_opts(SecondsFormat::Millis, true)
+}
+
+/// `GET /api/v1/api_keys/rate_limits`: the calling key's limits per model.
+pub async fn rate_limits(
+    gateway: web::Data<Gateway>,
+    request: HttpRequest,
+) -> Result<HttpResponse, ApiError> {
+    let principal = authenticate_endpoint(&gateway, &request, false).await?;
+    let key = gateway
+        .services
+        .auth
+        .get_api_key(auth_pb::GetApiKeyRequest {
+            account_id: principal.account_id.clone(),
+            id: principal.key_id.clone(),
+        })
+        .await?;
+    let policy = gateway.services.limiter.policy();
+    let rate_limits: Vec<Value> = gateway
+        .models
+        .iter()
+        .map(|model| {
+            let limits = match policy.key_limit(caller(&principal), Target::model(&model.config)) {
+                Some(limit) => {
+                    let mut list = vec![json!({"type": "RPM", "amount": limit.rpm})];
+                    if let Some(rpd) = limit.rpd {
+                        list.push(json!({"type": "RPD", "amount": rpd}));
+                    }
+                    if let Some(tpm) = limit.tpm {
+                        list.push(json!({"type": "TPM", "amount": tpm}));
+                    }
+                    list
+                }
+                None => Vec::new(),
+            };
+            json!({"apiModelId": model.config.id, "rateLimits": limits})
+        })
+        .collect();
+    let key_expiration = key
+        .expires_at_ms
+        .and_then(DateTime::from_timestamp_millis)
+        .map(iso);
+    Ok(HttpResponse::Ok().json(json!({
+        "data": {
+            "accessPermitted": true,
+            "apiTier": {"id": principal.tier, "isCharged": true},
+            // Balances arrive with billing; unknown ones are left out.
+            "balances": {},
+            "keyExpiration": key_expiration,
+            "nextEpochBegins": next_epoch(),
+            "rateLimits": rate_limits,
+        }
+    })))
+}
+
+/// `GET /api/v1/api_keys/rate_limits/log` (and `/api_keys/rate_limit_logs`):
+/// the account's last 50 limit hits, newest first. ADMIN keys only.
+pub async fn log(
+    gateway: web::Data<Gateway>,
+    request: HttpRequest,
+) -> Result<HttpResponse, ApiError> {
+    let principal = authenticate_endpoint(&gateway, &request, true).await?;
+    let hits = gateway
+        .services
+        .limiter
+        .recent_hits(&principal.account_id)
+        .await?;
+    let data: Vec<Value> = hits
+        .into_iter()
+        .map(|hit| {
+            let timestamp = DateTime::from_timestamp_millis(hit.at_ms)
+                .map(iso)
+                .unwrap_or_default();
+            json!({
+                "apiKeyId": hit.api_key_id,
+                "modelId": hit.model_id,
+                "rateLimitTier": hit.tier,
+                "rateLimitType": hit.limit_type,
+                "timestamp": timestamp,
+            })
+        })
+        .collect();
+    Ok(HttpResponse::Ok().json(json!({"object": "list", "data": data})))
+}

@@ -1,0 +1,251 @@
+//! One actix actor per principal, owning that principal's windows, and the
+//! registry that finds or starts it.
+//!
+//! A decision is one synchronous message handler: no `.await` between
+//! reading a window and updating it, so concurrent requests of one principal
+//! are decided one after the other, exactly. Actors of different principals
+//! run in parallel on one arbiter (thread) per core, sharded by a hash of
+//! the principal. An actor stops itself once idle with empty windows, so
+//! stopping loses nothing.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use actix::prelude::*;
+use rialto_core::db::now_ms;
+use rialto_proto::limiter::v1 as pb;
+use tokio::sync::mpsc;
+
+use crate::window::Window;
+
+/// Where actors send the limit hits they find.
+pub type HitSink = mpsc::UnboundedSender<pb::LimitHit>;
+
+/// At most one log entry per window and limit type per this many ms: a
+/// client hammering a full window must not turn into a database flood.
+const HIT_LOG_INTERVAL_MS: i64 = 1_000;
+
+pub struct Admit(pub pb::AdmitRequest);
+
+impl Message for Admit {
+    type Result = pb::AdmitResponse;
+}
+
+pub struct Commit(pub pb::CommitRequest);
+
+impl Message for Commit {
+    type Result = ();
+}
+
+struct NamedWindow {
+    window: Window,
+    /// When a hit of each type (RPM, TPM, RPD) was last logged.
+    last_logged_ms: [i64; 3],
+}
+
+pub struct PrincipalActor {
+    principal: Arc<str>,
+    windows: HashMap<String, NamedWindow>,
+    span_ms: i64,
+    idle_ms: i64,
+    last_active_ms: i64,
+    hits: HitSink,
+    registry: Arc<Registry>,
+    tags: RandomState,
+}
+
+impl PrincipalActor {
+    fn tag(&self, request_id: &str) -> u64 {
+        self.tags.hash_one(request_id)
+    }
+
+    fn is_idle(&mut self, now_ms: i64) -> bool {
+        now_ms - self.last_active_ms >= self.idle_ms
+            && self.windows.values_mut().all(|w| w.window.is_empty(now_ms))
+    }
+}
+
+impl Actor for PrincipalActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Self::Context) {
+        let every = Duration::from_millis((self.idle_ms / 2).clamp(100, 30_000) as u64);
+        ctx.run_interval(every, |actor, ctx| {
+            if actor.is_idle(now_ms()) {
+                ctx.stop();
+            }
+        });
+    }
+
+    fn stopped(&mut self, ctx: &mut Self::Context) {
+        self.registry.forget(&self.principal, &ctx.address());
+    }
+}
+
+impl Handler<Admit> for PrincipalActor {
+    type Result = MessageResult<Admit>;
+
+    fn handle(&mut self, Admit(request): Admit, _: &mut Self::Context) -> Self::Result {
+        let now = now_ms();
+        self.last_active_ms = now;
+        let tag = self.tag(&request.request_id);
+        let limit = request.limit.unwrap_or_default();
+        // Two lookups rather than `entry`, whose key would be a fresh
+        // String on every decision.
+        if !self.windows.contains_key(&request.window) {
+            let window = NamedWindow {
+                window: Window::new(self.span_ms),
+                last_logged_ms: [i64::MIN; 3],
+            };
+            self.windows.insert(request.window.clone(), window);
+        }
+        let Some(named) = self.windows.get_mut(&request.window) else {
+            return MessageResult(pb::AdmitResponse::default());
+        };
+        let decision = named
+            .window
+            .admit(now, &limit, request.estimated_tokens, tag);
+        let state = Some(named.window.state(now, &limit));
+        MessageResult(match decision {
+            Ok(()) => pb::AdmitResponse {
+                admitted: true,
+                refused_by: String::new(),
+                retry_at_ms: 0,
+                state,
+            },
+            Err(refusal) => {
+                let slot = refusal.by as usize;
+                if now.saturating_sub(named.last_logged_ms[slot]) >= HIT_LOG_INTERVAL_MS {
+                    named.last_logged_ms[slot] = now;
+                    let _ = self.hits.send(pb::LimitHit {
+                        account_id: request.account_id,
+                        api_key_id: request.key_id,
+                        model_id: request.window,
+                        tier: request.tier,
+                        limit_type: refusal.by.as_str().to_owned(),
+                        at_ms: now,
+                    });
+                }
+                pb::AdmitResponse {
+                    admitted: false,
+                    refused_by: refusal.by.as_str().to_owned(),
+                    retry_at_ms: refusal.retry_at_ms,
+                    state,
+                }
+            }
+        })
+    }
+}
+
+impl Handler<Commit> for PrincipalActor {
+    type Result = ();
+
+    fn handle(&mut self, Commit(request): Commit, _: &mut Self::Context) {
+        let now = now_ms();
+        let tag = self.tag(&request.request_id);
+        if let Some(named) = self.windows.get_mut(&request.window) {
+            named
+                .window
+                .commit(now, tag, request.used_tokens, request.release);
+        }
+    }
+}
+
+/// Finds the actor of a principal, starting it on its shard's arbiter on
+/// first use.
+pub struct Registry {
+    shards: Vec<Shard>,
+    hasher: RandomState,
+    span_ms: i64,
+    idle_ms: i64,
+    hits: HitSink,
+}
+
+struct Shard {
+    arbiter: ArbiterHandle,
+    actors: Mutex<HashMap<Arc<str>, Addr<PrincipalActor>>>,
+}
+
+impl Registry {
+    /// One arbiter per shard; `shards` is usually the number of cores.
+    /// Must be called where an actix `System` runs.
+    pub fn new(shards: usize, span_ms: i64, idle_ms: i64, hits: HitSink) -> Arc<Self> {
+        let shards = (0..shards.max(1))
+            .map(|_| Shard {
+                arbiter: Arbiter::new().handle(),
+                actors: Mutex::new(HashMap::new()),
+            })
+            .collect();
+        Arc::new(Self {
+            shards,
+            hasher: RandomState::new(),
+            span_ms,
+            idle_ms,
+            hits,
+        })
+    }
+
+    fn shard(&self, principal: &str) -> &Shard {
+        let index = self.hasher.hash_one(principal) as usize % self.shards.len();
+        &self.shards[index]
+    }
+
+    /// The principal's actor, started if it has none (or its last one stopped).
+    pub fn get(self: &Arc<Self>, principal: &str) -> Addr<PrincipalActor> {
+        let shard = self.shard(principal);
+        let mut actors = shard.actors.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(addr) = actors.get(principal).filter(|a| a.connected()) {
+            return addr.clone();
+        }
+        let principal: Arc<str> = principal.into();
+        let actor = PrincipalActor {
+            principal: principal.clone(),
+            windows: HashMap::new(),
+            span_ms: self.span_ms,
+            idle_ms: self.idle_ms,
+            last_active_ms: now_ms(),
+            hits: self.hits.clone(),
+            registry: self.clone(),
+            tags: RandomState::new(),
+        };
+        let addr = PrincipalActor::start_in_arbiter(&shard.arbiter, move |_| actor);
+        actors.insert(principal, addr.clone());
+        addr
+    }
+
+    /// The principal's actor if it has one: commits never start an actor
+    /// (a replica without the principal's windows has nothing to correct).
+    pub fn existing(&self, principal: &str) -> Option<Addr<PrincipalActor>> {
+        let actors = self
+            .shard(principal)
+            .actors
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        actors.get(principal).filter(|a| a.connected()).cloned()
+    }
+
+    fn forget(&self, principal: &str, addr: &Addr<PrincipalActor>) {
+        let mut actors = self
+            .shard(principal)
+            .actors
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if actors.get(principal) == Some(addr) {
+            actors.remove(principal);
+        }
+    }
+
+    /// Live actors, for tests and metrics.
+    pub fn len(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.actors.lock().map(|a| a.len()).unwrap_or_default())
+            .sum()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}

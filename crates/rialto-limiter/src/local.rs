@@ -1,0 +1,369 @@
+//! The limiter replica in this process: principal actors, and the tasks
+//! that connect them to the bus and the rate-limit log.
+
+use std::sync::Arc;
+
+use actix::MailboxError;
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures_util::StreamExt;
+use prost::Message;
+use rialto_core::bus::Bus;
+use rialto_core::db::{Database, now_ms};
+use rialto_core::{Config, Error, Result};
+use rialto_proto::limiter::v1 as pb;
+use sqlx::Row;
+use tokio::sync::mpsc;
+
+use crate::actor::{Admit, Commit, HitSink, Registry};
+use crate::{COMMITS_SUBJECT, HITS_SUBJECT, LOG_PAGE, LOG_WRITERS, LimiterService};
+
+/// How long rate-limit log entries are kept.
+const LOG_RETENTION_MS: i64 = 30 * 86_400_000;
+
+#[derive(Clone)]
+pub struct LocalLimiter {
+    registry: Arc<Registry>,
+    hits: HitSink,
+    db: Database,
+}
+
+impl std::fmt::Debug for LocalLimiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LocalLimiter")
+            .field("actors", &self.registry.len())
+            .finish()
+    }
+}
+
+impl LocalLimiter {
+    /// Starts a replica: one arbiter per core for the actors, a task that
+    /// publishes their limit hits, one that applies the commits arriving on
+    /// the bus, and one that writes the hits of its queue group to the log.
+    /// Must run inside an actix `System`.
+    pub async fn start(config: &Config, db: Database, bus: Bus) -> Result<Self> {
+        let (hits, mut hit_events) = mpsc::unbounded_channel::<pb::LimitHit>();
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let span_ms = (config.limits.window_secs as i64).saturating_mul(1000);
+        let idle_ms = (config.limits.idle_secs as i64).saturating_mul(1000);
+        let registry = Registry::new(cores, span_ms, idle_ms, hits.clone());
+
+        let hits_subject = bus.subject(HITS_SUBJECT);
+        let mut written = bus
+            .subscribe(hits_subject.clone(), Some(LOG_WRITERS))
+            .await?;
+        let mut commits = bus.subscribe(bus.subject(COMMITS_SUBJECT), None).await?;
+
+        let publisher = bus.clone();
+        tokio::spawn(async move {
+            while let Some(hit) = hit_events.recv().await {
+                let payload = Bytes::from(hit.encode_to_vec());
+                if let Err(error) = publisher.publish(hits_subject.clone(), payload).await {
+                    tracing::warn!(%error, "cannot publish a limit hit");
+                }
+            }
+        });
+
+        let writer_db = db.clone();
+        tokio::spawn(async move {
+            let mut written_since_prune = 0u32;
+            while let Some(payload) = written.next().await {
+                let Ok(hit) = pb::LimitHit::decode(payload) else {
+                    tracing::warn!("undecodable limit hit on the bus");
+                    continue;
+                };
+                if let Err(error) = insert_hit(&writer_db, &hit).await {
+                    tracing::warn!(%error, "cannot write a limit hit");
+                }
+                written_since_prune += 1;
+                if written_since_prune >= 1000 {
+                    written_since_prune = 0;
+                    if let Err(error) = prune(&writer_db).await {
+                        tracing::warn!(%error, "cannot prune the rate-limit log");
+                    }
+                }
+            }
+        });
+
+        let commit_registry = registry.clone();
+        tokio::spawn(async move {
+            while let Some(payload) = commits.next().await {
+                match pb::CommitRequest::decode(payload) {
+                    Ok(request) => apply_commit(&commit_registry, request),
+                    Err(_) => tracing::warn!("undecodable commit on the bus"),
+                }
+            }
+        });
+
+        Ok(Self { registry, hits, db })
+    }
+
+    /// The actor registry, for tests.
+    pub fn registry(&self) -> &Arc<Registry> {
+        &self.registry
+    }
+}
+
+/// Applies a commit where this replica holds the principal's windows; other
+/// replicas hear the same event and have nothing to do.
+fn apply_commit(registry: &Registry, request: pb::CommitRequest) {
+    if let Some(actor) = registry.existing(&request.principal) {
+        actor.do_send(Commit(request));
+    }
+}
+
+async fn insert_hit(db: &Database, hit: &pb::LimitHit) -> Result<()> {
+    sqlx::query(
+        "INSERT INTO rate_limit_logs \
+         (id, account_id, api_key_id, model_id, tier, limit_type, at_ms) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7)",
+    )
+    .bind(rialto_core::ids::request_id())
+    .bind(&hit.account_id)
+    .bind(&hit.api_key_id)
+    .bind(&hit.model_id)
+    .bind(&hit.tier)
+    .bind(&hit.limit_type)
+    .bind(hit.at_ms)
+    .execute(db.pool())
+    .await?;
+    Ok(())
+}
+
+async fn prune(db: &Database) -> Result<()> {
+    sqlx::query("DELETE FROM rate_limit_logs WHERE at_ms < $1")
+        .bind(now_ms() - LOG_RETENTION_MS)
+        .execute(db.pool())
+        .await?;
+    Ok(())
+}
+
+#[async_trait]
+impl LimiterService for LocalLimiter {
+    async fn admit(&self, request: pb::AdmitRequest) -> Result<pb::AdmitResponse> {
+        // An actor stops itself only when idle with empty windows; a request
+        // that reaches it as it stops goes to its successor, losing nothing.
+        for _ in 0..3 {
+            let actor = self.registry.get(&request.principal);
+            match actor.send(Admit(request.clone())).await {
+                Ok(response) => return Ok(response),
+                Err(MailboxError::Closed) => continue,
+                Err(MailboxError::Timeout) => break,
+            }
+        }
+        Err(Error::internal(
+            "the limiter's actor for this principal is unavailable",
+        ))
+    }
+
+    async fn commit(&self, request: pb::CommitRequest) -> Result<pb::CommitResponse> {
+        apply_commit(&self.registry, request);
+        Ok(pb::CommitResponse {})
+    }
+
+    async fn record_hits(&self, request: pb::RecordHitsRequest) -> Result<pb::RecordHitsResponse> {
+        for hit in request.hits {
+            let _ = self.hits.send(hit);
+        }
+        Ok(pb::RecordHitsResponse {})
+    }
+
+    async fn recent_hits(&self, request: pb::RecentHitsRequest) -> Result<pb::RecentHitsResponse> {
+        let limit = i64::from(request.limit.clamp(1, LOG_PAGE));
+        let rows = sqlx::query(
+            "SELECT account_id, api_key_id, model_id, tier, limit_type, at_ms \
+             FROM rate_limit_logs WHERE account_id = $1 \
+             ORDER BY at_ms DESC, id DESC LIMIT $2",
+        )
+        .bind(&request.account_id)
+        .bind(limit)
+        .fetch_all(self.db.pool())
+        .await?;
+        let hits = rows
+            .iter()
+            .map(|row| {
+                Ok(pb::LimitHit {
+                    account_id: row.try_get("account_id")?,
+                    api_key_id: row.try_get("api_key_id")?,
+                    model_id: row.try_get("model_id")?,
+                    tier: row.try_get("tier")?,
+                    limit_type: row.try_get("limit_type")?,
+                    at_ms: row.try_get("at_ms")?,
+                })
+            })
+            .collect::<std::result::Result<Vec<_>, sqlx::Error>>()?;
+        Ok(pb::RecentHitsResponse { hits })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::{Caller, RateLimiter, Target};
+
+    const CONFIG: &str = r#"
+[limits]
+idle_secs = 1
+[[limits.overrides]]
+account = "acct"
+rpm = 50
+tpm = 10000
+[[models]]
+id = "chat"
+"#;
+
+    async fn limiter(dir: &tempfile::TempDir) -> (Config, LocalLimiter, RateLimiter) {
+        let config = Config::from_toml(CONFIG).unwrap();
+        let url = format!("sqlite://{}/limiter.db", dir.path().display());
+        let db = Database::connect(&url, 2).await.unwrap();
+        let bus = Bus::in_process("test");
+        let local = LocalLimiter::start(&config, db, bus.clone()).await.unwrap();
+        let client = crate::LimiterClient::new(local.clone());
+        let rate = RateLimiter::new(&config, vec![("local".into(), client)], Some(bus));
+        (config, local, rate)
+    }
+
+    fn caller(key_id: &str) -> Caller<'_> {
+        Caller {
+            account_id: "acct",
+            key_id,
+            tier: "standard",
+        }
+    }
+
+    #[actix_rt::test]
+    async fn two_hundred_concurrent_requests_against_50_rpm_admit_exactly_50() {
+        let dir = tempfile::tempdir().unwrap();
+        let (config, _local, rate) = limiter(&dir).await;
+        let model = config.model("chat").unwrap().clone();
+        let mut tasks = Vec::new();
+        for i in 0..200 {
+            let rate = rate.clone();
+            let model = model.clone();
+            tasks.push(tokio::spawn(async move {
+                let admission = rate
+                    .admit(caller("k1"), Target::model(&model), &format!("r{i}"), 10)
+                    .await
+                    .unwrap();
+                admission.refusal.is_none()
+            }));
+        }
+        let mut admitted = 0;
+        for task in tasks {
+            admitted += usize::from(task.await.unwrap());
+        }
+        assert_eq!(admitted, 50);
+        // Another key of the same account has its own window.
+        let other = rate
+            .admit(caller("k2"), Target::model(&model), "other", 10)
+            .await
+            .unwrap();
+        assert!(other.refusal.is_none());
+        let headers = other.headers.unwrap();
+        assert_eq!(headers.limit_requests, 50);
+        assert_eq!(headers.remaining_requests, 49);
+        assert_eq!(headers.tokens.unwrap().remaining, 9990);
+    }
+
+    #[actix_rt::test]
+    async fn commits_correct_the_estimate_and_refusals_reach_the_log() {
+        let dir = tempfile::tempdir().unwrap();
+        let (config, local, rate) = limiter(&dir).await;
+        let model = config.model("chat").unwrap();
+        let first = rate
+            .admit(caller("k1"), Target::model(model), "r1", 9000)
+            .await
+            .unwrap();
+        assert_eq!(
+            first
+                .headers
+                .as_ref()
+                .unwrap()
+                .tokens
+                .as_ref()
+                .unwrap()
+                .remaining,
+            1000
+        );
+        let refused = rate
+            .admit(caller("k1"), Target::model(model), "r2", 5000)
+            .await
+            .unwrap();
+        let refusal = refused.refusal.unwrap();
+        assert_eq!(refusal.code, rialto_core::ErrorCode::RateLimited);
+        assert!(
+            refusal.message.contains("10000 tokens per minute"),
+            "{}",
+            refusal.message
+        );
+        // The first request used 100 tokens: the commit travels on the bus.
+        rate.commit(first.ticket, 100, false);
+        let mut remaining = 0;
+        for _ in 0..100 {
+            let probe = rate
+                .admit(caller("k1"), Target::model(model), "probe", 0)
+                .await
+                .unwrap();
+            remaining = probe.headers.unwrap().tokens.unwrap().remaining;
+            if remaining == 9900 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(remaining, 9900);
+        // The TPM refusal was logged once.
+        let mut hits = Vec::new();
+        for _ in 0..100 {
+            hits = local
+                .recent_hits(pb::RecentHitsRequest {
+                    account_id: "acct".into(),
+                    limit: 50,
+                })
+                .await
+                .unwrap()
+                .hits;
+            if !hits.is_empty() {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(hits.len(), 1);
+        assert_eq!(hits[0].limit_type, "TPM");
+        assert_eq!(hits[0].api_key_id, "k1");
+        assert_eq!(hits[0].model_id, "chat");
+    }
+
+    #[actix_rt::test]
+    async fn idle_actors_stop_and_come_back_on_use() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = Config::from_toml(
+            "[limits]\nwindow_secs = 1\nidle_secs = 1\n[[models]]\nid = \"chat\"\n",
+        )
+        .unwrap();
+        let url = format!("sqlite://{}/limiter.db", dir.path().display());
+        let db = Database::connect(&url, 2).await.unwrap();
+        let local = LocalLimiter::start(&config, db, Bus::in_process("t"))
+            .await
+            .unwrap();
+        let request = pb::AdmitRequest {
+            request_id: "r".into(),
+            principal: "key:idle".into(),
+            window: "chat".into(),
+            limit: Some(pb::Limit {
+                requests: 1,
+                tokens: 0,
+                requests_per_day: 0,
+            }),
+            ..Default::default()
+        };
+        assert!(local.admit(request.clone()).await.unwrap().admitted);
+        assert!(!local.admit(request.clone()).await.unwrap().admitted);
+        assert_eq!(local.registry().len(), 1);
+        // Window (1 s) and idle time (1 s) pass: the actor stops itself.
+        tokio::time::sleep(Duration::from_millis(2600)).await;
+        assert_eq!(local.registry().len(), 0);
+        assert!(local.admit(request).await.unwrap().admitted);
+    }
+}

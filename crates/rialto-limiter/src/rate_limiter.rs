@@ -1,0 +1,418 @@
+//! [`RateLimiter`]: the limiter as the gateway sees it.
+//!
+//! For each request it resolves the windows that apply ([`Policy`]), takes a
+//! slot in each from the replica that owns it, and turns the outcome into
+//! the `x-ratelimit-*` values. Owners are chosen by rendezvous hashing over
+//! the configured replica addresses: every gateway computes the same owner
+//! with no coordination, and adding or losing a replica moves only the
+//! principals it gains or held.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use prost::Message;
+use rialto_core::bus::Bus;
+use rialto_core::{Config, Error, ErrorCode, Result};
+use rialto_proto::limiter::v1 as pb;
+use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
+
+use crate::policy::{Caller, Policy, Scope, Target, WindowSpec};
+use crate::{COMMITS_SUBJECT, HITS_SUBJECT, LOG_PAGE, LimiterClient};
+
+/// A cloneable handle: the policy, the replicas and the bus.
+#[derive(Clone, Debug)]
+pub struct RateLimiter(Arc<Inner>);
+
+#[derive(Debug)]
+struct Inner {
+    policy: Policy,
+    replicas: Vec<Replica>,
+    /// Commits and hits travel on this bus when it reaches the replicas
+    /// (one process, or NATS); otherwise they go to the owner over gRPC.
+    bus: Option<Bus>,
+}
+
+#[derive(Debug)]
+struct Replica {
+    seed: u64,
+    client: LimiterClient,
+}
+
+/// The values of the `x-ratelimit-*` headers.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RateHeaders {
+    pub scope: Scope,
+    pub limit_requests: u64,
+    pub remaining_requests: u64,
+    /// Unix seconds.
+    pub reset_requests: i64,
+    /// None when the window has no token limit.
+    pub tokens: Option<TokenHeaders>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenHeaders {
+    pub limit: u64,
+    pub remaining: u64,
+    /// Seconds from now.
+    pub reset_secs: i64,
+}
+
+/// What the limiter decided about one request.
+#[derive(Debug)]
+pub struct Admission {
+    /// The headers to send, when any window applies.
+    pub headers: Option<RateHeaders>,
+    /// The refusal, ready to return (429 with a clear message).
+    pub refusal: Option<Error>,
+    /// The slots held, to commit when the request ends.
+    pub ticket: Ticket,
+}
+
+/// The windows a request holds a slot in.
+#[derive(Debug, Default)]
+pub struct Ticket {
+    request_id: String,
+    held: Vec<(usize, String, String)>,
+}
+
+impl Ticket {
+    pub fn is_empty(&self) -> bool {
+        self.held.is_empty()
+    }
+}
+
+impl RateLimiter {
+    /// `replicas` are (address, client) pairs; the address only seeds the
+    /// hash, so every gateway must list the same addresses.
+    pub fn new(config: &Config, replicas: Vec<(String, LimiterClient)>, bus: Option<Bus>) -> Self {
+        let replicas = replicas
+            .into_iter()
+            .map(|(address, client)| Replica {
+                seed: xxh3_64(address.as_bytes()),
+                client,
+            })
+            .collect();
+        Self(Arc::new(Inner {
+            policy: Policy::new(config),
+            replicas,
+            bus,
+        }))
+    }
+
+    pub fn policy(&self) -> &Policy {
+        &self.0.policy
+    }
+
+    /// The index of the replica owning `principal`: the highest of
+    /// hash(principal, replica) over the replicas (rendezvous hashing).
+    fn owner(&self, principal: &str) -> usize {
+        let replicas = &self.0.replicas;
+        if replicas.len() <= 1 {
+            return 0;
+        }
+        (0..replicas.len())
+            .max_by_key(|&i| xxh3_64_with_seed(principal.as_bytes(), replicas[i].seed))
+            .unwrap_or(0)
+    }
+
+    fn replica(&self, index: usize) -> Result<&LimiterClient> {
+        self.0
+            .replicas
+            .get(index)
+            .map(|r| &r.client)
+            .ok_or_else(|| Error::internal("no limiter replica configured"))
+    }
+
+    /// Takes a slot and `estimated_tokens` in every window that applies to
+    /// `caller` on `target`. A refusal by a later window gives back the
+    /// slots taken before it.
+    pub async fn admit(
+        &self,
+        caller: Caller<'_>,
+        target: Target<'_>,
+        request_id: &str,
+        estimated_tokens: u64,
+    ) -> Result<Admission> {
+        let windows = self.0.policy.windows(caller, target);
+        let mut ticket = Ticket {
+            request_id: request_id.to_owned(),
+            held: Vec::with_capacity(windows.len()),
+        };
+        let mut shown: Option<(Scope, pb::WindowState)> = None;
+        for WindowSpec {
+            scope,
+            principal,
+            limit,
+        } in windows
+        {
+            let owner = self.owner(&principal);
+            let response = self
+                .replica(owner)?
+                .admit(pb::AdmitRequest {
+                    request_id: request_id.to_owned(),
+                    principal: principal.clone(),
+                    window: target.window.to_owned(),
+                    limit: Some(limit),
+                    estimated_tokens,
+                    account_id: caller.account_id.to_owned(),
+                    key_id: caller.key_id.to_owned(),
+                    tier: caller.tier.to_owned(),
+                })
+                .await;
+            let response = match response {
+                Ok(response) => response,
+                Err(error) => {
+                    self.commit(ticket, 0, true);
+                    return Err(error);
+                }
+            };
+            let state = response.state.unwrap_or_default();
+            if !response.admitted {
+                self.commit(ticket, 0, true);
+                let mut headers = headers(scope, &state);
+                // On a refusal, the reset is when this request would fit.
+                headers.reset_requests = ceil_secs(response.retry_at_ms);
+                let refusal = refusal_error(
+                    &response.refused_by,
+                    scope,
+                    target.window,
+                    &limit,
+                    self.0.policy.span_ms,
+                    estimated_tokens,
+                    response.retry_at_ms,
+                );
+                return Ok(Admission {
+                    headers: Some(headers),
+                    refusal: Some(refusal),
+                    ticket: Ticket::default(),
+                });
+            }
+            ticket
+                .held
+                .push((owner, principal, target.window.to_owned()));
+            // Show the window closest to refusing.
+            if shown
+                .as_ref()
+                .is_none_or(|(_, s)| state.remaining_requests < s.remaining_requests)
+            {
+                shown = Some((scope, state));
+            }
+        }
+        Ok(Admission {
+            headers: shown.map(|(scope, state)| headers(scope, &state)),
+            refusal: None,
+            ticket,
+        })
+    }
+
+    /// Tells the owners what the request used (or, with `release`, that it
+    /// never ran). Fire and forget: it runs off the response path.
+    pub fn commit(&self, ticket: Ticket, used_tokens: u64, release: bool) {
+        if ticket.held.is_empty() {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let this = self.clone();
+        runtime.spawn(async move {
+            let Ticket { request_id, held } = ticket;
+            for (owner, principal, window) in held {
+                let request = pb::CommitRequest {
+                    request_id: request_id.clone(),
+                    principal,
+                    window,
+                    used_tokens,
+                    release,
+                };
+                let sent = match &this.0.bus {
+                    Some(bus) => {
+                        let payload = Bytes::from(request.encode_to_vec());
+                        bus.publish(bus.subject(COMMITS_SUBJECT), payload).await
+                    }
+                    None => match this.replica(owner) {
+                        Ok(replica) => replica.commit(request).await.map(|_| ()),
+                        Err(error) => Err(error),
+                    },
+                };
+                if let Err(error) = sent {
+                    tracing::warn!(%error, "limiter commit failed");
+                }
+            }
+        });
+    }
+
+    /// Records a hit found outside the limiter; fire and forget.
+    pub fn record_hit(&self, hit: pb::LimitHit) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let this = self.clone();
+        runtime.spawn(async move {
+            let sent = match &this.0.bus {
+                Some(bus) => {
+                    let payload = Bytes::from(hit.encode_to_vec());
+                    bus.publish(bus.subject(HITS_SUBJECT), payload).await
+                }
+                None => {
+                    let owner = this.owner(&format!("user:{}", hit.account_id));
+                    match this.replica(owner) {
+                        Ok(replica) => replica
+                            .record_hits(pb::RecordHitsRequest { hits: vec![hit] })
+                            .await
+                            .map(|_| ()),
+                        Err(error) => Err(error),
+                    }
+                }
+            };
+            if let Err(error) = sent {
+                tracing::warn!(%error, "cannot record a limit hit");
+            }
+        });
+    }
+
+    /// The account's latest limit hits, newest first (at most 50).
+    pub async fn recent_hits(&self, account_id: &str) -> Result<Vec<pb::LimitHit>> {
+        let owner = self.owner(&format!("user:{account_id}"));
+        let response = self
+            .replica(owner)?
+            .recent_hits(pb::RecentHitsRequest {
+                account_id: account_id.to_owned(),
+                limit: LOG_PAGE,
+            })
+            .await?;
+        Ok(response.hits)
+    }
+}
+
+fn ceil_secs(ms: i64) -> i64 {
+    ms.div_euclid(1000) + i64::from(ms.rem_euclid(1000) > 0)
+}
+
+fn headers(scope: Scope, state: &pb::WindowState) -> RateHeaders {
+    let now = rialto_core::db::now_ms();
+    RateHeaders {
+        scope,
+        limit_requests: state.limit_requests,
+        remaining_requests: state.remaining_requests,
+        reset_requests: ceil_secs(state.reset_requests_ms),
+        tokens: (state.limit_tokens > 0).then(|| TokenHeaders {
+            limit: state.limit_tokens,
+            remaining: state.remaining_tokens,
+            reset_secs: ceil_secs((state.reset_tokens_ms - now).max(0)),
+        }),
+    }
+}
+
+fn per_window(span_ms: i64) -> String {
+    if span_ms == 60_000 {
+        "per minute".to_owned()
+    } else {
+        format!("per {} s", span_ms / 1000)
+    }
+}
+
+fn refusal_error(
+    refused_by: &str,
+    scope: Scope,
+    window: &str,
+    limit: &pb::Limit,
+    span_ms: i64,
+    estimated_tokens: u64,
+    retry_at_ms: i64,
+) -> Error {
+    let whose = match scope {
+        Scope::ApiKey => "this API key",
+        Scope::User => "this account",
+        Scope::Global => "all callers",
+    };
+    let retry = chrono::DateTime::from_timestamp_millis(retry_at_ms)
+        .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Secs, true))
+        .unwrap_or_default();
+    let what = match refused_by {
+        "TPM" if estimated_tokens > limit.tokens => {
+            return Error::new(
+                ErrorCode::RateLimited,
+                format!(
+                    "Rate limit exceeded: this request may use up to {estimated_tokens} tokens, \
+                     more than the {} tokens {} allowed on {window} for {whose}; \
+                     lower max_tokens or shorten the prompt",
+                    limit.tokens,
+                    per_window(span_ms)
+                ),
+            );
+        }
+        "TPM" => format!("{} tokens {}", limit.tokens, per_window(span_ms)),
+        "RPD" => format!("{} requests per day", limit.requests_per_day),
+        _ => format!("{} requests {}", limit.requests, per_window(span_ms)),
+    };
+    Error::new(
+        ErrorCode::RateLimited,
+        format!("Rate limit exceeded: {what} on {window} for {whose}; retry at {retry}"),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rendezvous_owners_are_stable_and_spread() {
+        let config = Config::default();
+        let clients = |addresses: &[&str]| {
+            let replicas = addresses
+                .iter()
+                .map(|a| ((*a).to_owned(), LimiterClient::new(Unreachable)))
+                .collect();
+            RateLimiter::new(&config, replicas, None)
+        };
+        let two = clients(&["http://limiter-0:9090", "http://limiter-1:9090"]);
+        let same = clients(&["http://limiter-0:9090", "http://limiter-1:9090"]);
+        let three = clients(&[
+            "http://limiter-0:9090",
+            "http://limiter-1:9090",
+            "http://limiter-2:9090",
+        ]);
+        let mut counts = [0usize; 2];
+        let mut moved_between_survivors = 0;
+        for i in 0..1000 {
+            let principal = format!("key:{i}");
+            let owner = two.owner(&principal);
+            assert_eq!(owner, same.owner(&principal), "every gateway agrees");
+            counts[owner] += 1;
+            let with_third = three.owner(&principal);
+            if with_third != 2 && with_third != owner {
+                moved_between_survivors += 1;
+            }
+        }
+        assert!(counts.iter().all(|&c| c > 400), "{counts:?}");
+        // Adding a replica only takes principals; none move between the others.
+        assert_eq!(moved_between_survivors, 0);
+    }
+
+    #[test]
+    fn reset_seconds_round_up() {
+        assert_eq!(ceil_secs(1_000), 1);
+        assert_eq!(ceil_secs(1_001), 2);
+        assert_eq!(ceil_secs(0), 0);
+    }
+
+    struct Unreachable;
+
+    #[async_trait::async_trait]
+    impl crate::LimiterService for Unreachable {
+        async fn admit(&self, _: pb::AdmitRequest) -> Result<pb::AdmitResponse> {
+            Err(Error::internal("unreachable"))
+        }
+        async fn commit(&self, _: pb::CommitRequest) -> Result<pb::CommitResponse> {
+            Err(Error::internal("unreachable"))
+        }
+        async fn record_hits(&self, _: pb::RecordHitsRequest) -> Result<pb::RecordHitsResponse> {
+            Err(Error::internal("unreachable"))
+        }
+        async fn recent_hits(&self, _: pb::RecentHitsRequest) -> Result<pb::RecentHitsResponse> {
+            Err(Error::internal("unreachable"))
+        }
+    }
+}
