@@ -274,6 +274,7 @@ async fn grpc_refuses_callers_without_the_token() {
     let status = stranger
         .create_account(CreateAccountRequest {
             name: "intruder".into(),
+            tier: String::new(),
         })
         .await
         .unwrap_err();
@@ -285,6 +286,7 @@ async fn grpc_refuses_callers_without_the_token() {
             .unwrap();
     let mut request = tonic::Request::new(CreateAccountRequest {
         name: "insider".into(),
+        tier: String::new(),
     });
     request.metadata_mut().insert("authorization", token);
     assert!(stranger.create_account(request).await.is_ok());

@@ -8,5 +8,6 @@
 
 mod chat;
 mod keys;
+mod limits;
 mod python;
 mod support;

@@ -298,12 +298,27 @@ impl AuthService for LocalAuth {
         if name.is_empty() || name.chars().count() > 128 {
             return Err(Error::invalid("account name must be 1 to 128 characters"));
         }
+        let tier = match request.tier.trim() {
+            "" => "standard",
+            tier if tier.len() <= 32
+                && tier
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') =>
+            {
+                tier
+            }
+            _ => {
+                return Err(Error::invalid(
+                    "account tier must be 1 to 32 letters, digits, - or _",
+                ));
+            }
+        };
         let account_id = uuid::Uuid::new_v4().to_string();
         let mut tx = self.inner.db.pool().begin().await?;
         sqlx::query("INSERT INTO accounts (id, name, tier, created_at_ms) VALUES ($1, $2, $3, $4)")
             .bind(&account_id)
             .bind(name)
-            .bind("standard")
+            .bind(tier)
             .bind(now_ms())
             .execute(&mut *tx)
             .await?;
@@ -426,6 +441,7 @@ mod tests {
         let created = auth
             .create_account(pb::CreateAccountRequest {
                 name: "acme".into(),
+                tier: String::new(),
             })
             .await
             .unwrap();

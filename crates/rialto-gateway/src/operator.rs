@@ -33,7 +33,9 @@ fn check_operator(gateway: &Gateway, request: &HttpRequest) -> Result<(), ApiErr
     Ok(())
 }
 
-/// `POST /admin/v1/accounts {"name": ...}` -> 201 with the first ADMIN key.
+/// `POST /admin/v1/accounts {"name": ..., "tier"?: ...}` -> 201 with the
+/// first ADMIN key. `tier` picks the account's rate-limit table
+/// (`standard` by default, `partner`).
 pub async fn create_account(
     gateway: web::Data<Gateway>,
     request: HttpRequest,
@@ -58,10 +60,19 @@ pub async fn create_account(
             return Err(ApiError::validation(details));
         }
     };
+    let tier = match body.get("tier") {
+        None | Some(Value::Null) => String::new(),
+        Some(Value::String(tier)) => tier.clone(),
+        Some(_) => {
+            let mut details = Details::new();
+            details.push(&["tier"], "Expected string");
+            return Err(ApiError::validation(details));
+        }
+    };
     let created = gateway
         .services
         .auth
-        .create_account(pb::CreateAccountRequest { name })
+        .create_account(pb::CreateAccountRequest { name, tier })
         .await?;
     Ok(HttpResponse::Created().json(account_json(&created)))
 }

@@ -104,16 +104,8 @@ impl RateLimiter {
         &self.0.policy
     }
 
-    /// The index of the replica owning `principal`: the highest of
-    /// hash(principal, replica) over the replicas (rendezvous hashing).
     fn owner(&self, principal: &str) -> usize {
-        let replicas = &self.0.replicas;
-        if replicas.len() <= 1 {
-            return 0;
-        }
-        (0..replicas.len())
-            .max_by_key(|&i| xxh3_64_with_seed(principal.as_bytes(), replicas[i].seed))
-            .unwrap_or(0)
+        owner_index(principal, self.0.replicas.iter().map(|r| r.seed))
     }
 
     fn replica(&self, index: usize) -> Result<&LimiterClient> {
@@ -284,6 +276,25 @@ impl RateLimiter {
             .await?;
         Ok(response.hits)
     }
+}
+
+/// The index of the replica owning `principal`: the highest of
+/// hash(principal, replica) over the replicas (rendezvous hashing).
+fn owner_index(principal: &str, seeds: impl Iterator<Item = u64>) -> usize {
+    let mut best = (0, 0u64);
+    for (index, seed) in seeds.enumerate() {
+        let score = xxh3_64_with_seed(principal.as_bytes(), seed);
+        if index == 0 || score > best.1 {
+            best = (index, score);
+        }
+    }
+    best.0
+}
+
+/// Which of `addresses` (as listed in `remote.limiter`) owns `principal`
+/// (`key:<id>`, `user:<account>`, `global:<model>`): for operators and tests.
+pub fn owner_of(principal: &str, addresses: &[&str]) -> usize {
+    owner_index(principal, addresses.iter().map(|a| xxh3_64(a.as_bytes())))
 }
 
 fn ceil_secs(ms: i64) -> i64 {

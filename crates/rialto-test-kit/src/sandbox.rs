@@ -2,8 +2,12 @@
 //!
 //! One process: `rialto serve` runs all five services. Split: each of auth,
 //! limiter, billing and router runs in its own process serving gRPC, and a
-//! gateway process reaches them through `RIALTO_REMOTE__*`. Every process
-//! binds port 0 and announces its address on stdout; the sandbox reads it.
+//! gateway process reaches them through `RIALTO_REMOTE__*`. Replicated: two
+//! gateways and two limiter replicas sharing principals by consistent hash,
+//! with the bus on the NATS server (`E2E_NATS_URL`, default
+//! `nats://127.0.0.1:4222`) under a subject prefix of their own. Every
+//! process binds port 0 and announces its address on stdout; the sandbox
+//! reads it.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -19,6 +23,9 @@ use serde_json::{Value, json};
 pub enum Topology {
     OneProcess,
     Split,
+    /// auth, billing and router in one process; two limiter replicas; two
+    /// gateways; NATS as the bus.
+    Replicated,
 }
 
 /// Which database backs the auth service.
@@ -42,6 +49,8 @@ pub struct SandboxBuilder {
 pub struct Sandbox {
     /// Base URL of the gateway, e.g. `http://127.0.0.1:41234`.
     pub url: String,
+    /// Base URLs of every gateway (one but in the replicated topology).
+    pub gateway_urls: Vec<String>,
     pub operator_token: String,
     pub topology: Topology,
     config_path: PathBuf,
@@ -124,6 +133,7 @@ level = "info"
         std::fs::File::create(&config_path)?.write_all(config.as_bytes())?;
         let mut sandbox = Sandbox {
             url: String::new(),
+            gateway_urls: Vec::new(),
             operator_token: OPERATOR_TOKEN.to_owned(),
             topology: self.topology,
             config_path,
@@ -162,6 +172,57 @@ level = "info"
                     "gateway listening on ",
                 )?;
             }
+            Topology::Replicated => {
+                let nats = std::env::var("E2E_NATS_URL")
+                    .unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
+                let prefix = format!("rialto-e2e-{}", uuid::Uuid::new_v4().simple());
+                let mut common = self.envs.clone();
+                common.push(("RIALTO_BUS__URL".to_owned(), nats));
+                common.push(("RIALTO_BUS__SUBJECT_PREFIX".to_owned(), prefix));
+                let mut envs = common.clone();
+                let backend = sandbox.spawn(
+                    "backend",
+                    &["--services", "auth,billing,router"],
+                    &common,
+                    "grpc listening on ",
+                )?;
+                let backend = backend.split(' ').next().unwrap_or_default().to_owned();
+                for service in ["auth", "billing", "router"] {
+                    sandbox
+                        .grpc_addrs
+                        .push((service.to_owned(), backend.clone()));
+                    envs.push((
+                        format!("RIALTO_REMOTE__{}", service.to_ascii_uppercase()),
+                        format!("http://{backend}"),
+                    ));
+                }
+                let mut limiters = Vec::new();
+                for replica in ["limiter-0", "limiter-1"] {
+                    let addr = sandbox.spawn(
+                        replica,
+                        &["--services", "limiter"],
+                        &common,
+                        "grpc listening on ",
+                    )?;
+                    let addr = addr.split(' ').next().unwrap_or_default().to_owned();
+                    sandbox.grpc_addrs.push((replica.to_owned(), addr.clone()));
+                    limiters.push(format!("http://{addr}"));
+                }
+                envs.push(("RIALTO_REMOTE__LIMITER".to_owned(), limiters.join(",")));
+                for gateway in ["gateway-0", "gateway-1"] {
+                    let url = sandbox.spawn(
+                        gateway,
+                        &["--services", "gateway"],
+                        &envs,
+                        "gateway listening on ",
+                    )?;
+                    sandbox.gateway_urls.push(url);
+                }
+                sandbox.url = sandbox.gateway_urls[0].clone();
+            }
+        }
+        if sandbox.gateway_urls.is_empty() {
+            sandbox.gateway_urls.push(sandbox.url.clone());
         }
         sandbox.wait_ready().await?;
         Ok(sandbox)
@@ -229,11 +290,16 @@ impl Sandbox {
 
     /// Creates an account through the operator API.
     pub async fn create_account(&self, name: &str) -> anyhow::Result<Account> {
+        self.create_account_in_tier(name, "standard").await
+    }
+
+    /// Creates an account of a rate-limit tier (`standard`, `partner`).
+    pub async fn create_account_in_tier(&self, name: &str, tier: &str) -> anyhow::Result<Account> {
         let response = self
             .http
             .post(format!("{}/admin/v1/accounts", self.url))
             .bearer_auth(&self.operator_token)
-            .json(&json!({"name": name}))
+            .json(&json!({"name": name, "tier": tier}))
             .send()
             .await?;
         let status = response.status().as_u16();
@@ -345,14 +411,33 @@ impl Sandbox {
     }
 
     async fn wait_ready(&self) -> anyhow::Result<()> {
-        for _ in 0..100 {
-            let response = self.http.get(format!("{}/healthz", self.url)).send().await;
-            if response.is_ok_and(|r| r.status().is_success()) {
-                return Ok(());
+        for url in &self.gateway_urls {
+            let mut ready = false;
+            for _ in 0..100 {
+                let response = self.http.get(format!("{url}/healthz")).send().await;
+                if response.is_ok_and(|r| r.status().is_success()) {
+                    ready = true;
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
             }
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            if !ready {
+                bail!("gateway at {url} never became healthy");
+            }
         }
-        bail!("gateway at {} never became healthy", self.url)
+        Ok(())
+    }
+
+    /// Stops one process of the sandbox (`limiter-1`, ...), as a crash would.
+    pub fn kill(&mut self, name: &str) -> anyhow::Result<()> {
+        let process = self
+            .processes
+            .iter_mut()
+            .find(|p| p.name == name)
+            .with_context(|| format!("no process named {name}"))?;
+        process.child.kill()?;
+        process.child.wait()?;
+        Ok(())
     }
 }
 

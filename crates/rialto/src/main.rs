@@ -5,7 +5,7 @@
 //! - `rialto serve --services gateway` (any comma-separated subset of
 //!   `gateway,auth,limiter,billing,router`) runs only those; the others are
 //!   reached over gRPC at the addresses in `[remote]`.
-//! - `rialto admin accounts create --name NAME` creates an account and its
+//! - `rialto admin accounts create --name NAME [--tier TIER]` creates an account and its
 //!   first ADMIN key directly in the configured database.
 //!
 //! This crate is wiring only: which service is local and which is remote is
@@ -71,6 +71,9 @@ enum AccountsCommand {
     Create {
         #[arg(long)]
         name: String,
+        /// Rate-limit tier: `standard` (default), `partner`, or another of [limits.tiers].
+        #[arg(long, default_value = "standard")]
+        tier: String,
     },
 }
 
@@ -88,9 +91,9 @@ fn main() -> std::process::ExitCode {
         Command::Admin {
             command:
                 AdminCommand::Accounts {
-                    command: AccountsCommand::Create { name },
+                    command: AccountsCommand::Create { name, tier },
                 },
-        } => create_account(config, name),
+        } => create_account(config, name, tier),
         Command::Version => {
             println!("{REVISION}");
             Ok(())
@@ -105,7 +108,7 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-fn create_account(config: Config, name: String) -> anyhow::Result<()> {
+fn create_account(config: Config, name: String, tier: String) -> anyhow::Result<()> {
     use rialto_auth::AuthService;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -119,7 +122,7 @@ fn create_account(config: Config, name: String) -> anyhow::Result<()> {
         let auth =
             rialto_auth::LocalAuth::new(db, &rialto_core::Brand::new(&config.brand).key_prefix);
         let created = auth
-            .create_account(rialto_proto::auth::v1::CreateAccountRequest { name })
+            .create_account(rialto_proto::auth::v1::CreateAccountRequest { name, tier })
             .await?;
         println!(
             "{}",
