@@ -30,23 +30,25 @@ backends = [{{ kind = "openai", url = "{mock_url}", model = "mock-model" }}]
 }
 
 struct World {
-    _mock: MockUpstream,
+    mock: MockUpstream,
     sandbox: Sandbox,
 }
 
 async fn world(topology: Topology, extra: &str) -> World {
+    world_with_env(topology, extra, &[]).await
+}
+
+async fn world_with_env(topology: Topology, extra: &str, envs: &[(&str, &str)]) -> World {
     let mock = MockUpstream::start().await.unwrap();
-    let sandbox = Sandbox::builder(topology)
+    let mut builder = Sandbox::builder(topology)
         .storage(Storage::Sqlite)
         .config(&models(&mock.base_url()))
-        .config(extra)
-        .start()
-        .await
-        .unwrap();
-    World {
-        _mock: mock,
-        sandbox,
+        .config(extra);
+    for (key, value) in envs {
+        builder = builder.env(key, value);
     }
+    let sandbox = builder.start().await.unwrap();
+    World { mock, sandbox }
 }
 
 /// An account with its ADMIN key and one INFERENCE key: (account id,
@@ -147,6 +149,8 @@ async fn exactly_the_limit_under_a_race(topology: Topology) {
     let sandbox = &world.sandbox;
     let (_, admin, key_id, key) = account(sandbox, "standard").await;
     assert_eq!(race(sandbox, &key, 200).await, 50);
+    // Refused requests reach no backend.
+    assert_eq!(world.mock.request_count(), 50);
 
     // Both paths of the log, ADMIN only, in the hosted shape.
     for path in ["/api_keys/rate_limits/log", "/api_keys/rate_limit_logs"] {
@@ -193,6 +197,7 @@ async fn exactly_the_limit_with_two_gateways_and_two_limiter_replicas() {
     let key1 = key_owned_by(sandbox, &admin, &addresses, 1).await;
     let (a, b) = tokio::join!(race(sandbox, &key0, 200), race(sandbox, &key1, 200));
     assert_eq!((a, b), (50, 50));
+    assert_eq!(world.mock.request_count(), 100);
     // Hits from both replicas reach the one log.
     log_until(sandbox, &admin, "/api_keys/rate_limits/log", "RPM").await;
 
@@ -409,7 +414,12 @@ async fn the_window_resets() {
 /// unauthenticated failures, an address) for the block time (2 s here).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abuse_protection_blocks_and_expires() {
-    let world = world(Topology::OneProcess, "[limits.abuse]\nblock_secs = 2\n").await;
+    let world = world_with_env(
+        Topology::OneProcess,
+        "[limits.abuse]\nblock_secs = 2\n",
+        &[("RIALTO_GATEWAY__CLIENT_ADDRESS_HEADER", "X-Forwarded-For")],
+    )
+    .await;
     let sandbox = &world.sandbox;
     let (_, admin, key_id, key) = account(sandbox, "standard").await;
     let (_, _, _, bystander) = account(sandbox, "standard").await;
@@ -450,16 +460,33 @@ async fn abuse_protection_blocks_and_expires() {
     let again = chat_at(sandbox, &sandbox.url, &key, &hello("m-chat")).await;
     assert_eq!(again.status(), 200);
 
-    // Unauthenticated failures count against the address: 21 wrong keys
-    // block this client's address, whatever key it shows next.
+    // Unauthenticated failures count against the client's address (here
+    // from X-Forwarded-For, as a trusted proxy would set it): 21 wrong keys
+    // block the address for anyone who does not authenticate.
+    let from = |address: &'static str, key: Option<&str>| {
+        let mut request = sandbox
+            .http()
+            .post(sandbox.api("/chat/completions"))
+            .header("x-forwarded-for", format!("203.0.113.9, {address}"))
+            .json(&hello("m-chat"));
+        if let Some(key) = key {
+            request = request.bearer_auth(key);
+        }
+        async move { request.send().await.unwrap().status().as_u16() }
+    };
     for i in 0..21 {
         let wrong = format!("RIALTO_INFERENCE_KEY_wrong{i}");
-        let response = chat_at(sandbox, &sandbox.url, &wrong, &missing).await;
-        assert_eq!(response.status(), 401);
+        assert_eq!(from("10.0.0.1", Some(&wrong)).await, 401);
     }
-    let blocked = chat_at(sandbox, &sandbox.url, &bystander, &hello("m-chat")).await;
-    assert_eq!(blocked.status(), 429);
+    assert_eq!(from("10.0.0.1", None).await, 429);
+    assert_eq!(
+        from("10.0.0.1", Some("RIALTO_INFERENCE_KEY_another")).await,
+        429
+    );
+    // A valid key behind the same address (a shared proxy or NAT) still works;
+    // another address is not blocked.
+    assert_eq!(from("10.0.0.1", Some(&bystander)).await, 200);
+    assert_eq!(from("10.0.0.2", None).await, 401);
     tokio::time::sleep(Duration::from_millis(2100)).await;
-    let again = chat_at(sandbox, &sandbox.url, &bystander, &hello("m-chat")).await;
-    assert_eq!(again.status(), 200);
+    assert_eq!(from("10.0.0.1", None).await, 401);
 }

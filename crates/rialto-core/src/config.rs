@@ -49,6 +49,10 @@ pub struct GatewayConfig {
     pub host_name: String,
     /// HTTP worker threads; 0 means one per core.
     pub workers: usize,
+    /// Header naming the client's address when a trusted proxy sets it
+    /// (`x-forwarded-for`, `x-real-ip`); the rightmost address in it is
+    /// used. Empty: the TCP peer address.
+    pub client_address_header: String,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -312,6 +316,7 @@ impl Default for GatewayConfig {
             max_body_bytes: 20 * 1024 * 1024,
             host_name: String::new(),
             workers: 0,
+            client_address_header: String::new(),
         }
     }
 }

@@ -3,7 +3,6 @@
 
 use std::time::Instant;
 
-use actix_web::ResponseError;
 use actix_web::body::{EitherBody, MessageBody};
 use actix_web::dev::{ServiceRequest, ServiceResponse};
 use actix_web::http::header::{CONTENT_ENCODING, HeaderName, HeaderValue};
@@ -12,7 +11,7 @@ use actix_web::{HttpMessage, web};
 use rialto_core::Brand;
 use tracing::Instrument;
 
-use crate::limits::AbuseSubjects;
+use crate::limits::{AbuseCheck, AbuseSubjects};
 use crate::{Authenticated, Gateway, RateLimitHeaders};
 
 /// The request id (`CF-RAY`), stored in the request's extensions.
@@ -72,32 +71,40 @@ pub async fn stamp(
     let subjects = gateway
         .as_ref()
         .map(|gateway| AbuseSubjects::of(gateway, &request));
-    let blocked = gateway
-        .as_ref()
-        .zip(subjects.as_ref())
-        .and_then(|(gateway, subjects)| subjects.refusal(gateway));
-    let mut response = match blocked {
-        Some((error, headers)) => {
+    let check = match (&gateway, &subjects) {
+        (Some(gateway), Some(subjects)) => subjects.check(gateway),
+        _ => AbuseCheck::Clear,
+    };
+    let mut response = match check {
+        AbuseCheck::Blocked(refusal) => {
             let (request, _) = request.into_parts();
-            let mut response = error.error_response();
-            crate::limits::write_headers(response.headers_mut(), &headers, true);
-            ServiceResponse::new(request, response).map_into_right_body()
+            refusal.respond(request)
         }
-        None => {
+        AbuseCheck::Clear | AbuseCheck::UnlessAuthenticated(_) => {
             let response = next.call(request).instrument(span.clone()).await?;
             let status = response.status().as_u16();
             let extensions = response.request().extensions();
-            if let (Some(gateway), Some(subjects)) = (&gateway, &subjects) {
-                let authenticated = extensions.get::<Authenticated>();
-                subjects.record(gateway, status, authenticated, &path);
-            }
+            let authenticated = extensions.get::<Authenticated>().cloned();
             let rate = extensions.get::<RateLimitHeaders>().cloned();
             drop(extensions);
-            let mut response = response.map_into_left_body();
-            if let Some(RateLimitHeaders(values)) = rate {
-                crate::limits::write_headers(response.headers_mut(), &values, status == 429);
+            match check {
+                // The address is blocked and the request did not prove who
+                // it is: the block's answer replaces the handler's.
+                AbuseCheck::UnlessAuthenticated(refusal) if authenticated.is_none() => {
+                    refusal.respond(response.request().clone())
+                }
+                _ => {
+                    if let (Some(gateway), Some(subjects)) = (&gateway, &subjects) {
+                        subjects.record(gateway, status, authenticated.as_ref(), &path);
+                    }
+                    let mut response = response.map_into_left_body();
+                    if let Some(RateLimitHeaders(values)) = rate {
+                        let refused = status == 429;
+                        crate::limits::write_headers(response.headers_mut(), &values, refused);
+                    }
+                    response
+                }
             }
-            response
         }
     };
     let status = response.status().as_u16();

@@ -68,6 +68,8 @@ pub struct Gateway {
     stamp: headers::Stamp,
     /// Failed-request counts per credential and client address.
     abuse: AbuseGuard,
+    /// Where the client's address comes from, when a proxy sets it.
+    client_address_header: Option<HeaderName>,
 }
 
 impl std::fmt::Debug for Gateway {
@@ -108,6 +110,16 @@ impl Gateway {
             stamp,
             brand,
             abuse: AbuseGuard::new(&config.limits.abuse),
+            client_address_header: match config.gateway.client_address_header.as_str() {
+                "" => None,
+                name => Some(
+                    HeaderName::from_bytes(name.to_ascii_lowercase().as_bytes()).map_err(|_| {
+                        anyhow::anyhow!(
+                            "gateway.client_address_header {name:?} is not a header name"
+                        )
+                    })?,
+                ),
+            },
         })
     }
 

@@ -4,8 +4,10 @@
 
 use std::time::Instant;
 
+use actix_web::body::EitherBody;
+use actix_web::dev::ServiceResponse;
 use actix_web::http::header::{HeaderMap, HeaderName, HeaderValue};
-use actix_web::{HttpRequest, HttpResponse, web};
+use actix_web::{HttpRequest, HttpResponse, ResponseError, web};
 use chrono::{DateTime, Duration as ChronoDuration, SecondsFormat, Utc};
 use rialto_core::ErrorCode;
 use rialto_limiter::abuse::{Recorded, Subject, is_failure};
@@ -44,6 +46,28 @@ pub fn write_headers(headers: &mut HeaderMap, values: &RateHeaders, refused: boo
     }
 }
 
+/// What the abuse guard says before a request runs.
+pub enum AbuseCheck {
+    Clear,
+    Blocked(AbuseRefusal),
+    /// The client address is blocked: refuse unless the request authenticates.
+    UnlessAuthenticated(AbuseRefusal),
+}
+
+/// The 429 of a blocked caller.
+pub struct AbuseRefusal {
+    error: ApiError,
+    headers: RateHeaders,
+}
+
+impl AbuseRefusal {
+    pub fn respond<B>(self, request: HttpRequest) -> ServiceResponse<EitherBody<B>> {
+        let mut response = self.error.error_response();
+        write_headers(response.headers_mut(), &self.headers, true);
+        ServiceResponse::new(request, response).map_into_right_body()
+    }
+}
+
 /// Who a request is, for the abuse guard, before authentication: the
 /// fingerprint of its credential, and its client address.
 pub struct AbuseSubjects {
@@ -58,7 +82,17 @@ impl AbuseSubjects {
             .headers()
             .get(actix_web::http::header::AUTHORIZATION)
             .map(|value| gateway.abuse.credential(value.as_bytes()));
-        let address = request.peer_addr().map(|a| Subject::Address(a.ip()));
+        let forwarded = gateway.client_address_header.as_ref().and_then(|name| {
+            // A proxy appends the address it saw: the rightmost one is the
+            // one a client cannot forge.
+            let value = request.headers().get(name)?.to_str().ok()?;
+            value
+                .rsplit(',')
+                .find_map(|part| part.trim().parse::<std::net::IpAddr>().ok())
+        });
+        let address = forwarded
+            .or_else(|| request.peer_addr().map(|a| a.ip()))
+            .map(Subject::Address);
         Self {
             credential,
             address,
@@ -66,13 +100,28 @@ impl AbuseSubjects {
         }
     }
 
-    /// The refusal of a blocked subject: checked before anything else.
-    pub fn refusal(&self, gateway: &Gateway) -> Option<(ApiError, RateHeaders)> {
+    /// Checked before anything else: a blocked credential is refused; a
+    /// blocked address is refused unless the request authenticates (an
+    /// address may be a proxy or a NAT shared with well-behaved callers).
+    pub fn check(&self, gateway: &Gateway) -> AbuseCheck {
         let guard = &gateway.abuse;
-        let until = [self.credential, self.address]
-            .iter()
-            .flatten()
-            .find_map(|subject| guard.blocked_until(subject, self.started))?;
+        let blocked = |subject: &Option<Subject>| {
+            subject
+                .as_ref()
+                .and_then(|s| guard.blocked_until(s, self.started))
+        };
+        if let Some(until) = blocked(&self.credential) {
+            return AbuseCheck::Blocked(self.refusal(gateway, until));
+        }
+        match (blocked(&self.address), self.credential) {
+            (Some(until), None) => AbuseCheck::Blocked(self.refusal(gateway, until)),
+            (Some(until), Some(_)) => AbuseCheck::UnlessAuthenticated(self.refusal(gateway, until)),
+            (None, _) => AbuseCheck::Clear,
+        }
+    }
+
+    fn refusal(&self, gateway: &Gateway, until: Instant) -> AbuseRefusal {
+        let guard = &gateway.abuse;
         let wait = until.saturating_duration_since(self.started);
         let reset = Utc::now().timestamp() + wait.as_secs_f64().ceil() as i64;
         let error = ApiError::new(
@@ -91,7 +140,7 @@ impl AbuseSubjects {
             reset_requests: reset,
             tokens: None,
         };
-        Some((error, headers))
+        AbuseRefusal { error, headers }
     }
 
     /// Counts a finished request that failed; a block that starts now is
