@@ -48,26 +48,20 @@ struct Exchange {
     settlement: Settlement,
 }
 
-/// Tells the limiter what an admitted request really used, exactly once: on
-/// the normal path with the real usage, and if the request ends any other
-/// way (an error, the handler dropped) with none.
+/// Tells the limiter what an admitted request really used, at most once:
+/// the real usage when the response ends (a stream cut by the client
+/// included), none when no backend answered. A request dropped any other way
+/// (the client left a non-streamed call) sends nothing, so its estimate
+/// stands: its backend may well have used the tokens.
 struct Settlement {
     limiter: RateLimiter,
     ticket: Option<Ticket>,
 }
 
 impl Settlement {
-    fn settle(mut self, used_tokens: u64) {
+    fn settle(&mut self, used_tokens: u64) {
         if let Some(ticket) = self.ticket.take() {
             self.limiter.commit(ticket, used_tokens, false);
-        }
-    }
-}
-
-impl Drop for Settlement {
-    fn drop(&mut self) {
-        if let Some(ticket) = self.ticket.take() {
-            self.limiter.commit(ticket, 0, false);
         }
     }
 }
@@ -142,7 +136,14 @@ async fn complete(
     router_request: router_pb::ChatRequest,
     exchange: Exchange,
 ) -> Result<HttpResponse, ApiError> {
-    let answer = gateway.services.router.chat(router_request).await?;
+    let mut exchange = exchange;
+    let answer = match gateway.services.router.chat(router_request).await {
+        Ok(answer) => answer,
+        Err(error) => {
+            exchange.settlement.settle(0);
+            return Err(error.into());
+        }
+    };
     let mut body: Value =
         serde_json::from_slice(&answer.body_json).map_err(|_| invalid_answer())?;
     let Some(object) = body.as_object_mut() else {
@@ -186,14 +187,24 @@ async fn stream(
     router_request: router_pb::ChatRequest,
     exchange: Exchange,
 ) -> Result<HttpResponse, ApiError> {
-    let mut events = gateway.services.router.chat_stream(router_request).await?;
+    let mut exchange = exchange;
+    let mut events = match gateway.services.router.chat_stream(router_request).await {
+        Ok(events) => events,
+        Err(error) => {
+            exchange.settlement.settle(0);
+            return Err(error.into());
+        }
+    };
     // The first event names the backend; a failure before it is still an
     // ordinary HTTP error.
     let backend = match events.next().await {
         Some(Ok(router_pb::ChatStreamEvent {
             event: Some(Event::Backend(name)),
         })) => name,
-        Some(Err(error)) => return Err(error.into()),
+        Some(Err(error)) => {
+            exchange.settlement.settle(0);
+            return Err(error.into());
+        }
         // A router that names no backend: keep whatever came first.
         Some(Ok(first)) => {
             events = Box::pin(futures_util::stream::iter([Ok(first)]).chain(events));
@@ -235,7 +246,7 @@ async fn relay(
     gateway: std::sync::Arc<Gateway>,
     mut events: rialto_router::ChatStream,
     sender: mpsc::Sender<Bytes>,
-    exchange: Exchange,
+    mut exchange: Exchange,
 ) {
     let mut upstream_usage: Option<Value> = None;
     let mut completion_text = 0usize;
