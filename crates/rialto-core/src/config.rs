@@ -518,6 +518,22 @@ impl Config {
         if !limits.tiers.contains_key("standard") {
             return invalid("limits.tiers must define the \"standard\" tier".into());
         }
+        let zero = |tpm: Option<u64>, rpd: Option<u64>| tpm == Some(0) || rpd == Some(0);
+        let zero_in_tiers = limits
+            .tiers
+            .values()
+            .flat_map(|classes| classes.values())
+            .any(|l| zero(l.tpm, l.rpd));
+        if zero_in_tiers
+            || limits.overrides.iter().any(|o| zero(o.tpm, o.rpd))
+            || limits.user.iter().any(|u| zero(u.tpm, u.rpd))
+            || self.models.iter().any(|m| m.global_tpm == Some(0))
+        {
+            return invalid(
+                "a tpm, rpd or global_tpm of 0 would refuse everything; leave it out for no limit"
+                    .into(),
+            );
+        }
         for o in &limits.overrides {
             if o.account.is_some() == o.key.is_some() {
                 return invalid(
@@ -647,6 +663,16 @@ backends = [{ kind = "openai", url = "http://127.0.0.1:18999/v1", model = "mock-
     fn unknown_keys_and_bad_values_are_refused() {
         assert!(Config::from_toml("[gateway]\nlisten_port = 1").is_err());
         assert!(Config::from_toml("brand = \"a b\"").is_err());
+        assert!(Config::from_toml("[limits.tiers.standard.XS]\ntpm = 0").is_err());
+        assert!(Config::from_toml("[[limits.overrides]]\nrpm = 1").is_err());
+        assert!(Config::from_toml("[bus]\nurl = \"redis://x\"").is_err());
+        let partner = Config::from_toml("[limits.tiers.partner.M]\nrpm = 300").unwrap();
+        let m = partner.limits.tiers["partner"]["M"];
+        assert_eq!(
+            (m.rpm, m.tpm),
+            (300, Some(1_500_000)),
+            "one field changes one number"
+        );
         let twice = "[[models]]\nid = \"a\"\n[[models]]\nid = \"a\"\n";
         assert!(Config::from_toml(twice).is_err());
     }
