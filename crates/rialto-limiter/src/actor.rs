@@ -27,7 +27,8 @@ pub type HitSink = mpsc::UnboundedSender<pb::LimitHit>;
 /// client hammering a full window must not turn into a database flood.
 const HIT_LOG_INTERVAL_MS: i64 = 1_000;
 
-pub struct Admit(pub pb::AdmitRequest);
+/// Shared, so a retry after an actor stopped needs no copy of the request.
+pub struct Admit(pub Arc<pb::AdmitRequest>);
 
 impl Message for Admit {
     type Result = pb::AdmitResponse;
@@ -120,10 +121,10 @@ impl Handler<Admit> for PrincipalActor {
                 if now.saturating_sub(named.last_logged_ms[slot]) >= HIT_LOG_INTERVAL_MS {
                     named.last_logged_ms[slot] = now;
                     let _ = self.hits.send(pb::LimitHit {
-                        account_id: request.account_id,
-                        api_key_id: request.key_id,
-                        model_id: request.window,
-                        tier: request.tier,
+                        account_id: request.account_id.clone(),
+                        api_key_id: request.key_id.clone(),
+                        model_id: request.window.clone(),
+                        tier: request.tier.clone(),
                         limit_type: refusal.by.as_str().to_owned(),
                         at_ms: now,
                     });

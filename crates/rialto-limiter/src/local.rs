@@ -143,6 +143,7 @@ impl LimiterService for LocalLimiter {
     async fn admit(&self, request: pb::AdmitRequest) -> Result<pb::AdmitResponse> {
         // An actor stops itself only when idle with empty windows; a request
         // that reaches it as it stops goes to its successor, losing nothing.
+        let request = Arc::new(request);
         for _ in 0..3 {
             let actor = self.registry.get(&request.principal);
             match actor.send(Admit(request.clone())).await {
