@@ -487,6 +487,18 @@ async fn abuse_protection_blocks_and_expires() {
     // another address is not blocked.
     assert_eq!(from("10.0.0.1", Some(&bystander)).await, 200);
     assert_eq!(from("10.0.0.2", None).await, 401);
+    // The operator too; a wrong token is refused before its handler runs.
+    let operator = |token: String| {
+        let request = sandbox
+            .http()
+            .post(format!("{}/admin/v1/accounts", sandbox.url))
+            .header("x-forwarded-for", "10.0.0.1")
+            .bearer_auth(token)
+            .json(&json!({"name": "behind-the-proxy"}));
+        async move { request.send().await.unwrap().status().as_u16() }
+    };
+    assert_eq!(operator(sandbox.operator_token.clone()).await, 201);
+    assert_eq!(operator("wrong".to_owned()).await, 429);
     tokio::time::sleep(Duration::from_millis(2100)).await;
     assert_eq!(from("10.0.0.1", None).await, 401);
 }

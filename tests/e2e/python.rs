@@ -1,14 +1,17 @@
 //! Python clients against Rialto, in both topologies: the official `openai`
 //! SDK (a plain chat, a streamed chat, `n = 2`; tests/python/openai_sdk_check.py)
 //! and an OpenAPI conformance check of the published document against real
-//! exchanges (tests/python/openapi_conformance.py).
+//! exchanges (tests/python/openapi_conformance.py), in a sandbox with one
+//! more model whose global window refuses its second request of a minute.
 
 use std::path::PathBuf;
 
-use crate::both_topologies;
-use crate::support::World;
+use rialto_test_kit::{MockUpstream, Sandbox, Storage, Topology};
 
-both_topologies!(openai_python_sdk, openapi_conformance);
+use crate::both_topologies;
+use crate::support::{World, models_toml};
+
+both_topologies!(openai_python_sdk);
 
 /// The venv's Python that `make test` prepares (or `E2E_PYTHON`).
 fn python() -> PathBuf {
@@ -68,6 +71,48 @@ async fn openai_python_sdk(world: &World) {
     }
 }
 
+mod openapi_conformance {
+    use super::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn one_process() {
+        super::openapi_conformance(&conformance_world(Topology::OneProcess).await).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn split() {
+        super::openapi_conformance(&conformance_world(Topology::Split).await).await;
+    }
+}
+
+/// A model limited to one request per minute for all callers together, so
+/// that the conformance check meets a real 429 from the limiter.
+const LIMITED_MODEL: &str = "limited-chat";
+
+/// The shared world's catalog plus [`LIMITED_MODEL`].
+async fn conformance_world(topology: Topology) -> World {
+    let mock = MockUpstream::start().await.unwrap();
+    let limited = format!(
+        r#"
+[[models]]
+id = "{LIMITED_MODEL}"
+name = "Limited Chat"
+tier = "XS"
+global_rpm = 1
+backends = [{{ kind = "openai", url = "{}", model = "mock-model" }}]
+"#,
+        mock.base_url()
+    );
+    let sandbox = Sandbox::builder(topology)
+        .storage(Storage::Sqlite)
+        .config(&models_toml(&mock.base_url()))
+        .config(&limited)
+        .start()
+        .await
+        .unwrap();
+    World { mock, sandbox }
+}
+
 async fn openapi_conformance(world: &World) {
     let stdout = run_script(
         "openapi_conformance.py",
@@ -75,6 +120,7 @@ async fn openapi_conformance(world: &World) {
             ("RIALTO_E2E_ROOT_URL", &world.sandbox.url),
             ("RIALTO_E2E_OPERATOR_TOKEN", &world.sandbox.operator_token),
             ("RIALTO_E2E_MODEL", "mock-chat"),
+            ("RIALTO_E2E_LIMITED_MODEL", LIMITED_MODEL),
         ],
     )
     .await;

@@ -71,40 +71,39 @@ pub async fn stamp(
     let subjects = gateway
         .as_ref()
         .map(|gateway| AbuseSubjects::of(gateway, &request));
-    let check = match (&gateway, &subjects) {
-        (Some(gateway), Some(subjects)) => subjects.check(gateway),
-        _ => AbuseCheck::Clear,
+    let refusal = match (&gateway, &subjects) {
+        (Some(gateway), Some(subjects)) => match subjects.check(gateway) {
+            AbuseCheck::Clear => None,
+            AbuseCheck::Blocked(refusal) => Some(refusal),
+            // Its address is blocked: the request goes on only if its
+            // credentials are good, checked before any handler runs (the
+            // rare path; the key check is usually a cache hit).
+            AbuseCheck::UnlessAuthenticated(refusal) => {
+                (!crate::credentials_are_valid(gateway, request.headers()).await).then_some(refusal)
+            }
+        },
+        _ => None,
     };
-    let mut response = match check {
-        AbuseCheck::Blocked(refusal) => {
+    let mut response = match refusal {
+        Some(refusal) => {
             let (request, _) = request.into_parts();
             refusal.respond(request)
         }
-        AbuseCheck::Clear | AbuseCheck::UnlessAuthenticated(_) => {
+        None => {
             let response = next.call(request).instrument(span.clone()).await?;
             let status = response.status().as_u16();
             let extensions = response.request().extensions();
-            let authenticated = extensions.get::<Authenticated>().cloned();
+            if let (Some(gateway), Some(subjects)) = (&gateway, &subjects) {
+                let authenticated = extensions.get::<Authenticated>();
+                subjects.record(gateway, status, authenticated, &path);
+            }
             let rate = extensions.get::<RateLimitHeaders>().cloned();
             drop(extensions);
-            match check {
-                // The address is blocked and the request did not prove who
-                // it is: the block's answer replaces the handler's.
-                AbuseCheck::UnlessAuthenticated(refusal) if authenticated.is_none() => {
-                    refusal.respond(response.request().clone())
-                }
-                _ => {
-                    if let (Some(gateway), Some(subjects)) = (&gateway, &subjects) {
-                        subjects.record(gateway, status, authenticated.as_ref(), &path);
-                    }
-                    let mut response = response.map_into_left_body();
-                    if let Some(RateLimitHeaders(values)) = rate {
-                        let refused = status == 429;
-                        crate::limits::write_headers(response.headers_mut(), &values, refused);
-                    }
-                    response
-                }
+            let mut response = response.map_into_left_body();
+            if let Some(RateLimitHeaders(values)) = rate {
+                crate::limits::write_headers(response.headers_mut(), &values, status == 429);
             }
+            response
         }
     };
     let status = response.status().as_u16();

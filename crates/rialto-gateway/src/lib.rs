@@ -329,6 +329,34 @@ async fn authenticate(
     Ok(principal)
 }
 
+/// Whether a request's `Authorization` holds a live API key or the operator
+/// token, without running any handler: the abuse guard's check for callers
+/// behind a blocked address.
+async fn credentials_are_valid(
+    gateway: &Gateway,
+    headers: &actix_web::http::header::HeaderMap,
+) -> bool {
+    if operator::is_operator(gateway, headers) {
+        return true;
+    }
+    let Some(key) = headers
+        .get(actix_web::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .map(str::trim)
+    else {
+        return false;
+    };
+    gateway
+        .services
+        .auth
+        .authenticate(auth_pb::AuthenticateRequest {
+            api_key: key.to_owned(),
+        })
+        .await
+        .is_ok()
+}
+
 /// Marks a request whose credentials were accepted (request extensions).
 #[derive(Debug, Clone)]
 pub(crate) struct Authenticated {

@@ -50,7 +50,8 @@ pub fn write_headers(headers: &mut HeaderMap, values: &RateHeaders, refused: boo
 pub enum AbuseCheck {
     Clear,
     Blocked(AbuseRefusal),
-    /// The client address is blocked: refuse unless the request authenticates.
+    /// The client address is blocked: refuse unless the request's
+    /// credentials are good.
     UnlessAuthenticated(AbuseRefusal),
 }
 
@@ -101,8 +102,9 @@ impl AbuseSubjects {
     }
 
     /// Checked before anything else: a blocked credential is refused; a
-    /// blocked address is refused unless the request authenticates (an
-    /// address may be a proxy or a NAT shared with well-behaved callers).
+    /// blocked address is refused unless the request brings good
+    /// credentials (an address may be a proxy or a NAT shared with
+    /// well-behaved callers).
     pub fn check(&self, gateway: &Gateway) -> AbuseCheck {
         let guard = &gateway.abuse;
         let blocked = |subject: &Option<Subject>| {

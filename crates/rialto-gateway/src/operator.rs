@@ -11,26 +11,33 @@ use subtle::ConstantTimeEq;
 use crate::{ApiError, Details, Gateway, parse_json, read_body};
 
 fn check_operator(gateway: &Gateway, request: &HttpRequest) -> Result<(), ApiError> {
-    let Some(token) = &gateway.operator_token else {
+    if gateway.operator_token.is_none() {
         return Err(ApiError::new(
             ErrorCode::Unauthenticated,
             "The operator API is disabled: set operator.token (RIALTO_OPERATOR__TOKEN)",
         ));
-    };
-    let presented = request
-        .headers()
-        .get(actix_web::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or_default();
-    let expected = token.expose_secret().as_bytes();
-    if expected.is_empty() || !bool::from(presented.as_bytes().ct_eq(expected)) {
+    }
+    if !is_operator(gateway, request.headers()) {
         return Err(ApiError::new(
             ErrorCode::Unauthenticated,
             "Authentication failed",
         ));
     }
     Ok(())
+}
+
+/// Whether the headers carry the operator token (compared in constant time).
+pub(crate) fn is_operator(gateway: &Gateway, headers: &actix_web::http::header::HeaderMap) -> bool {
+    let Some(token) = &gateway.operator_token else {
+        return false;
+    };
+    let presented = headers
+        .get(actix_web::http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or_default();
+    let expected = token.expose_secret().as_bytes();
+    !expected.is_empty() && bool::from(presented.as_bytes().ct_eq(expected))
 }
 
 /// `POST /admin/v1/accounts {"name": ..., "tier"?: ...}` -> 201 with the

@@ -42,8 +42,10 @@ impl Message for Commit {
 
 struct NamedWindow {
     window: Window,
-    /// When a hit of each type (RPM, TPM, RPD) was last logged.
-    last_logged_ms: [i64; 3],
+    /// When a hit was last logged, per (hash of the API key, limit type):
+    /// account and global windows are shared by many keys, and each key's
+    /// account must see its own hits.
+    last_logged_ms: HashMap<(u64, u8), i64>,
 }
 
 pub struct PrincipalActor {
@@ -98,7 +100,7 @@ impl Handler<Admit> for PrincipalActor {
         if !self.windows.contains_key(&request.window) {
             let window = NamedWindow {
                 window: Window::new(self.span_ms),
-                last_logged_ms: [i64::MIN; 3],
+                last_logged_ms: HashMap::new(),
             };
             self.windows.insert(request.window.clone(), window);
         }
@@ -117,9 +119,14 @@ impl Handler<Admit> for PrincipalActor {
                 state,
             },
             Err(refusal) => {
-                let slot = refusal.by as usize;
-                if now.saturating_sub(named.last_logged_ms[slot]) >= HIT_LOG_INTERVAL_MS {
-                    named.last_logged_ms[slot] = now;
+                let slot = (self.tags.hash_one(&request.key_id), refusal.by as u8);
+                let logged = &mut named.last_logged_ms;
+                if logged.len() > 1024 {
+                    logged.retain(|_, at| now.saturating_sub(*at) < HIT_LOG_INTERVAL_MS);
+                }
+                let last = logged.get(&slot).copied().unwrap_or(i64::MIN);
+                if now.saturating_sub(last) >= HIT_LOG_INTERVAL_MS {
+                    logged.insert(slot, now);
                     let _ = self.hits.send(pb::LimitHit {
                         account_id: request.account_id.clone(),
                         api_key_id: request.key_id.clone(),

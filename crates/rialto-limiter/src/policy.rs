@@ -168,11 +168,23 @@ impl Policy {
             .flatten()
             .filter(applies);
         for o in overrides {
-            let base = limit.get_or_insert(Limit {
-                rpm: u64::MAX,
-                tpm: None,
-                rpd: None,
-            });
+            // A class the tier table leaves free becomes limited only by an
+            // override that sets its requests per window.
+            if limit.is_none() {
+                match o.rpm {
+                    Some(rpm) => {
+                        limit = Some(Limit {
+                            rpm,
+                            tpm: None,
+                            rpd: None,
+                        })
+                    }
+                    None => continue,
+                }
+            }
+            let Some(base) = limit.as_mut() else {
+                continue;
+            };
             if let Some(rpm) = o.rpm {
                 base.rpm = rpm;
             }
@@ -303,6 +315,9 @@ tpm = 5000
 [[limits.overrides]]
 key = "key"
 tpm = 6000
+[[limits.overrides]]
+key = "k3"
+tpm = 10
 "#,
         );
         let policy = Policy::new(&config);
@@ -329,6 +344,16 @@ tpm = 6000
                 .rpm,
             20
         );
+        // A free class (music) is limited by an override setting rpm, and
+        // stays free under one without.
+        let song = policy.key_limit(caller("standard"), model(&config, "song"));
+        assert_eq!(song.map(|l| (l.rpm, l.tpm)), Some((100, Some(6000))));
+        let lone = Caller {
+            account_id: "other",
+            key_id: "k3",
+            tier: "standard",
+        };
+        assert_eq!(policy.key_limit(lone, model(&config, "song")), None);
     }
 
     #[test]
