@@ -259,6 +259,13 @@ async fn headers_estimates_and_commits(topology: Topology) {
         750_000 - used - estimate
     );
 
+    // A request refused before admission shows its window, untouched.
+    let invalid = json!({"model": "m-chat", "messages": []});
+    let refused = chat_at(sandbox, &sandbox.url, &key, &invalid).await;
+    assert_eq!(refused.status(), 400);
+    assert_eq!(number(&refused, "x-ratelimit-remaining-requests"), 48);
+    assert_eq!(refused.headers()["x-ratelimit-type"], "api_key");
+
     // The authoritative limits, and the endpoint's own window.
     let limits = sandbox
         .call(Method::GET, "/api_keys/rate_limits", &key, None)

@@ -46,8 +46,10 @@ impl Database {
                     if kind == DatabaseKind::Sqlite {
                         // WAL lets readers run beside the one writer; a busy
                         // writer waits instead of failing.
-                        conn.execute("PRAGMA journal_mode = WAL").await?;
+                        // busy_timeout first: switching to WAL itself
+                        // needs the lock another process may hold.
                         conn.execute("PRAGMA busy_timeout = 5000").await?;
+                        conn.execute("PRAGMA journal_mode = WAL").await?;
                         conn.execute("PRAGMA foreign_keys = ON").await?;
                         conn.execute("PRAGMA synchronous = NORMAL").await?;
                     }

@@ -14,6 +14,7 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use rialto_core::ErrorCode;
 use rialto_limiter::{RateLimiter, Target, Ticket};
+use rialto_proto::auth::v1 as auth_pb;
 use rialto_proto::billing::v1 as billing_pb;
 use rialto_proto::router::v1 as router_pb;
 use rialto_proto::router::v1::chat_stream_event::Event;
@@ -72,9 +73,51 @@ pub async fn completions(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let principal = authenticate(&gateway, &request).await?;
-    let body = read_body(&gateway, &request, payload).await?;
+    let mut requested_model = None;
+    let result = complete_or_stream(
+        &gateway,
+        &request,
+        payload,
+        &principal,
+        &mut requested_model,
+    )
+    .await;
+    // An authenticated request refused before the limiter saw it (invalid,
+    // too large) still gets its window's headers, when its model is known.
+    if result.is_err()
+        && request.extensions().get::<RateLimitHeaders>().is_none()
+        && let Some(model) = requested_model.as_deref().and_then(|id| gateway.model(id))
+    {
+        let target = Target::model(&model.config);
+        match gateway
+            .services
+            .limiter
+            .peek(crate::caller(&principal), target)
+            .await
+        {
+            Ok(Some(headers)) => {
+                request.extensions_mut().insert(RateLimitHeaders(headers));
+            }
+            Ok(None) => {}
+            Err(error) => tracing::debug!(%error, "no rate headers for a refused request"),
+        }
+    }
+    result
+}
+
+async fn complete_or_stream(
+    gateway: &web::Data<Gateway>,
+    request: &HttpRequest,
+    payload: web::Payload,
+    principal: &auth_pb::Principal,
+    requested_model: &mut Option<String>,
+) -> Result<HttpResponse, ApiError> {
+    let body = read_body(gateway, request, payload).await?;
     let mut body = parse_json(&body)?;
-    let chat = validate(&gateway, &mut body)?;
+    if let Some(model) = body.get("model").and_then(Value::as_str) {
+        *requested_model = Some(model.to_owned());
+    }
+    let chat = validate(gateway, &mut body)?;
     let model = gateway
         .model(&chat.model_id)
         .ok_or_else(|| ApiError::new(ErrorCode::ModelNotFound, "Specified model not found"))?;
@@ -87,7 +130,7 @@ pub async fn completions(
     let limiter = &gateway.services.limiter;
     let admission = limiter
         .admit(
-            crate::caller(&principal),
+            crate::caller(principal),
             Target::model(&model.config),
             &request_id,
             chat.estimated_tokens,
@@ -117,9 +160,9 @@ pub async fn completions(
         settlement,
     };
     if exchange.chat.stream {
-        stream(&gateway, model, router_request, exchange).await
+        stream(gateway, model, router_request, exchange).await
     } else {
-        complete(&gateway, model, router_request, exchange).await
+        complete(gateway, model, router_request, exchange).await
     }
 }
 

@@ -107,6 +107,13 @@ impl Handler<Admit> for PrincipalActor {
         let Some(named) = self.windows.get_mut(&request.window) else {
             return MessageResult(pb::AdmitResponse::default());
         };
+        if request.peek {
+            return MessageResult(pb::AdmitResponse {
+                admitted: true,
+                state: Some(named.window.state(now, &limit)),
+                ..Default::default()
+            });
+        }
         let decision = named
             .window
             .admit(now, &limit, request.estimated_tokens, tag);

@@ -150,6 +150,7 @@ impl RateLimiter {
                     account_id: caller.account_id.to_owned(),
                     key_id: caller.key_id.to_owned(),
                     tier: caller.tier.to_owned(),
+                    peek: false,
                 })
                 .await;
             let response = match response {
@@ -196,6 +197,36 @@ impl RateLimiter {
             refusal: None,
             ticket,
         })
+    }
+
+    /// The headers `admit` would show, taking nothing: for a request
+    /// refused before admission (a validation error, say).
+    pub async fn peek(
+        &self,
+        caller: Caller<'_>,
+        target: Target<'_>,
+    ) -> Result<Option<RateHeaders>> {
+        let mut shown: Option<(Scope, pb::WindowState)> = None;
+        for spec in self.0.policy.windows(caller, target) {
+            let response = self
+                .replica(self.owner(&spec.principal))?
+                .admit(pb::AdmitRequest {
+                    principal: spec.principal,
+                    window: target.window.to_owned(),
+                    limit: Some(spec.limit),
+                    peek: true,
+                    ..Default::default()
+                })
+                .await?;
+            let state = response.state.unwrap_or_default();
+            if shown
+                .as_ref()
+                .is_none_or(|(_, s)| state.remaining_requests < s.remaining_requests)
+            {
+                shown = Some((spec.scope, state));
+            }
+        }
+        Ok(shown.map(|(scope, state)| headers(scope, &state)))
     }
 
     /// Tells the owners what the request used (or, with `release`, that it
