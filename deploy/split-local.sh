@@ -14,7 +14,7 @@
 #   MOCK=target/debug/mock-upstream      the mock upstream; skipped if missing
 #   CONFIG=deploy/rialto.example.toml    shared configuration
 #   GATEWAY_LISTEN=127.0.0.1:8080        the gateway's HTTP address
-#   DB_URL=sqlite://data/split-local.db  the auth service's database
+#   DB_URL=sqlite://data/split-local.db  the database of auth and the limiter
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -85,11 +85,20 @@ else
 fi
 
 export RIALTO_CONFIG=$CONFIG
-for service in auth limiter billing router; do
-    start "$service" env RIALTO_GRPC__LISTEN="${GRPC[$service]}" RIALTO_DATABASE__URL="$DB_URL" \
-        "$BIN" serve --services "$service"
+# Every service gets the database URL; auth (accounts, keys) and the limiter
+# (rate-limit log) open it. Auth starts alone first: it listens only once its
+# migrations are applied, and SQLite does not lock migrations between
+# processes, so auth and the limiter migrating a new file at once could fail.
+start_service() { # NAME
+    start "$1" env RIALTO_GRPC__LISTEN="${GRPC[$1]}" RIALTO_DATABASE__URL="$DB_URL" \
+        "$BIN" serve --services "$1"
+}
+start_service auth
+wait_for "${GRPC[auth]}" auth
+for service in limiter billing router; do
+    start_service "$service"
 done
-for service in auth limiter billing router; do
+for service in limiter billing router; do
     wait_for "${GRPC[$service]}" "$service"
 done
 
