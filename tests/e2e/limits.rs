@@ -39,9 +39,18 @@ async fn world(topology: Topology, extra: &str) -> World {
 }
 
 async fn world_with_env(topology: Topology, extra: &str, envs: &[(&str, &str)]) -> World {
+    world_on(topology, Storage::Sqlite, extra, envs).await
+}
+
+async fn world_on(
+    topology: Topology,
+    storage: Storage,
+    extra: &str,
+    envs: &[(&str, &str)],
+) -> World {
     let mock = MockUpstream::start().await.unwrap();
     let mut builder = Sandbox::builder(topology)
-        .storage(Storage::Sqlite)
+        .storage(storage)
         .config(&models(&mock.base_url()))
         .config(extra);
     for (key, value) in envs {
@@ -144,8 +153,8 @@ async fn log_until(sandbox: &Sandbox, admin: &str, path: &str, wanted: &str) -> 
     panic!("no {wanted} entry in {path}");
 }
 
-async fn exactly_the_limit_under_a_race(topology: Topology) {
-    let world = world(topology, "").await;
+async fn exactly_the_limit_under_a_race(topology: Topology, storage: Storage) {
+    let world = world_on(topology, storage, "", &[]).await;
     let sandbox = &world.sandbox;
     let (_, admin, key_id, key) = account(sandbox, "standard").await;
     assert_eq!(race(sandbox, &key, 200).await, 50);
@@ -172,12 +181,18 @@ async fn exactly_the_limit_under_a_race(topology: Topology) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exactly_the_limit_under_a_race_one_process() {
-    exactly_the_limit_under_a_race(Topology::OneProcess).await;
+    exactly_the_limit_under_a_race(Topology::OneProcess, Storage::Sqlite).await;
+}
+
+/// The rate-limit log on PostgreSQL.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exactly_the_limit_under_a_race_on_postgres() {
+    exactly_the_limit_under_a_race(Topology::Split, Storage::Postgres).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exactly_the_limit_under_a_race_split() {
-    exactly_the_limit_under_a_race(Topology::Split).await;
+    exactly_the_limit_under_a_race(Topology::Split, Storage::Sqlite).await;
 }
 
 /// Two gateways and two limiter replicas: each key's window lives on one
@@ -446,6 +461,16 @@ async fn abuse_protection_blocks_and_expires() {
         message.starts_with("Too many failed attempts (> 20)") && message.contains("wait 2s"),
         "{message}"
     );
+    // The block follows the token, not the header's spelling.
+    let respelled = sandbox
+        .http()
+        .post(sandbox.api("/chat/completions"))
+        .header("authorization", format!("bearer   {key} "))
+        .json(&hello("m-chat"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(respelled.status(), 429);
     // Another caller is not affected; the block is logged for the account.
     let ok = chat_at(sandbox, &sandbox.url, &bystander, &hello("m-chat")).await;
     assert_eq!(ok.status(), 200);
@@ -490,10 +515,17 @@ async fn abuse_protection_blocks_and_expires() {
         from("10.0.0.1", Some("RIALTO_INFERENCE_KEY_another")).await,
         429
     );
-    // A valid key behind the same address (a shared proxy or NAT) still works;
-    // another address is not blocked.
+    // A key that authenticated here before still works behind the same
+    // address (a shared proxy or NAT); another address is not blocked.
     assert_eq!(from("10.0.0.1", Some(&bystander)).await, 200);
     assert_eq!(from("10.0.0.2", None).await, 401);
+    // A key never seen here waits out the block, unless it proves itself
+    // from elsewhere first: nothing behind a blocked address costs a lookup.
+    let (_, fresh) = sandbox.create_key(&admin, "INFERENCE").await.unwrap();
+    assert_eq!(from("10.0.0.1", Some(&fresh)).await, 429);
+    assert_eq!(from("10.0.0.3", Some(&fresh)).await, 200);
+    assert_eq!(from("10.0.0.1", Some(&fresh)).await, 200);
+
     // The operator too; a wrong token is refused before its handler runs.
     let operator = |token: String| {
         let request = sandbox

@@ -1,5 +1,6 @@
--- The rate-limit log: one row per limit hit (at most one per window, limit
--- type and second), read newest first per account. Times are Unix ms.
+-- The rate-limit log: one row per limit hit (at most one per key, window,
+-- limit type and second), read newest first per account; the newest 200 of
+-- each account are kept, for at most 30 days. Times are Unix ms.
 CREATE TABLE rate_limit_logs (
     id TEXT PRIMARY KEY,
     account_id TEXT NOT NULL,
@@ -11,3 +12,4 @@ CREATE TABLE rate_limit_logs (
 );
 
 CREATE INDEX rate_limit_logs_account ON rate_limit_logs (account_id, at_ms);
+CREATE INDEX rate_limit_logs_at ON rate_limit_logs (at_ms);

@@ -512,8 +512,22 @@ impl Config {
             }
         }
         let limits = &self.limits;
-        if limits.window_secs == 0 || limits.abuse.window_secs == 0 {
-            return invalid("limits.window_secs and limits.abuse.window_secs must be > 0".into());
+        const DAY_SECS: u64 = 86_400;
+        let durations = [
+            limits.window_secs,
+            limits.idle_secs,
+            limits.abuse.window_secs,
+            limits.abuse.block_secs,
+        ];
+        if limits.window_secs == 0
+            || limits.abuse.window_secs == 0
+            || durations.iter().any(|&d| d > DAY_SECS)
+        {
+            return invalid(
+                "limits.window_secs, idle_secs and abuse.window_secs/block_secs must be \
+                 1 to 86400 seconds (window_secs and abuse.window_secs at least 1)"
+                    .into(),
+            );
         }
         if !limits.tiers.contains_key("standard") {
             return invalid("limits.tiers must define the \"standard\" tier".into());

@@ -62,7 +62,7 @@ struct Settlement {
 impl Settlement {
     fn settle(&mut self, used_tokens: u64) {
         if let Some(ticket) = self.ticket.take() {
-            self.limiter.commit(ticket, used_tokens, false);
+            self.limiter.commit(ticket, used_tokens);
         }
     }
 }
@@ -84,7 +84,13 @@ pub async fn completions(
     .await;
     // An authenticated request refused before the limiter saw it (invalid,
     // too large) still gets its window's headers, when its model is known.
-    if result.is_err()
+    let refused_early = result.as_ref().is_err_and(|e| {
+        matches!(
+            e.code(),
+            ErrorCode::InvalidRequest | ErrorCode::PayloadTooLarge
+        )
+    });
+    if refused_early
         && request.extensions().get::<RateLimitHeaders>().is_none()
         && let Some(model) = requested_model.as_deref().and_then(|id| gateway.model(id))
     {

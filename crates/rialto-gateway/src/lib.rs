@@ -289,27 +289,21 @@ async fn authenticate(
     gateway: &Gateway,
     request: &HttpRequest,
 ) -> Result<auth_pb::Principal, ApiError> {
-    let header = request
+    if !request
         .headers()
-        .get(actix_web::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .ok_or_else(|| {
-            ApiError::new(
-                ErrorCode::Unauthenticated,
-                "Authentication failed: send your API key as `Authorization: Bearer <API_KEY>`",
-            )
-        })?;
-    let key = header
-        .strip_prefix("Bearer ")
-        .or_else(|| header.strip_prefix("bearer "))
-        .map(str::trim)
-        .filter(|k| !k.is_empty())
-        .ok_or_else(|| {
-            ApiError::new(
-                ErrorCode::Unauthenticated,
-                "Authentication failed: the Authorization header must be `Bearer <API_KEY>`",
-            )
-        })?;
+        .contains_key(actix_web::http::header::AUTHORIZATION)
+    {
+        return Err(ApiError::new(
+            ErrorCode::Unauthenticated,
+            "Authentication failed: send your API key as `Authorization: Bearer <API_KEY>`",
+        ));
+    }
+    let key = bearer_token(request.headers()).ok_or_else(|| {
+        ApiError::new(
+            ErrorCode::Unauthenticated,
+            "Authentication failed: the Authorization header must be `Bearer <API_KEY>`",
+        )
+    })?;
     let principal = gateway
         .services
         .auth
@@ -329,32 +323,17 @@ async fn authenticate(
     Ok(principal)
 }
 
-/// Whether a request's `Authorization` holds a live API key or the operator
-/// token, without running any handler: the abuse guard's check for callers
-/// behind a blocked address.
-async fn credentials_are_valid(
-    gateway: &Gateway,
-    headers: &actix_web::http::header::HeaderMap,
-) -> bool {
-    if operator::is_operator(gateway, headers) {
-        return true;
-    }
-    let Some(key) = headers
-        .get(actix_web::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim)
-    else {
-        return false;
-    };
-    gateway
-        .services
-        .auth
-        .authenticate(auth_pb::AuthenticateRequest {
-            api_key: key.to_owned(),
-        })
-        .await
-        .is_ok()
+/// The token of `Authorization: Bearer <token>` (scheme in either case,
+/// surrounding spaces ignored), the one form every check reads.
+fn bearer_token(headers: &actix_web::http::header::HeaderMap) -> Option<&str> {
+    let header = headers
+        .get(actix_web::http::header::AUTHORIZATION)?
+        .to_str()
+        .ok()?
+        .trim_start();
+    let (scheme, token) = header.split_once(' ')?;
+    let token = token.trim();
+    (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
 }
 
 /// Marks a request whose credentials were accepted (request extensions).

@@ -10,7 +10,7 @@ use actix_web::http::header::{HeaderMap, HeaderName, HeaderValue};
 use actix_web::{HttpRequest, HttpResponse, ResponseError, web};
 use chrono::{DateTime, Duration as ChronoDuration, SecondsFormat, Utc};
 use rialto_core::ErrorCode;
-use rialto_limiter::abuse::{Recorded, Subject, is_failure};
+use rialto_limiter::abuse::{AbuseGuard, Recorded, Subject, is_failure};
 use rialto_limiter::{RateHeaders, Target};
 use rialto_proto::auth::v1 as auth_pb;
 use rialto_proto::limiter::v1 as limiter_pb;
@@ -79,26 +79,26 @@ pub struct AbuseSubjects {
 
 impl AbuseSubjects {
     pub fn of(gateway: &Gateway, request: &actix_web::dev::ServiceRequest) -> Self {
-        let credential = request
-            .headers()
-            .get(actix_web::http::header::AUTHORIZATION)
-            .map(|value| gateway.abuse.credential(value.as_bytes()));
+        let credential = crate::bearer_token(request.headers())
+            .map(|token| gateway.abuse.credential(token.as_bytes()));
         let forwarded = gateway.client_address_header.as_ref().and_then(|name| {
-            // A proxy appends the address it saw: the rightmost one is the
-            // one a client cannot forge.
             let value = request.headers().get(name)?.to_str().ok()?;
-            value
-                .rsplit(',')
-                .find_map(|part| part.trim().parse::<std::net::IpAddr>().ok())
+            forwarded_address(value)
         });
         let address = forwarded
             .or_else(|| request.peer_addr().map(|a| a.ip()))
-            .map(Subject::Address);
+            .map(AbuseGuard::address);
         Self {
             credential,
             address,
             started: Instant::now(),
         }
+    }
+
+    /// Whether the request's credential authenticated here recently.
+    pub fn is_vouched(&self, gateway: &Gateway) -> bool {
+        self.credential
+            .is_some_and(|c| gateway.abuse.is_vouched(&c, self.started))
     }
 
     /// Checked before anything else: a blocked credential is refused; a
@@ -145,8 +145,9 @@ impl AbuseSubjects {
         AbuseRefusal { error, headers }
     }
 
-    /// Counts a finished request that failed; a block that starts now is
-    /// logged as a FAILED_REQUESTS hit of the account.
+    /// Vouches for a credential that authenticated, and counts a finished
+    /// request that failed; a block that starts now is logged as a
+    /// FAILED_REQUESTS hit of the account.
     pub fn record(
         &self,
         gateway: &Gateway,
@@ -154,6 +155,9 @@ impl AbuseSubjects {
         authenticated: Option<&Authenticated>,
         path: &str,
     ) {
+        if let (Some(_), Some(credential)) = (authenticated, self.credential) {
+            gateway.abuse.vouch(credential, self.started);
+        }
         if !is_failure(status) {
             return;
         }
@@ -176,6 +180,17 @@ impl AbuseSubjects {
             }
         }
     }
+}
+
+/// The client address in a proxy's header: only the last element, the one
+/// the trusted proxy appended (`1.2.3.4`, `1.2.3.4:5678`, `::1` or
+/// `[::1]:5678`). Anything to its left came from the client.
+fn forwarded_address(value: &str) -> Option<std::net::IpAddr> {
+    let last = value.rsplit(',').next()?.trim();
+    if let Ok(address) = last.parse::<std::net::IpAddr>() {
+        return Some(address);
+    }
+    last.parse::<std::net::SocketAddr>().ok().map(|a| a.ip())
 }
 
 /// The next UTC midnight: when daily limits reset (`nextEpochBegins`).
@@ -273,4 +288,23 @@ pub async fn log(
         })
         .collect();
     Ok(HttpResponse::Ok().json(json!({"object": "list", "data": data})))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::forwarded_address;
+
+    #[test]
+    fn only_the_address_the_proxy_appended_counts() {
+        let ip = |s: &str| Some(s.parse().unwrap());
+        assert_eq!(forwarded_address("10.0.0.1"), ip("10.0.0.1"));
+        assert_eq!(forwarded_address("6.6.6.6, 10.0.0.1"), ip("10.0.0.1"));
+        assert_eq!(forwarded_address("6.6.6.6, 10.0.0.1:443"), ip("10.0.0.1"));
+        assert_eq!(
+            forwarded_address("6.6.6.6, [2001:db8::1]:443"),
+            ip("2001:db8::1")
+        );
+        // An unreadable last element does not fall back to the client's.
+        assert_eq!(forwarded_address("6.6.6.6, garbage"), None);
+    }
 }

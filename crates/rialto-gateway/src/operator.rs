@@ -31,11 +31,7 @@ pub(crate) fn is_operator(gateway: &Gateway, headers: &actix_web::http::header::
     let Some(token) = &gateway.operator_token else {
         return false;
     };
-    let presented = headers
-        .get(actix_web::http::header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or_default();
+    let presented = crate::bearer_token(headers).unwrap_or_default();
     let expected = token.expose_secret().as_bytes();
     !expected.is_empty() && bool::from(presented.as_bytes().ct_eq(expected))
 }
@@ -69,7 +65,19 @@ pub async fn create_account(
     };
     let tier = match body.get("tier") {
         None | Some(Value::Null) => String::new(),
-        Some(Value::String(tier)) => tier.clone(),
+        Some(Value::String(tier)) => {
+            let policy = gateway.services.limiter.policy();
+            if !policy.tiers().any(|t| t == tier) {
+                let known: Vec<&str> = policy.tiers().collect();
+                let mut details = Details::new();
+                details.push(
+                    &["tier"],
+                    format!("Unknown tier; expected one of: {}", known.join(", ")),
+                );
+                return Err(ApiError::validation(details));
+            }
+            tier.clone()
+        }
         Some(_) => {
             let mut details = Details::new();
             details.push(&["tier"], "Expected string");

@@ -40,15 +40,41 @@ pub enum Recorded {
 struct Record {
     failures: VecDeque<Instant>,
     blocked_until: Option<Instant>,
+    /// When this credential last authenticated here: callers behind a
+    /// blocked address get through only with a credential that did.
+    vouched_at: Option<Instant>,
+}
+
+impl Record {
+    fn is_live(&self, now: Instant, window: Duration) -> bool {
+        self.blocked_until.is_some_and(|u| u > now)
+            || self
+                .failures
+                .back()
+                .is_some_and(|t| now.duration_since(*t) < window)
+            || self
+                .vouched_at
+                .is_some_and(|t| now.duration_since(t) < VOUCH_TTL)
+    }
 }
 
 const SHARDS: usize = 16;
+/// How long a credential that authenticated stays good enough to pass a
+/// blocked address without a new check.
+const VOUCH_TTL: Duration = Duration::from_secs(600);
+/// Subjects per shard before stale ones are swept (at most once a second).
+const SWEEP_ABOVE: usize = 4096;
+
+struct Shard {
+    records: HashMap<Subject, Record>,
+    swept_at: Option<Instant>,
+}
 
 pub struct AbuseGuard {
     threshold: usize,
     window: Duration,
     block: Duration,
-    shards: [Mutex<HashMap<Subject, Record>>; SHARDS],
+    shards: [Mutex<Shard>; SHARDS],
     hasher: RandomState,
 }
 
@@ -66,7 +92,12 @@ impl AbuseGuard {
             threshold: config.threshold as usize,
             window: Duration::from_secs(config.window_secs),
             block: Duration::from_secs(config.block_secs),
-            shards: std::array::from_fn(|_| Mutex::new(HashMap::new())),
+            shards: std::array::from_fn(|_| {
+                Mutex::new(Shard {
+                    records: HashMap::new(),
+                    swept_at: None,
+                })
+            }),
             hasher: RandomState::new(),
         }
     }
@@ -79,13 +110,31 @@ impl AbuseGuard {
         self.block
     }
 
-    /// A fingerprint of a credential: keyed by a per-process random seed,
-    /// never stored, never logged.
-    pub fn credential(&self, value: &[u8]) -> Subject {
-        Subject::Credential(self.hasher.hash_one(value))
+    /// A fingerprint of a credential (the bearer token, without scheme or
+    /// spaces): keyed by a per-process random seed, never stored, never
+    /// logged.
+    pub fn credential(&self, token: &[u8]) -> Subject {
+        Subject::Credential(self.hasher.hash_one(token))
     }
 
-    fn shard(&self, subject: &Subject) -> std::sync::MutexGuard<'_, HashMap<Subject, Record>> {
+    /// A client address as a subject: IPv4-mapped IPv6 as IPv4, other IPv6
+    /// addresses by their /64 (what one host usually holds).
+    pub fn address(address: IpAddr) -> Subject {
+        let address = match address {
+            IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+                Some(v4) => IpAddr::V4(v4),
+                None => {
+                    let mut octets = v6.octets();
+                    octets[8..].fill(0);
+                    IpAddr::V6(octets.into())
+                }
+            },
+            v4 => v4,
+        };
+        Subject::Address(address)
+    }
+
+    fn shard(&self, subject: &Subject) -> std::sync::MutexGuard<'_, Shard> {
         let index = self.hasher.hash_one(subject) as usize % SHARDS;
         self.shards[index].lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -94,26 +143,44 @@ impl AbuseGuard {
     pub fn blocked_until(&self, subject: &Subject, now: Instant) -> Option<Instant> {
         let shard = self.shard(subject);
         shard
+            .records
             .get(subject)
             .and_then(|r| r.blocked_until)
             .filter(|until| *until > now)
     }
 
+    /// Records that `subject` (a credential) just authenticated.
+    pub fn vouch(&self, subject: Subject, now: Instant) {
+        let mut shard = self.shard(&subject);
+        let record = shard.records.entry(subject).or_default();
+        record.vouched_at = Some(now);
+    }
+
+    /// Whether `subject` authenticated within the last ten minutes.
+    pub fn is_vouched(&self, subject: &Subject, now: Instant) -> bool {
+        let shard = self.shard(subject);
+        shard
+            .records
+            .get(subject)
+            .and_then(|r| r.vouched_at)
+            .is_some_and(|t| now.duration_since(t) < VOUCH_TTL)
+    }
+
     /// Counts one failed request of `subject`.
     pub fn record_failure(&self, subject: Subject, now: Instant) -> Recorded {
         let mut shard = self.shard(&subject);
-        if shard.len() > 4096 {
-            // Forget subjects with nothing recent; keeps memory bounded by
-            // the rate of failures, not by the number of addresses ever seen.
+        let due = shard
+            .swept_at
+            .is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1));
+        if shard.records.len() > SWEEP_ABOVE && due {
+            // Forget subjects with nothing recent, at most once a second:
+            // memory follows the rate of failures, not the number of
+            // addresses ever seen, and no request pays a sweep per call.
             let window = self.window;
-            shard.retain(|_, r| {
-                r.blocked_until.is_some_and(|u| u > now)
-                    || r.failures
-                        .back()
-                        .is_some_and(|t| now.duration_since(*t) < window)
-            });
+            shard.records.retain(|_, r| r.is_live(now, window));
+            shard.swept_at = Some(now);
         }
-        let record = shard.entry(subject).or_default();
+        let record = shard.records.entry(subject).or_default();
         if record.blocked_until.is_some_and(|until| until > now) {
             // Already blocked: the block is not extended by its own refusals.
             return Recorded::Counted;
@@ -196,6 +263,29 @@ mod tests {
         assert!(!is_failure(429));
         assert!(!is_failure(200));
         assert!(!is_failure(503));
+    }
+
+    #[test]
+    fn addresses_group_by_host() {
+        let mapped: IpAddr = "::ffff:10.1.2.3".parse().unwrap();
+        let v4: IpAddr = "10.1.2.3".parse().unwrap();
+        assert_eq!(AbuseGuard::address(mapped), AbuseGuard::address(v4));
+        let a: IpAddr = "2001:db8:1:2::1".parse().unwrap();
+        let b: IpAddr = "2001:db8:1:2:ffff::9".parse().unwrap();
+        let c: IpAddr = "2001:db8:1:3::1".parse().unwrap();
+        assert_eq!(AbuseGuard::address(a), AbuseGuard::address(b));
+        assert_ne!(AbuseGuard::address(a), AbuseGuard::address(c));
+    }
+
+    #[test]
+    fn vouching_lasts_ten_minutes() {
+        let guard = guard();
+        let now = Instant::now();
+        let who = guard.credential(b"k");
+        assert!(!guard.is_vouched(&who, now));
+        guard.vouch(who, now);
+        assert!(guard.is_vouched(&who, now + Duration::from_secs(599)));
+        assert!(!guard.is_vouched(&who, now + Duration::from_secs(600)));
     }
 
     #[test]

@@ -13,15 +13,16 @@ use std::hash::{BuildHasher, RandomState};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::clock::now_ms;
 use actix::prelude::*;
-use rialto_core::db::now_ms;
 use rialto_proto::limiter::v1 as pb;
 use tokio::sync::mpsc;
 
 use crate::window::Window;
 
-/// Where actors send the limit hits they find.
-pub type HitSink = mpsc::UnboundedSender<pb::LimitHit>;
+/// Where actors send the limit hits they find. Bounded: when the log
+/// cannot keep up, hits are dropped rather than held in memory.
+pub type HitSink = mpsc::Sender<pb::LimitHit>;
 
 /// At most one log entry per window and limit type per this many ms: a
 /// client hammering a full window must not turn into a database flood.
@@ -134,7 +135,7 @@ impl Handler<Admit> for PrincipalActor {
                 let last = logged.get(&slot).copied().unwrap_or(i64::MIN);
                 if now.saturating_sub(last) >= HIT_LOG_INTERVAL_MS {
                     logged.insert(slot, now);
-                    let _ = self.hits.send(pb::LimitHit {
+                    let _ = self.hits.try_send(pb::LimitHit {
                         account_id: request.account_id.clone(),
                         api_key_id: request.key_id.clone(),
                         model_id: request.window.clone(),
@@ -161,9 +162,13 @@ impl Handler<Commit> for PrincipalActor {
         let now = now_ms();
         let tag = self.tag(&request.request_id);
         if let Some(named) = self.windows.get_mut(&request.window) {
-            named
-                .window
-                .commit(now, tag, request.used_tokens, request.release);
+            named.window.commit(
+                now,
+                tag,
+                request.estimated_tokens,
+                request.used_tokens,
+                request.release,
+            );
         }
     }
 }

@@ -20,6 +20,7 @@ use rialto_proto::limiter::v1 as pb;
 
 pub mod abuse;
 pub mod actor;
+pub mod clock;
 pub mod grpc;
 mod local;
 pub mod policy;

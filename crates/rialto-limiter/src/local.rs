@@ -10,6 +10,7 @@ use futures_util::StreamExt;
 use prost::Message;
 use rialto_core::bus::Bus;
 use rialto_core::db::{Database, now_ms};
+
 use rialto_core::{Config, Error, Result};
 use rialto_proto::limiter::v1 as pb;
 use sqlx::Row;
@@ -20,6 +21,10 @@ use crate::{COMMITS_SUBJECT, HITS_SUBJECT, LOG_PAGE, LOG_WRITERS, LimiterService
 
 /// How long rate-limit log entries are kept.
 const LOG_RETENTION_MS: i64 = 30 * 86_400_000;
+/// Entries kept per account (the endpoint shows the newest 50).
+const LOG_KEPT_PER_ACCOUNT: i64 = 200;
+/// Hits waiting to be published before new ones are dropped.
+const HIT_QUEUE: usize = 10_000;
 
 #[derive(Clone)]
 pub struct LocalLimiter {
@@ -42,7 +47,7 @@ impl LocalLimiter {
     /// the bus, and one that writes the hits of its queue group to the log.
     /// Must run inside an actix `System`.
     pub async fn start(config: &Config, db: Database, bus: Bus) -> Result<Self> {
-        let (hits, mut hit_events) = mpsc::unbounded_channel::<pb::LimitHit>();
+        let (hits, mut hit_events) = mpsc::channel::<pb::LimitHit>(HIT_QUEUE);
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let span_ms = (config.limits.window_secs as i64).saturating_mul(1000);
         let idle_ms = (config.limits.idle_secs as i64).saturating_mul(1000);
@@ -93,6 +98,10 @@ impl LocalLimiter {
                     Err(_) => tracing::warn!("undecodable commit on the bus"),
                 }
             }
+            // The transport closes a subscription only when it shuts down.
+            tracing::error!(
+                "the limiter's commit subscription ended: commits are no longer applied"
+            );
         });
 
         Ok(Self { registry, hits, db })
@@ -125,6 +134,17 @@ async fn insert_hit(db: &Database, hit: &pb::LimitHit) -> Result<()> {
     .bind(&hit.tier)
     .bind(&hit.limit_type)
     .bind(hit.at_ms)
+    .execute(db.pool())
+    .await?;
+    // Keep the newest entries of the account only: the log answers "what
+    // was refused lately", and a hammering client must not grow it forever.
+    sqlx::query(
+        "DELETE FROM rate_limit_logs WHERE account_id = $1 AND at_ms < \
+         (SELECT at_ms FROM rate_limit_logs WHERE account_id = $1 \
+          ORDER BY at_ms DESC LIMIT 1 OFFSET $2)",
+    )
+    .bind(&hit.account_id)
+    .bind(LOG_KEPT_PER_ACCOUNT - 1)
     .execute(db.pool())
     .await?;
     Ok(())
@@ -164,7 +184,7 @@ impl LimiterService for LocalLimiter {
 
     async fn record_hits(&self, request: pb::RecordHitsRequest) -> Result<pb::RecordHitsResponse> {
         for hit in request.hits {
-            let _ = self.hits.send(hit);
+            let _ = self.hits.try_send(hit);
         }
         Ok(pb::RecordHitsResponse {})
     }
@@ -300,7 +320,7 @@ id = "chat"
             refusal.message
         );
         // The first request used 100 tokens: the commit travels on the bus.
-        rate.commit(first.ticket, 100, false);
+        rate.commit(first.ticket, 100);
         let mut remaining = 0;
         for _ in 0..100 {
             let probe = rate
@@ -334,6 +354,46 @@ id = "chat"
         assert_eq!(hits[0].limit_type, "TPM");
         assert_eq!(hits[0].api_key_id, "k1");
         assert_eq!(hits[0].model_id, "chat");
+    }
+
+    #[actix_rt::test]
+    async fn the_log_keeps_the_newest_200_entries_of_an_account() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_, local, _) = limiter(&dir).await;
+        let hit = |i: i64| pb::LimitHit {
+            account_id: "acct".into(),
+            api_key_id: "k".into(),
+            model_id: "chat".into(),
+            tier: "standard".into(),
+            limit_type: "RPM".into(),
+            at_ms: 1_000_000 + i,
+        };
+        let hits = (0..230).map(hit).collect();
+        local
+            .record_hits(pb::RecordHitsRequest { hits })
+            .await
+            .unwrap();
+        let mut count = 0;
+        for _ in 0..200 {
+            let (n,): (i64,) = sqlx::query_as("SELECT COUNT(*) FROM rate_limit_logs")
+                .fetch_one(local.db.pool())
+                .await
+                .unwrap();
+            count = n;
+            let newest = local
+                .recent_hits(pb::RecentHitsRequest {
+                    account_id: "acct".into(),
+                    limit: 50,
+                })
+                .await
+                .unwrap()
+                .hits;
+            if count == 200 && newest.first().is_some_and(|h| h.at_ms == 1_000_229) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(count, 200);
     }
 
     #[actix_rt::test]

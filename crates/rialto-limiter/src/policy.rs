@@ -148,6 +148,11 @@ impl Policy {
         }
     }
 
+    /// The account tiers `[limits.tiers]` defines.
+    pub fn tiers(&self) -> impl Iterator<Item = &str> {
+        self.tiers.keys().map(String::as_str)
+    }
+
     /// The caller's own limit on `target`, or None when its class is not
     /// limited.
     pub fn key_limit(&self, caller: Caller<'_>, target: Target<'_>) -> Option<Limit> {

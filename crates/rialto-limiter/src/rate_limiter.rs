@@ -73,6 +73,7 @@ pub struct Admission {
 #[derive(Debug, Default)]
 pub struct Ticket {
     request_id: String,
+    estimated_tokens: u64,
     held: Vec<(usize, String, String)>,
 }
 
@@ -129,6 +130,7 @@ impl RateLimiter {
         let windows = self.0.policy.windows(caller, target);
         let mut ticket = Ticket {
             request_id: request_id.to_owned(),
+            estimated_tokens,
             held: Vec::with_capacity(windows.len()),
         };
         let mut shown: Option<(Scope, pb::WindowState)> = None;
@@ -156,13 +158,19 @@ impl RateLimiter {
             let response = match response {
                 Ok(response) => response,
                 Err(error) => {
-                    self.commit(ticket, 0, true);
+                    // The owner may have admitted before the call failed:
+                    // release this window too (a release of nothing is
+                    // a no-op).
+                    ticket
+                        .held
+                        .push((owner, principal, target.window.to_owned()));
+                    self.release(ticket);
                     return Err(error);
                 }
             };
             let state = response.state.unwrap_or_default();
             if !response.admitted {
-                self.commit(ticket, 0, true);
+                self.release(ticket);
                 let mut headers = headers(scope, &state);
                 // On a refusal, the reset is when this request would fit.
                 headers.reset_requests = ceil_secs(response.retry_at_ms);
@@ -229,9 +237,21 @@ impl RateLimiter {
         Ok(shown.map(|(scope, state)| headers(scope, &state)))
     }
 
-    /// Tells the owners what the request used (or, with `release`, that it
-    /// never ran). Fire and forget: it runs off the response path.
-    pub fn commit(&self, ticket: Ticket, used_tokens: u64, release: bool) {
+    /// Tells the owners what the request used. Fire and forget: it runs off
+    /// the response path, as an event on the bus when the bus reaches the
+    /// replicas.
+    pub fn commit(&self, ticket: Ticket, used_tokens: u64) {
+        self.send_commits(ticket, used_tokens, false);
+    }
+
+    /// Gives back the slots of a request a later window refused. Sent to
+    /// each owner directly, never on the bus (at most once there): a lost
+    /// release would hold a slot for a whole window.
+    fn release(&self, ticket: Ticket) {
+        self.send_commits(ticket, 0, true);
+    }
+
+    fn send_commits(&self, ticket: Ticket, used_tokens: u64, release: bool) {
         if ticket.held.is_empty() {
             return;
         }
@@ -240,7 +260,11 @@ impl RateLimiter {
         };
         let this = self.clone();
         runtime.spawn(async move {
-            let Ticket { request_id, held } = ticket;
+            let Ticket {
+                request_id,
+                estimated_tokens,
+                held,
+            } = ticket;
             for (owner, principal, window) in held {
                 let request = pb::CommitRequest {
                     request_id: request_id.clone(),
@@ -248,8 +272,10 @@ impl RateLimiter {
                     window,
                     used_tokens,
                     release,
+                    estimated_tokens,
                 };
-                let sent = match &this.0.bus {
+                let bus = this.0.bus.as_ref().filter(|_| !release);
+                let sent = match bus {
                     Some(bus) => {
                         let payload = Bytes::from(request.encode_to_vec());
                         bus.publish(bus.subject(COMMITS_SUBJECT), payload).await
@@ -333,7 +359,7 @@ fn ceil_secs(ms: i64) -> i64 {
 }
 
 fn headers(scope: Scope, state: &pb::WindowState) -> RateHeaders {
-    let now = rialto_core::db::now_ms();
+    let now = crate::clock::now_ms();
     RateHeaders {
         scope,
         limit_requests: state.limit_requests,

@@ -25,7 +25,14 @@ struct Entry {
     tokens: u64,
     /// Which request this is (a hash of its id), for commits.
     tag: u64,
+    /// False for tokens a request used after its own entry left the window:
+    /// they count as tokens, not as a request.
+    request: bool,
 }
+
+/// Most tokens one entry counts: bounds every sum far below overflow, and
+/// is far above any real request.
+const MAX_ENTRY_TOKENS: u64 = 1 << 40;
 
 /// What refused a request, and from when it would fit.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,6 +62,8 @@ impl LimitType {
 pub struct Window {
     span_ms: i64,
     entries: VecDeque<Entry>,
+    /// Entries that are requests.
+    requests: u64,
     /// Sum of `entries[..].tokens`.
     tokens: u64,
     /// UTC day number and the requests admitted on it.
@@ -66,6 +75,7 @@ impl Window {
         Self {
             span_ms: span_ms.max(1),
             entries: VecDeque::new(),
+            requests: 0,
             tokens: 0,
             day: (0, 0),
         }
@@ -77,6 +87,7 @@ impl Window {
                 break;
             }
             self.tokens -= front.tokens;
+            self.requests -= u64::from(front.request);
             self.entries.pop_front();
         }
         let today = now_ms.div_euclid(DAY_MS);
@@ -94,6 +105,7 @@ impl Window {
         tag: u64,
     ) -> Result<(), Refusal> {
         self.expire(now_ms);
+        let estimate = estimate.min(MAX_ENTRY_TOKENS);
         let mut refusal: Option<Refusal> = None;
         let mut refuse = |by, retry_at_ms: i64| {
             // Several limits may refuse: the caller may retry once all fit.
@@ -101,13 +113,17 @@ impl Window {
                 refusal = Some(Refusal { by, retry_at_ms });
             }
         };
-        let count = self.entries.len() as u64;
+        let count = self.requests;
         if count >= limit.requests {
-            // The slot frees when enough of the oldest requests leave.
-            let index = (count + 1).saturating_sub(limit.requests.max(1)) as usize;
+            // A slot frees when enough of the oldest requests have left:
+            // the (count - limit + 1)-th oldest, or never under a zero limit.
+            let leaving = (count + 1).saturating_sub(limit.requests) as usize;
             let retry = self
                 .entries
-                .get(index.saturating_sub(1))
+                .iter()
+                .filter(|e| e.request)
+                .nth(leaving.saturating_sub(1))
+                .filter(|_| limit.requests > 0)
                 .map_or(now_ms + self.span_ms, |e| e.at_ms + self.span_ms);
             refuse(LimitType::Rpm, retry);
         }
@@ -127,7 +143,9 @@ impl Window {
             at_ms: now_ms,
             tokens: estimate,
             tag,
+            request: true,
         });
+        self.requests += 1;
         self.tokens += estimate;
         // Days are counted only under a daily limit: otherwise the count
         // would keep every principal's actor alive until midnight.
@@ -154,18 +172,32 @@ impl Window {
         now_ms + self.span_ms
     }
 
-    /// Replaces the estimate of the request tagged `tag` by `used` tokens,
-    /// or with `release`, removes the request. A request that already left
-    /// the window is not counted again: its tokens belong to the past.
-    pub fn commit(&mut self, now_ms: i64, tag: u64, used: u64, release: bool) {
+    /// Replaces the estimate of the request tagged `tag` (admitted with
+    /// `estimate` tokens) by the `used` tokens, or with `release`, removes
+    /// the request. When the request already left the window (a long
+    /// stream), what it used beyond its estimate is counted now, as tokens
+    /// without a request: they were produced recently.
+    pub fn commit(&mut self, now_ms: i64, tag: u64, estimate: u64, used: u64, release: bool) {
         self.expire(now_ms);
+        let used = used.min(MAX_ENTRY_TOKENS);
         // Commits come soon after admission: search from the newest end.
-        let Some(index) = self.entries.iter().rposition(|e| e.tag == tag) else {
+        let Some(index) = self.entries.iter().rposition(|e| e.tag == tag && e.request) else {
+            let excess = used.saturating_sub(estimate.min(MAX_ENTRY_TOKENS));
+            if !release && excess > 0 {
+                self.entries.push_back(Entry {
+                    at_ms: now_ms,
+                    tokens: excess,
+                    tag,
+                    request: false,
+                });
+                self.tokens += excess;
+            }
             return;
         };
         if release {
             if let Some(entry) = self.entries.remove(index) {
                 self.tokens -= entry.tokens;
+                self.requests -= 1;
                 self.day.1 = self.day.1.saturating_sub(1);
             }
             return;
@@ -180,7 +212,8 @@ impl Window {
         self.expire(now_ms);
         let reset_requests_ms = self
             .entries
-            .front()
+            .iter()
+            .find(|e| e.request)
             .map_or(now_ms, |e| e.at_ms + self.span_ms);
         let reset_tokens_ms = self
             .entries
@@ -189,7 +222,7 @@ impl Window {
             .map_or(now_ms, |e| e.at_ms + self.span_ms);
         pb::WindowState {
             limit_requests: limit.requests,
-            remaining_requests: limit.requests.saturating_sub(self.entries.len() as u64),
+            remaining_requests: limit.requests.saturating_sub(self.requests),
             reset_requests_ms,
             limit_tokens: limit.tokens,
             remaining_tokens: limit.tokens.saturating_sub(self.tokens),
@@ -262,13 +295,13 @@ mod tests {
         assert_eq!(refusal.by, LimitType::Tpm);
         assert_eq!(refusal.retry_at_ms, T0 + MINUTE);
         // The first request really used 100 tokens: now 500 fit.
-        window.commit(T0 + 2, 1, 100, false);
+        window.commit(T0 + 2, 1, 600, 100, false);
         window.admit(T0 + 3, &limit, 500, 2).unwrap();
         let state = window.state(T0 + 4, &limit);
         assert_eq!(state.remaining_tokens, 400);
         assert_eq!(state.reset_tokens_ms, T0 + MINUTE);
         // A commit above the estimate counts the real usage.
-        window.commit(T0 + 5, 2, 900, false);
+        window.commit(T0 + 5, 2, 500, 900, false);
         assert_eq!(window.state(T0 + 6, &limit).remaining_tokens, 0);
     }
 
@@ -285,11 +318,29 @@ mod tests {
         let mut window = Window::new(MINUTE);
         let limit = limit(1, 1000);
         window.admit(T0, &limit, 10, 1).unwrap();
-        window.commit(T0 + 1, 1, 0, true);
+        window.commit(T0 + 1, 1, 10, 0, true);
         window.admit(T0 + 2, &limit, 10, 2).unwrap();
-        // Request 2 left the window before its commit arrived.
-        window.commit(T0 + 2 * MINUTE, 2, 999, false);
+        // Request 2 left the window before its commit arrived: only what it
+        // used beyond its estimate counts, from now, and not as a request.
+        window.commit(T0 + 2 * MINUTE, 2, 10, 10, false);
         assert_eq!(window.state(T0 + 2 * MINUTE, &limit).remaining_tokens, 1000);
+        window.commit(T0 + 2 * MINUTE, 2, 10, 810, false);
+        let state = window.state(T0 + 2 * MINUTE, &limit);
+        assert_eq!(state.remaining_tokens, 200);
+        assert_eq!(state.remaining_requests, 1);
+        window.admit(T0 + 2 * MINUTE, &limit, 10, 3).unwrap();
+        assert!(window.admit(T0 + 2 * MINUTE, &limit, 500, 4).is_err());
+    }
+
+    #[test]
+    fn absurd_token_counts_cannot_overflow() {
+        let mut window = Window::new(MINUTE);
+        let limit = limit(10, 0);
+        window.admit(T0, &limit, u64::MAX, 1).unwrap();
+        window.admit(T0, &limit, u64::MAX, 2).unwrap();
+        window.commit(T0, 1, u64::MAX, u64::MAX, false);
+        window.commit(T0 + 2 * MINUTE, 2, 0, u64::MAX, false);
+        assert!(window.state(T0 + 2 * MINUTE, &limit).remaining_requests == 10);
     }
 
     #[test]

@@ -109,6 +109,17 @@ fn main() -> std::process::ExitCode {
 }
 
 fn create_account(config: Config, name: String, tier: String) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        config.limits.tiers.contains_key(&tier),
+        "unknown tier {tier:?}; [limits.tiers] defines: {}",
+        config
+            .limits
+            .tiers
+            .keys()
+            .cloned()
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     use rialto_auth::AuthService;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()

@@ -117,6 +117,13 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
     };
     // The limiter replica of this process, if it runs one; otherwise every
     // replica listed in remote.limiter, each owning a share of principals.
+    if here.contains("limiter") && here.contains("gateway") && remote.limiter.contains(',') {
+        anyhow::bail!(
+            "remote.limiter lists several replicas, but this process runs a limiter of its \
+             own and would ignore them (each process would keep its own windows): run the \
+             limiter replicas as separate processes (--services limiter)"
+        );
+    }
     let local_limiter = match db.clone().filter(|_| here.contains("limiter")) {
         Some(db) => Some(LimiterClient::new(
             LocalLimiter::start(&config, db, bus.clone()).await?,
