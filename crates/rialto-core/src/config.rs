@@ -563,6 +563,12 @@ impl Config {
         }
         let mut seen = HashSet::new();
         for model in &self.models {
+            if model.global_tpm.is_some() && model.global_rpm.is_none() {
+                return invalid(format!(
+                    "model {}: global_tpm needs a global_rpm (its requests per window)",
+                    model.id
+                ));
+            }
             if model.id.is_empty() || model.id.contains(':') {
                 return invalid(format!(
                     "model id {:?} must be non-empty without ':'",

@@ -127,14 +127,13 @@ impl Policy {
         let global = config
             .models
             .iter()
-            .filter(|m| m.global_rpm.is_some() || m.global_tpm.is_some())
-            .map(|m| {
+            .filter_map(|m| {
                 let limit = Limit {
-                    rpm: m.global_rpm.unwrap_or(u64::MAX),
+                    rpm: m.global_rpm?,
                     tpm: m.global_tpm,
                     rpd: None,
                 };
-                (m.id.clone(), limit)
+                Some((m.id.clone(), limit))
             })
             .collect();
         Self {
