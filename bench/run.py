@@ -11,6 +11,13 @@ after 20 ms), the most requests per second at 64 connections, p99 at fixed
 open-loop rates (1k, 2k, 5k req/s, as far as the system holds), time to first
 token and total time of 64 and 512 concurrent streams, idle and peak RSS.
 
+And the limiter: `bench-limiter` measures the cost of one decision in
+process (the window alone, and the actor round trip behind the gateway's
+`RateLimiter`), and the one-process scenario is measured again at
+concurrency 1 on a model with no rate window (`type = "unlimited"`, a limit
+class no tier table lists, so the limiter is skipped), alternating with the
+limited model: the difference is the limiter's share of the added latency.
+
 `make bench` writes BENCHMARKS.md and bench/results/<time>.json;
 `make bench-smoke` (part of `make test`) runs every scenario for about a
 second into a temporary folder so the harness cannot rot. Standard library only.
@@ -52,6 +59,21 @@ def wait_http(url, timeout, headers=None):
         except Exception:  # noqa: BLE001 - not up yet
             time.sleep(0.2)
     raise RuntimeError(f"{url} did not come up in {timeout}s")
+
+
+def response_headers(url, body, headers):
+    """The headers of one POST answer (lower-case names)."""
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json", **headers})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        response.read()
+        return {k.lower(): v for k, v in response.headers.items()}
+
+
+def median(values):
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
 
 
 def post_json(url, body, headers=None):
@@ -137,12 +159,15 @@ class Processes:
 class Suite:
     def __init__(self, args):
         self.args = args
-        self.bin = os.path.join(args.target_dir, args.profile)
+        # Absolute: the children run in a temporary folder.
+        self.bin = os.path.abspath(os.path.join(args.target_dir, args.profile))
         self.smoke = args.smoke
         self.duration = 1.0 if self.smoke else args.duration
         self.warmup = 0.3 if self.smoke else 1.0
         self.rates = [200] if self.smoke else [1000, 2000, 5000]
         self.streams = [8] if self.smoke else [64, 512]
+        # Alternating limited/unlimited rounds of the limiter's share.
+        self.share_rounds = 1 if self.smoke else 5
         self.workdir = tempfile.mkdtemp(prefix="rialto-bench-")
         self.upstream = Processes(self.workdir)
 
@@ -216,16 +241,24 @@ class Suite:
                             {}, self.upstream, [f"upstream-{n}" for n in self.upstreams])
 
     def rialto_config(self, path):
+        """Every model is XS (the default) with a rate limit far above the
+        load, so every request goes through the limiter and none is refused;
+        `bench-fast-unlimited` has a limit class no tier table lists, so no
+        window applies to it and the limiter is skipped."""
+        models = [(f"bench-{name}", url, "") for name, url in self.upstreams.items()]
+        models.append(("bench-fast-unlimited", self.upstreams["fast"], 'type = "unlimited"\n'))
         models = "".join(
-            f'\n[[models]]\nid = "bench-{name}"\ninput_usd_per_mtok = 0.5\noutput_usd_per_mtok = 1.5\n'
+            f'\n[[models]]\nid = "{model}"\n{extra}input_usd_per_mtok = 0.5\noutput_usd_per_mtok = 1.5\n'
             f'backends = [{{ kind = "openai", url = "{url}", model = "bench-model" }}]\n'
-            for name, url in self.upstreams.items())
+            for model, url, extra in models)
+        limits = ('[limits.tiers.standard]\n'
+                  'XS = { rpm = 1000000000000, tpm = 1000000000000000000 }\n')
         token = secrets.token_hex(16)
         with open(path, "w") as f:
             f.write(f'[gateway]\nlisten = "127.0.0.1:0"\n[grpc]\nlisten = "127.0.0.1:0"\n'
                     f'token = "{secrets.token_hex(16)}"\n'
                     f'[database]\nurl = "sqlite://{self.workdir}/bench-{secrets.token_hex(4)}.db"\n'
-                    f'[operator]\ntoken = "{token}"\n[log]\nlevel = "info"\n{models}')
+                    f'[operator]\ntoken = "{token}"\n[log]\nlevel = "info"\n{limits}{models}')
         return token
 
     def rialto(self, split):
@@ -256,9 +289,48 @@ class Suite:
                                   {"Authorization": f"Bearer {key}"}, procs, watched)
             if split:
                 result["gateway_peak_rss_mb"] = procs.memory_mb(["gateway"], "VmHWM")
+            else:
+                result["limiter_share"] = self.limiter_share(base, {"Authorization": f"Bearer {key}"})
             return result
         finally:
             procs.stop()
+
+    def limiter_share(self, base, headers):
+        """Concurrency 1, instant upstream, alternating the limited model
+        and the unlimited one, `share_rounds` times each."""
+        url = f"{base}/api/v1/chat/completions"
+        limited = response_headers(url, {"model": "bench-fast", "messages": CHAT}, headers)
+        unlimited = response_headers(url, {"model": "bench-fast-unlimited", "messages": CHAT}, headers)
+        # The two differ by the limiter alone: check that it ran on one only.
+        assert "x-ratelimit-limit-requests" in limited, limited
+        assert "x-ratelimit-limit-requests" not in unlimited, unlimited
+        rounds = {"limited": [], "unlimited": []}
+        for _ in range(self.share_rounds):
+            for kind, model in (("limited", "bench-fast"), ("unlimited", "bench-fast-unlimited")):
+                rounds[kind].append(self.load("closed", url, headers, {"model": model, "messages": CHAT},
+                                              concurrency=1))
+        result = {"rounds": rounds}
+        for kind, runs in rounds.items():
+            result[kind] = {q: median([r["latency_us"][q] for r in runs]) for q in ("p50", "p99", "p999")}
+        print(f"   limiter share: p50 {result['limited']['p50'] - result['unlimited']['p50']} us, "
+              f"p99 {result['limited']['p99'] - result['unlimited']['p99']} us", flush=True)
+        return result
+
+    def limiter_bench(self):
+        """bench-limiter: decisions per second and the latency of one admit."""
+        print("== limiter decisions (bench-limiter)", flush=True)
+        argv = [self.binary("bench-limiter"), "--seconds", str(self.duration), "--warmup", str(self.warmup)]
+        if self.smoke:
+            argv = [self.binary("bench-limiter"), "--seconds", "0.2", "--warmup", "0.1",
+                    "--keys", "100", "--concurrency", "8"]
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=6 * (self.duration + self.warmup) + 120)
+        if out.returncode != 0:
+            raise RuntimeError(f"bench-limiter failed: {out.stderr}")
+        result = json.loads(out.stdout)
+        print(f"   window {result['window']['per_s']:.0f}/s on one thread; actor round trip "
+              f"{result['many_keys']['per_core_per_s']:.0f}/s per core over {result['many_keys']['keys']} keys, "
+              f"c=1 p50 {result['c1']['latency_ns']['p50'] / 1000:.1f} us", flush=True)
+        return result
 
     def litellm(self):
         venv = self.args.litellm_venv
@@ -289,10 +361,12 @@ class Suite:
 
     def run(self):
         started = time.time()
+        # First, on a quiet machine: no upstream or gateway is running yet.
+        limiter = self.limiter_bench()
         self.start_upstreams()
         try:
             results = {"floor": self.floor(), "one-process": self.rialto(split=False),
-                       "split": self.rialto(split=True), "litellm": self.litellm()}
+                       "split": self.rialto(split=True), "litellm": self.litellm(), "limiter": limiter}
         finally:
             self.upstream.stop()
         elapsed = round(time.time() - started)
@@ -347,7 +421,9 @@ def report(results, meta):
         f"- **Each measurement**: {meta['duration_s']} s after {meta['warmup_s']} s of warm-up; the load "
         "generator is `bench-load` (HDR histograms, hyper HTTP/1.1 keep-alive), the upstream `bench-upstream` "
         "(16-word answer; the 20 ms variant sleeps before answering; streams are 16 chunks 20 ms apart). "
-        "Rialto runs the full path: key auth, validation, limiter, router, billing quote, one log line per request.",
+        "Rialto runs the full path: key auth, validation, limiter (the key's XS limit raised far above the load, "
+        "so every request takes a slot in its window and none is refused), router, billing quote, one log line "
+        "per request.",
         "",
         "## Added latency at concurrency 1",
         "",
@@ -406,6 +482,8 @@ def report(results, meta):
                 "litellm": "master and both workers"}[name]
         lines.append(f"| {name} | {r['idle_rss_mb']} | {r['peak_rss_mb']} | {note} |")
 
+    lines += limiter_report(results, floor)
+
     one, split = results["one-process"], results["split"]
     added = lambda r, q: r["c1_fast"]["latency_us"][q] - floor["c1_fast"]["latency_us"][q]
     rate = lambda r, k: r["rates"].get(k, {})
@@ -438,6 +516,70 @@ def report(results, meta):
     return "\n".join(lines) + "\n"
 
 
+def limiter_report(results, floor):
+    """The limiter's sections; empty for results of runs before it existed."""
+    limiter, share = results.get("limiter"), results["one-process"].get("limiter_share")
+    lines = []
+    if limiter:
+        cores = limiter["cores"]
+        c1 = limiter["c1"]["latency_ns"]
+        lines += ["", "## Limiter: cost of one decision (in process, `bench-limiter`)", "",
+                  f"The limiter of `rialto serve` (one actor per principal on one arbiter per core, here {cores}) "
+                  "behind the gateway's `RateLimiter`, in an actix System on a multi-thread runtime with one "
+                  f"worker per core; {limiter['seconds']} s per row after {limiter['warmup_s']} s of warm-up; "
+                  "limits far above the load, so every decision admits. *Per core* divides by "
+                  f"the {cores} cores the callers and the arbiters share.",
+                  "",
+                  "| data structure alone, one thread | decisions/s | ns per decision |", "|---|---|---|"]
+        for key, label in (("window", "`Window::admit`"),
+                           ("window_with_state", "`Window::admit` + `state` (what the actor's handler runs)")):
+            w = limiter[key]
+            lines.append(f"| {label} | {w['per_s']:.0f} | {w['ns_per_decision']} |")
+        lines += ["", "| through the actors | decisions/s | per core | admit p50 µs | admit p99 µs | admit p99.9 µs |",
+                  "|---|---|---|---|---|---|"]
+        for key, label in (
+                ("many_keys", f"`RateLimiter::admit`, {limiter['many_keys']['tasks']} tasks over "
+                              f"{limiter['many_keys']['keys']} keys"),
+                ("many_keys_commit", "the same, each admit followed by its commit on the bus"),
+                ("one_key", f"`RateLimiter::admit`, {limiter['one_key']['tasks']} tasks on one key"),
+                ("c1", "`RateLimiter::admit` + commit, concurrency 1")):
+            r = limiter[key]
+            lat = r["latency_ns"]
+            lines.append(f"| {label} | {r['per_s']:.0f} | {r['per_core_per_s']:.0f} | {lat['p50'] / 1000:.1f} | "
+                         f"{lat['p99'] / 1000:.1f} | {lat['p999'] / 1000:.1f} |")
+        lines += ["", f"One decision at concurrency 1 (an actor round trip between two threads): p50 "
+                      f"**{c1['p50'] / 1000:.1f} µs**, p99 **{c1['p99'] / 1000:.1f} µs**. In-process decisions per "
+                      f"second per core: **{limiter['many_keys']['per_core_per_s']:.0f}** over "
+                      f"{limiter['many_keys']['keys']} keys ({limiter['many_keys_commit']['per_core_per_s']:.0f} "
+                      f"with commits, {limiter['one_key']['per_core_per_s']:.0f} on one key)."]
+    if share:
+        base = floor["c1_fast"]["latency_us"]
+        lim, free = share["limited"], share["unlimited"]
+        rounds = len(share["rounds"]["limited"])
+        lines += ["", "## Limiter: its share of the added latency (one-process, concurrency 1, instant upstream)", "",
+                  f"The same process and key, alternating a model under a rate window (`bench-fast`, XS) and one "
+                  f"whose limit class no tier table lists (`type = \"unlimited\"`: no window applies, no actor "
+                  f"is asked, nothing is committed), {rounds} rounds of each; median over the rounds. "
+                  "*Added* is over the floor's figures of the run.", "",
+                  "| model | p50 ms | p99 ms | p99.9 ms | added p50 µs | added p99 µs | added p99.9 µs "
+                  "| p50 of each round µs | p99 of each round µs |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for kind, label in (("limited", "limited (`bench-fast`)"), ("unlimited", "no window (`bench-fast-unlimited`)")):
+            lat, runs = share[kind], share["rounds"][kind]
+            each = lambda q: ", ".join(str(r["latency_us"][q]) for r in runs)
+            lines.append(f"| {label} | {ms(lat['p50'])} | {ms(lat['p99'])} | {ms(lat['p999'])} | "
+                         + " | ".join(f"{lat[q] - base[q]:.0f}" for q in ("p50", "p99", "p999"))
+                         + f" | {each('p50')} | {each('p99')} |")
+        diff = {q: lim[q] - free[q] for q in ("p50", "p99", "p999")}
+        cells = []
+        for q in ("p50", "p99", "p999"):
+            added_limited = lim[q] - base[q]
+            pct = f" ({100 * diff[q] / added_limited:.0f}% of the added)" if added_limited > 0 else ""
+            cells.append(f"**{diff[q]:.0f}**{pct}")
+        lines.append("| the limiter (difference) | | | | " + " | ".join(cells) + " | | |")
+    return lines
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="about a second per measurement, no report")
@@ -465,6 +607,15 @@ def main():
                 assert run["requests"] > 0 and run["errors"] == 0, (name, key, run)
             for count, run in results[name]["streams"].items():
                 assert run["streams"] > 0 and run["errors"] == 0, (name, count, run)
+        for kind, runs in results["one-process"]["limiter_share"]["rounds"].items():
+            for run in runs:
+                assert run["requests"] > 0 and run["errors"] == 0, ("limiter share", kind, run)
+        limiter = results["limiter"]
+        for key in ("many_keys", "many_keys_commit", "one_key", "c1"):
+            run = limiter[key]
+            assert run["decisions"] > 0 and run["refused"] == 0 and run["errors"] == 0, ("limiter", key, run)
+        for key in ("window", "window_with_state"):
+            assert limiter[key]["decisions"] > 0 and limiter[key]["refused"] == 0, ("limiter", key, limiter[key])
         print(f"bench-smoke ok: {len(SCENARIOS)} scenarios in {elapsed} s")
         return
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
