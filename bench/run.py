@@ -282,6 +282,9 @@ class Suite:
             wait_http(f"{base}/healthz", 30)
             account = post_json(f"{base}/admin/v1/accounts", {"name": "bench"},
                                 {"Authorization": f"Bearer {operator}"})
+            post_json(f"{base}/admin/v1/accounts/{account['id']}/credits",
+                      {"usd": "1000000", "reference": "bench-seed"},
+                      {"Authorization": f"Bearer {operator}"})
             key = post_json(f"{base}/api/v1/api_keys", {"apiKeyType": "INFERENCE", "description": "bench"},
                             {"Authorization": f"Bearer {account['api_key']['key']}"})["data"]["apiKey"]
             watched = None if split else ["gateway"]

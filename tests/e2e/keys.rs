@@ -247,6 +247,25 @@ async fn cli_creates_accounts() {
     let created: Value = serde_json::from_slice(&output.stdout).unwrap();
     assert_eq!(created["api_key"]["type"], "ADMIN");
     let key = created["api_key"]["key"].as_str().unwrap();
+    // No credit yet: the chat is refused for payment.
+    assert_eq!(chat(&world, key).await.status(), 402);
+    let id = created["id"].as_str().unwrap();
+    let credit = || {
+        world
+            .sandbox
+            .command()
+            .unwrap()
+            .args(["admin", "accounts", "credit", "--id", id])
+            .args(["--usd", "5.00", "--reference", "cli-1"])
+            .output()
+            .unwrap()
+    };
+    let first: Value = serde_json::from_slice(&credit().stdout).unwrap();
+    assert_eq!(first["applied"], true);
+    assert_eq!(first["balance"]["usd"], "5");
+    let again: Value = serde_json::from_slice(&credit().stdout).unwrap();
+    assert_eq!(again["applied"], false, "the same reference credits once");
+    assert_eq!(again["balance"]["usd"], "5");
     assert_eq!(chat(&world, key).await.status(), 200);
 }
 

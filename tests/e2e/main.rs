@@ -6,6 +6,7 @@
 // failed unwrap is a failed assertion.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod billing;
 mod chat;
 mod keys;
 mod limits;

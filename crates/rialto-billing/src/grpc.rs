@@ -30,6 +30,36 @@ impl Billing for BillingGrpc {
     ) -> Result<Response<pb::Cost>, Status> {
         Ok(Response::new(self.0.quote(request.into_inner()).await?))
     }
+
+    async fn hold(
+        &self,
+        request: Request<pb::HoldRequest>,
+    ) -> Result<Response<pb::HoldResponse>, Status> {
+        Ok(Response::new(self.0.hold(request.into_inner()).await?))
+    }
+
+    async fn settle(
+        &self,
+        request: Request<pb::SettleRequest>,
+    ) -> Result<Response<pb::Cost>, Status> {
+        Ok(Response::new(self.0.settle(request.into_inner()).await?))
+    }
+
+    async fn credit(
+        &self,
+        request: Request<pb::CreditRequest>,
+    ) -> Result<Response<pb::CreditResponse>, Status> {
+        Ok(Response::new(self.0.credit(request.into_inner()).await?))
+    }
+
+    async fn get_balance(
+        &self,
+        request: Request<pb::GetBalanceRequest>,
+    ) -> Result<Response<pb::Balance>, Status> {
+        Ok(Response::new(
+            self.0.get_balance(request.into_inner()).await?,
+        ))
+    }
 }
 
 /// Billing in another process, reached over gRPC.
@@ -45,5 +75,21 @@ impl RemoteBilling {
 impl BillingService for RemoteBilling {
     async fn quote(&self, request: pb::QuoteRequest) -> Result<pb::Cost> {
         Ok(self.0.clone().quote(request).await?.into_inner())
+    }
+
+    async fn hold(&self, request: pb::HoldRequest) -> Result<pb::HoldResponse> {
+        Ok(self.0.clone().hold(request).await?.into_inner())
+    }
+
+    async fn settle(&self, request: pb::SettleRequest) -> Result<pb::Cost> {
+        Ok(self.0.clone().settle(request).await?.into_inner())
+    }
+
+    async fn credit(&self, request: pb::CreditRequest) -> Result<pb::CreditResponse> {
+        Ok(self.0.clone().credit(request).await?.into_inner())
+    }
+
+    async fn get_balance(&self, request: pb::GetBalanceRequest) -> Result<pb::Balance> {
+        Ok(self.0.clone().get_balance(request).await?.into_inner())
     }
 }

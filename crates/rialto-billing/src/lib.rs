@@ -1,9 +1,13 @@
-//! The billing service: prices usage from the model catalog.
+//! The billing service: prices usage from the model catalog and keeps the
+//! prepaid ledger.
 //!
-//! Here billing quotes what a request cost from the model's configured prices
-//! per million tokens, exactly (decimal arithmetic, never floats). The prepaid
-//! ledger (holds before the call, settlement after, balances, x402 top-ups)
-//! arrives with the billing issue behind this same interface.
+//! Prices are per million tokens, applied exactly (decimal arithmetic, never
+//! floats). The ledger ([`ledger`]) lives in the database: before a call
+//! the gateway has billing hold the most the call can cost (prompt estimate
+//! plus its completion budget, at the model's prices), after it billing
+//! settles the real usage against the hold, DIEM first, and releases the
+//! rest. Amounts cross the interface as decimal strings; the ledger counts
+//! integer nano-units.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -15,12 +19,20 @@ use rialto_proto::billing::v1 as pb;
 use rust_decimal::Decimal;
 
 pub mod grpc;
+pub mod ledger;
 
 /// Billing in domain terms.
 #[async_trait]
 pub trait BillingService: Send + Sync + 'static {
     /// The cost of `usage` on `model_id`.
     async fn quote(&self, request: pb::QuoteRequest) -> Result<pb::Cost>;
+    /// Reserves the most a request can cost, or says the balance can't.
+    async fn hold(&self, request: pb::HoldRequest) -> Result<pb::HoldResponse>;
+    /// Charges the real usage against the request's hold; idempotent.
+    async fn settle(&self, request: pb::SettleRequest) -> Result<pb::Cost>;
+    /// Adds credit once per reference.
+    async fn credit(&self, request: pb::CreditRequest) -> Result<pb::CreditResponse>;
+    async fn get_balance(&self, request: pb::GetBalanceRequest) -> Result<pb::Balance>;
 }
 
 /// A cloneable handle on billing, local or remote.
@@ -81,35 +93,186 @@ impl Prices {
     }
 }
 
-/// In-process billing over the configured price table.
+/// Nano-units per unit of USD or DIEM in the ledger.
+const NANOS: i64 = 1_000_000_000;
+
+/// A decimal amount as ledger nano-units, rounded up (a cost of a fraction
+/// of a nano-dollar is charged as one).
+pub fn to_nanos(amount: Decimal) -> Result<i64> {
+    use rust_decimal::prelude::ToPrimitive;
+    (amount * Decimal::from(NANOS))
+        .ceil()
+        .to_i64()
+        .ok_or_else(|| Error::invalid("amount out of range"))
+}
+
+/// Ledger nano-units as an exact decimal string (`"1.5"`, `"0"`).
+pub fn from_nanos(nanos: i64) -> String {
+    Decimal::new(nanos, 9).normalize().to_string()
+}
+
+fn balance_pb(balance: &ledger::Balance) -> pb::Balance {
+    pb::Balance {
+        usd: from_nanos(balance.usd),
+        diem: from_nanos(balance.diem),
+        usd_held: from_nanos(balance.usd_held),
+        diem_held: from_nanos(balance.diem_held),
+    }
+}
+
+/// A decimal amount from the wire: non-negative, at most nine decimals.
+pub fn parse_amount(field: &str, text: &str) -> Result<i64> {
+    let text = if text.trim().is_empty() {
+        "0"
+    } else {
+        text.trim()
+    };
+    let amount: Decimal = text.parse().map_err(|_| {
+        Error::invalid(format!(
+            "{field} must be a decimal amount such as \"10.00\""
+        ))
+    })?;
+    if amount.is_sign_negative() || amount.scale() > 9 {
+        return Err(Error::invalid(format!(
+            "{field} must be zero or more, with at most 9 decimals"
+        )));
+    }
+    to_nanos(amount)
+}
+
+/// In-process billing over the configured price table and the ledger.
 #[derive(Debug)]
 pub struct LocalBilling {
     prices: HashMap<String, Prices>,
+    ledger: ledger::Ledger,
+    hold_ttl_ms: i64,
 }
 
 impl LocalBilling {
-    pub fn new(models: &[ModelConfig]) -> Self {
+    pub fn new(config: &rialto_core::Config, db: rialto_core::db::Database) -> Self {
         Self {
-            prices: models
+            prices: config
+                .models
                 .iter()
                 .map(|m| (m.id.clone(), Prices::from_model(m)))
                 .collect(),
+            ledger: ledger::Ledger::new(db),
+            hold_ttl_ms: (config.billing.hold_ttl_secs as i64).saturating_mul(1000),
         }
+    }
+
+    /// Releases expired holds every ten seconds, forever (a crashed
+    /// gateway's holds must not keep credit reserved).
+    pub fn spawn_sweeper(&self) {
+        let ledger = self.ledger.clone();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(std::time::Duration::from_secs(10));
+            loop {
+                every.tick().await;
+                match ledger.expire(rialto_core::db::now_ms()).await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::info!(holds = n, "released expired holds"),
+                    Err(error) => tracing::warn!(%error, "cannot expire holds"),
+                }
+            }
+        });
+    }
+
+    fn prices(&self, model_id: &str) -> Result<&Prices> {
+        self.prices
+            .get(model_id)
+            .ok_or_else(|| Error::new(ErrorCode::ModelNotFound, "Specified model not found"))
     }
 }
 
 #[async_trait]
 impl BillingService for LocalBilling {
     async fn quote(&self, request: pb::QuoteRequest) -> Result<pb::Cost> {
-        let prices = self
-            .prices
-            .get(&request.model_id)
-            .ok_or_else(|| Error::new(ErrorCode::ModelNotFound, "Specified model not found"))?;
         let usage = request.usage.unwrap_or_default();
         Ok(pb::Cost {
-            usd: prices.cost(&usage).to_string(),
+            usd: self.prices(&request.model_id)?.cost(&usage).to_string(),
             diem: "0".to_owned(),
         })
+    }
+
+    async fn hold(&self, request: pb::HoldRequest) -> Result<pb::HoldResponse> {
+        let prices = self.prices(&request.model_id)?;
+        let most = prices.cost(&pb::Usage {
+            prompt_tokens: request.prompt_tokens,
+            completion_tokens: request.max_completion_tokens,
+            ..Default::default()
+        });
+        let expires = rialto_core::db::now_ms().saturating_add(self.hold_ttl_ms);
+        let outcome = self
+            .ledger
+            .hold(
+                &request.owner,
+                &request.request_id,
+                to_nanos(most)?,
+                expires,
+            )
+            .await?;
+        Ok(match outcome {
+            ledger::HoldOutcome::Placed { before, .. } => pb::HoldResponse {
+                placed: true,
+                before: Some(balance_pb(&before)),
+            },
+            ledger::HoldOutcome::Insufficient { before } => pb::HoldResponse {
+                placed: false,
+                before: Some(balance_pb(&before)),
+            },
+            // A retry of a request already holding: it may go on.
+            ledger::HoldOutcome::Duplicate => pb::HoldResponse {
+                placed: true,
+                before: None,
+            },
+        })
+    }
+
+    async fn settle(&self, request: pb::SettleRequest) -> Result<pb::Cost> {
+        let usage = request.usage.unwrap_or_default();
+        let cost = self.prices(&request.model_id)?.cost(&usage);
+        match self
+            .ledger
+            .settle(&request.request_id, to_nanos(cost)?)
+            .await?
+        {
+            ledger::SettleOutcome::Settled { usd, diem, .. } => Ok(pb::Cost {
+                usd: from_nanos(usd),
+                diem: from_nanos(diem),
+            }),
+            // Settled before (a retry), or nothing was held (free model):
+            // report what was charged, if anything.
+            ledger::SettleOutcome::NotOpen => {
+                let (usd, diem) = self.ledger.charged(&request.request_id).await?;
+                Ok(pb::Cost {
+                    usd: from_nanos(usd),
+                    diem: from_nanos(diem),
+                })
+            }
+        }
+    }
+
+    async fn credit(&self, request: pb::CreditRequest) -> Result<pb::CreditResponse> {
+        let usd = parse_amount("usd", &request.usd)?;
+        let diem = parse_amount("diem", &request.diem)?;
+        let reference = request.reference.trim();
+        if reference.is_empty() || reference.len() > 200 {
+            return Err(Error::invalid("reference must be 1 to 200 characters"));
+        }
+        let applied = self
+            .ledger
+            .credit(&request.owner, usd, diem, reference)
+            .await?;
+        let balance = self.ledger.balance(&request.owner).await?;
+        Ok(pb::CreditResponse {
+            applied,
+            balance: Some(balance_pb(&balance)),
+        })
+    }
+
+    async fn get_balance(&self, request: pb::GetBalanceRequest) -> Result<pb::Balance> {
+        Ok(balance_pb(&self.ledger.balance(&request.owner).await?))
     }
 }
 
@@ -117,16 +280,27 @@ impl BillingService for LocalBilling {
 mod tests {
     use super::*;
 
-    fn model(input: f64, output: f64) -> ModelConfig {
+    fn config(input: f64, output: f64) -> rialto_core::Config {
         let toml = format!(
             "[[models]]\nid = \"m\"\ninput_usd_per_mtok = {input}\noutput_usd_per_mtok = {output}\n"
         );
-        rialto_core::Config::from_toml(&toml).unwrap().models[0].clone()
+        rialto_core::Config::from_toml(&toml).unwrap()
+    }
+
+    fn model(input: f64, output: f64) -> ModelConfig {
+        config(input, output).models[0].clone()
+    }
+
+    async fn billing(config: &rialto_core::Config) -> (tempfile::TempDir, LocalBilling) {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}/billing.db", dir.path().display());
+        let db = rialto_core::db::Database::connect(&url, 4).await.unwrap();
+        (dir, LocalBilling::new(config, db))
     }
 
     #[tokio::test]
     async fn quotes_are_exact() {
-        let billing = LocalBilling::new(&[model(0.15, 0.6)]);
+        let (_dir, billing) = billing(&config(0.15, 0.6)).await;
         let cost = billing
             .quote(pb::QuoteRequest {
                 model_id: "m".into(),
@@ -158,8 +332,71 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn holds_cover_the_most_a_request_can_cost_and_settle_the_real_usage() {
+        let (_dir, billing) = billing(&config(1.0, 2.0)).await;
+        let owner = "account:a".to_owned();
+        let credit = |usd: &str, diem: &str, reference: &str| pb::CreditRequest {
+            owner: owner.clone(),
+            usd: usd.into(),
+            diem: diem.into(),
+            reference: reference.into(),
+        };
+        billing
+            .credit(credit("0.003", "0.001", "seed"))
+            .await
+            .unwrap();
+        let hold = |id: &str| pb::HoldRequest {
+            owner: owner.clone(),
+            request_id: id.into(),
+            model_id: "m".into(),
+            prompt_tokens: 1000,
+            max_completion_tokens: 1000,
+        };
+        // At most 1000 * $1/M + 1000 * $2/M = $0.003: fits in 0.001 DIEM + $0.003.
+        let placed = billing.hold(hold("r1")).await.unwrap();
+        assert!(placed.placed);
+        assert_eq!(placed.before.unwrap().usd, "0.003");
+        // The rest ($0.001) cannot cover another.
+        assert!(!billing.hold(hold("r2")).await.unwrap().placed);
+        let usage = pb::Usage {
+            prompt_tokens: 500,
+            completion_tokens: 500,
+            ..Default::default()
+        };
+        let settle = pb::SettleRequest {
+            request_id: "r1".into(),
+            model_id: "m".into(),
+            usage: Some(usage),
+        };
+        // $0.0015: 0.001 DIEM first, then $0.0005.
+        let cost = billing.settle(settle.clone()).await.unwrap();
+        assert_eq!((cost.usd.as_str(), cost.diem.as_str()), ("0.0005", "0.001"));
+        // A retry charges nothing more and reports the same split.
+        assert_eq!(billing.settle(settle).await.unwrap(), cost);
+        let balance = billing
+            .get_balance(pb::GetBalanceRequest {
+                owner: owner.clone(),
+            })
+            .await
+            .unwrap();
+        assert_eq!(
+            (balance.usd.as_str(), balance.diem.as_str()),
+            ("0.0025", "0")
+        );
+        assert_eq!(balance.usd_held, "0");
+        // Bad amounts are refused with a clear message.
+        let bad = billing.credit(credit("-1", "0", "neg")).await.unwrap_err();
+        assert_eq!(bad.code, ErrorCode::InvalidRequest);
+        let bad = billing
+            .credit(credit("1.0000000001", "0", "fine"))
+            .await
+            .unwrap_err();
+        assert!(bad.message.contains("9 decimals"));
+    }
+
+    #[tokio::test]
     async fn unknown_models_have_no_price() {
-        let billing = LocalBilling::new(&[]);
+        let (_dir, billing) = billing(&config(1.0, 1.0)).await;
         let error = billing
             .quote(pb::QuoteRequest {
                 model_id: "nope".into(),

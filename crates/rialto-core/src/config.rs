@@ -34,8 +34,24 @@ pub struct Config {
     pub router: RouterConfig,
     pub log: LogConfig,
     pub limits: LimitsConfig,
+    pub billing: BillingConfig,
     pub bus: BusConfig,
     pub models: Vec<ModelConfig>,
+}
+
+/// The prepaid ledger (`[billing]`).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct BillingConfig {
+    /// Seconds an unsettled hold (a crashed gateway's) lives before it is
+    /// released; longer than the longest request.
+    pub hold_ttl_secs: u64,
+}
+
+impl Default for BillingConfig {
+    fn default() -> Self {
+        Self { hold_ttl_secs: 900 }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -282,9 +298,9 @@ fn default_tier() -> String {
 }
 
 /// Top-level keys of [`Config`], the only ones `RIALTO_*` variables may set.
-const TOP_LEVEL_KEYS: [&str; 12] = [
+const TOP_LEVEL_KEYS: [&str; 13] = [
     "brand", "services", "gateway", "grpc", "database", "operator", "remote", "router", "log",
-    "limits", "bus", "models",
+    "limits", "billing", "bus", "models",
 ];
 
 /// The services a process can run, in start order.
@@ -303,6 +319,7 @@ impl Default for Config {
             router: RouterConfig::default(),
             log: LogConfig::default(),
             limits: LimitsConfig::default(),
+            billing: BillingConfig::default(),
             bus: BusConfig::default(),
             models: Vec::new(),
         }

@@ -12,6 +12,7 @@ use actix_web::http::header::ContentEncoding;
 use actix_web::{HttpMessage, HttpRequest, HttpResponse, HttpResponseBuilder, web};
 use bytes::Bytes;
 use futures_util::StreamExt;
+use rialto_billing::BillingClient;
 use rialto_core::ErrorCode;
 use rialto_limiter::{RateLimiter, Target, Ticket};
 use rialto_proto::auth::v1 as auth_pb;
@@ -57,6 +58,11 @@ struct Exchange {
 struct Settlement {
     limiter: RateLimiter,
     ticket: Option<Ticket>,
+    billing: BillingClient,
+    request_id: String,
+    model_id: String,
+    /// A hold is open in the ledger until the request is billed.
+    held: bool,
 }
 
 impl Settlement {
@@ -64,6 +70,49 @@ impl Settlement {
         if let Some(ticket) = self.ticket.take() {
             self.limiter.commit(ticket, used_tokens);
         }
+    }
+
+    fn settle_request(&self, usage: &Usage) -> billing_pb::SettleRequest {
+        billing_pb::SettleRequest {
+            request_id: self.request_id.clone(),
+            model_id: self.model_id.clone(),
+            usage: Some(usage.billed()),
+        }
+    }
+
+    /// Charges `usage` against the hold (and commits its tokens to the
+    /// limiter); the `cost` object of the response.
+    async fn bill(&mut self, usage: &Usage) -> Result<Value, ApiError> {
+        self.settle(usage.total());
+        self.held = false;
+        let cost = self.billing.settle(self.settle_request(usage)).await?;
+        // Exact decimal strings become JSON numbers written digit for digit
+        // (serde_json's arbitrary_precision), as the spec's `cost` wants.
+        let number = |text: &str| serde_json::from_str::<Value>(text).unwrap_or(json!(0));
+        Ok(json!({"usd": number(&cost.usd), "diem": number(&cost.diem)}))
+    }
+
+    /// Like `bill`, off the response path (the client is gone or the
+    /// stream failed): what the upstream produced is still billed.
+    fn bill_later(&mut self, usage: &Usage) {
+        self.settle(usage.total());
+        if !std::mem::take(&mut self.held) {
+            return;
+        }
+        let billing = self.billing.clone();
+        let request = self.settle_request(usage);
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                if let Err(error) = billing.settle(request).await {
+                    tracing::warn!(%error, "settlement failed; the hold will expire");
+                }
+            });
+        }
+    }
+
+    /// No backend answered: nothing used, nothing charged, the hold released.
+    fn release(&mut self) {
+        self.bill_later(&Usage::none());
     }
 }
 
@@ -149,10 +198,50 @@ async fn complete_or_stream(
         return Err(refusal.into());
     }
     // From here on the limiter hears back however the request ends.
-    let settlement = Settlement {
+    let mut settlement = Settlement {
         limiter: limiter.clone(),
         ticket: Some(admission.ticket),
+        billing: gateway.services.billing.clone(),
+        request_id: request_id.clone(),
+        model_id: chat.model_id.clone(),
+        held: false,
     };
+    // Reserve the most the request can cost; refuse it if the balance can't.
+    let hold = gateway
+        .services
+        .billing
+        .hold(billing_pb::HoldRequest {
+            owner: crate::ledger_owner(principal),
+            request_id: request_id.clone(),
+            model_id: chat.model_id.clone(),
+            prompt_tokens: chat.prompt_tokens_estimate,
+            max_completion_tokens: chat
+                .estimated_tokens
+                .saturating_sub(chat.prompt_tokens_estimate),
+        })
+        .await;
+    let hold = match hold {
+        Ok(hold) => hold,
+        Err(error) => {
+            settlement.settle(0);
+            return Err(error.into());
+        }
+    };
+    if let Some(before) = &hold.before {
+        request.extensions_mut().insert(crate::BalanceHeaders {
+            usd: before.usd.clone(),
+            diem: before.diem.clone(),
+        });
+    }
+    if !hold.placed {
+        settlement.settle(0);
+        return Err(ApiError::new(
+            ErrorCode::PaymentRequired,
+            "Insufficient USD or Diem balance to complete request. \
+             Add credits to your account and try again.",
+        ));
+    }
+    settlement.held = true;
 
     let router_request = router_pb::ChatRequest {
         request_id: request_id.clone(),
@@ -189,7 +278,7 @@ async fn complete(
     let answer = match gateway.services.router.chat(router_request).await {
         Ok(answer) => answer,
         Err(error) => {
-            exchange.settlement.settle(0);
+            exchange.settlement.release();
             return Err(error.into());
         }
     };
@@ -215,11 +304,9 @@ async fn complete(
         exchange.chat.prompt_tokens_estimate,
         completion_text,
     );
-    let total = usage.total();
-    let cost = quote(gateway, &exchange.chat.model_id, &usage).await;
-    exchange.settlement.settle(total);
+    let cost = exchange.settlement.bill(&usage).await?;
     object.insert("usage".into(), usage.json);
-    object.insert("cost".into(), cost?);
+    object.insert("cost".into(), cost);
     object.entry("prompt_logprobs").or_insert(Value::Null);
     object.insert(
         gateway.brand.parameters_field.clone(),
@@ -240,7 +327,7 @@ async fn stream(
     let mut events = match gateway.services.router.chat_stream(router_request).await {
         Ok(events) => events,
         Err(error) => {
-            exchange.settlement.settle(0);
+            exchange.settlement.release();
             return Err(error.into());
         }
     };
@@ -251,7 +338,7 @@ async fn stream(
             event: Some(Event::Backend(name)),
         })) => name,
         Some(Err(error)) => {
-            exchange.settlement.settle(0);
+            exchange.settlement.release();
             return Err(error.into());
         }
         // A router that names no backend: keep whatever came first.
@@ -262,12 +349,7 @@ async fn stream(
         None => String::new(),
     };
     let (sender, receiver) = mpsc::channel::<Bytes>(64);
-    tokio::spawn(relay(
-        gateway.clone().into_inner(),
-        events,
-        sender,
-        exchange,
-    ));
+    tokio::spawn(relay(events, sender, exchange));
     let body = futures_util::stream::unfold(receiver, |mut receiver| async move {
         receiver
             .recv()
@@ -292,7 +374,6 @@ const DONE: &[u8] = b"data: [DONE]\n\n";
 /// `cost`, then `[DONE]`. Runs as its own task so a slow client never holds
 /// a worker; stops reading the upstream as soon as the client goes away.
 async fn relay(
-    gateway: std::sync::Arc<Gateway>,
     mut events: rialto_router::ChatStream,
     sender: mpsc::Sender<Bytes>,
     mut exchange: Exchange,
@@ -308,8 +389,8 @@ async fn relay(
             biased;
             () = sender.closed() => {
                 tracing::info!(request_id = exchange.request_id, "client left the stream");
-                let used = estimate(&upstream_usage, completion_text).total();
-                exchange.settlement.settle(used);
+                let used = estimate(&upstream_usage, completion_text);
+                exchange.settlement.bill_later(&used);
                 return;
             }
             event = events.next() => event,
@@ -330,8 +411,8 @@ async fn relay(
                 }});
                 let _ = sender.send(sse(&chunk)).await;
                 let _ = sender.send(Bytes::from_static(DONE)).await;
-                let used = estimate(&upstream_usage, completion_text).total();
-                exchange.settlement.settle(used);
+                let used = estimate(&upstream_usage, completion_text);
+                exchange.settlement.bill_later(&used);
                 return;
             }
         };
@@ -343,8 +424,8 @@ async fn relay(
             // and end the stream.
             let _ = sender.send(sse(&Value::Object(chunk))).await;
             let _ = sender.send(Bytes::from_static(DONE)).await;
-            let used = estimate(&upstream_usage, completion_text).total();
-            exchange.settlement.settle(used);
+            let used = estimate(&upstream_usage, completion_text);
+            exchange.settlement.bill_later(&used);
             return;
         }
         if let Some(usage) = chunk.remove("usage").filter(Value::is_object) {
@@ -372,8 +453,7 @@ async fn relay(
         }
     }
     let usage = estimate(&upstream_usage, completion_text);
-    let total = usage.total();
-    let last = match quote(&gateway, &exchange.chat.model_id, &usage).await {
+    let last = match exchange.settlement.bill(&usage).await {
         Ok(cost) => json!({
             "id": exchange.completion_id,
             "object": "chat.completion.chunk",
@@ -390,7 +470,6 @@ async fn relay(
             "param": null,
         }}),
     };
-    exchange.settlement.settle(total);
     let _ = sender.send(sse(&last)).await;
     let _ = sender.send(Bytes::from_static(DONE)).await;
 }
@@ -431,6 +510,25 @@ impl Usage {
     fn total(&self) -> u64 {
         self.prompt.saturating_add(self.completion)
     }
+
+    fn none() -> Self {
+        Self {
+            prompt: 0,
+            completion: 0,
+            cached: 0,
+            cache_write: 0,
+            json: Value::Null,
+        }
+    }
+
+    fn billed(&self) -> billing_pb::Usage {
+        billing_pb::Usage {
+            prompt_tokens: self.prompt,
+            completion_tokens: self.completion,
+            cached_prompt_tokens: self.cached,
+            cache_write_tokens: self.cache_write,
+        }
+    }
 }
 
 /// The upstream's usage, or an estimate (4 characters a token) when the
@@ -467,26 +565,6 @@ fn usage_or_estimate(
             "total_tokens": prompt_estimate.saturating_add(completion),
         }),
     }
-}
-
-async fn quote(gateway: &Gateway, model_id: &str, usage: &Usage) -> Result<Value, ApiError> {
-    let cost = gateway
-        .services
-        .billing
-        .quote(billing_pb::QuoteRequest {
-            model_id: model_id.to_owned(),
-            usage: Some(billing_pb::Usage {
-                prompt_tokens: usage.prompt,
-                completion_tokens: usage.completion,
-                cached_prompt_tokens: usage.cached,
-                cache_write_tokens: usage.cache_write,
-            }),
-        })
-        .await?;
-    // Exact decimal strings become JSON numbers written digit for digit
-    // (serde_json's arbitrary_precision), as the spec's `cost` wants.
-    let number = |text: &str| serde_json::from_str::<Value>(text).unwrap_or(json!(0));
-    Ok(json!({"usd": number(&cost.usd), "diem": number(&cost.diem)}))
 }
 
 fn now() -> i64 {

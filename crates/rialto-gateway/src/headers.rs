@@ -12,7 +12,7 @@ use rialto_core::Brand;
 use tracing::Instrument;
 
 use crate::limits::{AbuseCheck, AbuseSubjects};
-use crate::{Authenticated, Gateway, RateLimitHeaders};
+use crate::{Authenticated, BalanceHeaders, Gateway, RateLimitHeaders};
 
 /// The request id (`CF-RAY`), stored in the request's extensions.
 #[derive(Debug, Clone)]
@@ -30,6 +30,8 @@ pub struct Stamp {
     pub model_router: HeaderName,
     pub deprecation_warning: HeaderName,
     pub deprecation_date: HeaderName,
+    pub balance_usd: HeaderName,
+    pub balance_diem: HeaderName,
 }
 
 impl Stamp {
@@ -45,6 +47,8 @@ impl Stamp {
             model_router: name(&brand.header_model_router)?,
             deprecation_warning: name(&brand.header_model_deprecation_warning)?,
             deprecation_date: name(&brand.header_model_deprecation_date)?,
+            balance_usd: name(&brand.header_balance_usd)?,
+            balance_diem: name(&brand.header_balance_diem)?,
         })
     }
 }
@@ -103,10 +107,22 @@ pub async fn stamp(
                 subjects.record(gateway, status, authenticated, &path);
             }
             let rate = extensions.get::<RateLimitHeaders>().cloned();
+            let balance = extensions.get::<BalanceHeaders>().cloned();
             drop(extensions);
             let mut response = response.map_into_left_body();
             if let Some(RateLimitHeaders(values)) = rate {
                 crate::limits::write_headers(response.headers_mut(), &values, status == 429);
+            }
+            if let (Some(balance), Some(gateway)) = (balance, &gateway) {
+                let headers = response.headers_mut();
+                for (name, value) in [
+                    (&gateway.stamp.balance_usd, balance.usd),
+                    (&gateway.stamp.balance_diem, balance.diem),
+                ] {
+                    if let Ok(value) = HeaderValue::from_str(&value) {
+                        headers.insert(name.clone(), value);
+                    }
+                }
             }
             response
         }

@@ -196,11 +196,16 @@ pub fn configure(gateway: web::Data<Gateway>) -> impl FnOnce(&mut web::ServiceCo
                     .route("/api_keys/rate_limits", web::get().to(limits::rate_limits))
                     .route("/api_keys/rate_limits/log", web::get().to(limits::log))
                     .route("/api_keys/rate_limit_logs", web::get().to(limits::log))
+                    .route("/billing/balance", web::get().to(limits::billing_balance))
                     .route("/api_keys/{id}", web::get().to(keys::get)),
             )
             .service(
                 web::scope("/admin/v1")
-                    .route("/accounts", web::post().to(operator::create_account)),
+                    .route("/accounts", web::post().to(operator::create_account))
+                    .route(
+                        "/accounts/{id}/credits",
+                        web::post().to(operator::credit_account),
+                    ),
             )
             .default_service(web::to(not_found));
     }
@@ -342,6 +347,19 @@ pub(crate) struct Authenticated {
     account_id: String,
     key_id: String,
     tier: String,
+}
+
+/// The caller's balances before the request (request extensions), for
+/// `x-<brand>-balance-usd` and `-diem`.
+#[derive(Debug, Clone)]
+pub(crate) struct BalanceHeaders {
+    pub usd: String,
+    pub diem: String,
+}
+
+/// The ledger owner of a principal: its account.
+fn ledger_owner(principal: &auth_pb::Principal) -> String {
+    format!("account:{}", principal.account_id)
 }
 
 /// The `x-ratelimit-*` values of a request (request extensions); the stamp

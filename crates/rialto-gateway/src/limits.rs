@@ -13,6 +13,7 @@ use rialto_core::ErrorCode;
 use rialto_limiter::abuse::{AbuseGuard, Recorded, Subject, is_failure};
 use rialto_limiter::{RateHeaders, Target};
 use rialto_proto::auth::v1 as auth_pb;
+use rialto_proto::billing::v1 as billing_pb;
 use rialto_proto::limiter::v1 as limiter_pb;
 use serde_json::{Value, json};
 
@@ -222,6 +223,13 @@ pub async fn rate_limits(
             id: principal.key_id.clone(),
         })
         .await?;
+    let balance = gateway
+        .services
+        .billing
+        .get_balance(billing_pb::GetBalanceRequest {
+            owner: crate::ledger_owner(&principal),
+        })
+        .await?;
     let policy = gateway.services.limiter.policy();
     let rate_limits: Vec<Value> = gateway
         .models
@@ -251,12 +259,49 @@ pub async fn rate_limits(
         "data": {
             "accessPermitted": true,
             "apiTier": {"id": principal.tier, "isCharged": true},
-            // Balances arrive with billing; unknown ones are left out.
-            "balances": {},
+            "balances": {"USD": decimal(&balance.usd), "DIEM": decimal(&balance.diem)},
             "keyExpiration": key_expiration,
             "nextEpochBegins": next_epoch(),
             "rateLimits": rate_limits,
         }
+    })))
+}
+
+/// A decimal string as a JSON number, digit for digit.
+fn decimal(text: &str) -> Value {
+    serde_json::from_str(text).unwrap_or(json!(0))
+}
+
+/// `GET /api/v1/billing/balance` (ADMIN key): the account's balances in the
+/// hosted API's shape. Available credit: the balance less open holds.
+pub async fn billing_balance(
+    gateway: web::Data<Gateway>,
+    request: HttpRequest,
+) -> Result<HttpResponse, ApiError> {
+    let principal = authenticate_endpoint(&gateway, &request, true).await?;
+    let balance = gateway
+        .services
+        .billing
+        .get_balance(billing_pb::GetBalanceRequest {
+            owner: crate::ledger_owner(&principal),
+        })
+        .await?;
+    let diem = decimal(&balance.diem);
+    let usd = decimal(&balance.usd);
+    let positive = |v: &Value| v.as_f64().is_some_and(|n| n > 0.0);
+    let currency = if positive(&diem) {
+        json!("DIEM")
+    } else if positive(&usd) {
+        json!("USD")
+    } else {
+        Value::Null
+    };
+    Ok(HttpResponse::Ok().json(json!({
+        "canConsume": !currency.is_null(),
+        "consumptionCurrency": currency,
+        "balances": {"diem": diem, "usd": usd},
+        // DIEM staking allocations arrive with staking.
+        "diemEpochAllocation": 0,
     })))
 }
 

@@ -4,6 +4,7 @@
 use actix_web::{HttpRequest, HttpResponse, web};
 use rialto_core::ErrorCode;
 use rialto_proto::auth::v1 as pb;
+use rialto_proto::billing::v1 as billing_pb;
 use secrecy::ExposeSecret;
 use serde_json::{Value, json};
 use subtle::ConstantTimeEq;
@@ -90,6 +91,51 @@ pub async fn create_account(
         .create_account(pb::CreateAccountRequest { name, tier })
         .await?;
     Ok(HttpResponse::Created().json(account_json(&created)))
+}
+
+/// `POST /admin/v1/accounts/{id}/credits {"usd": "10.00", "diem": "0",
+/// "reference": "..."}`: adds credit once per reference (a repeated
+/// reference changes nothing and answers `"applied": false`).
+pub async fn credit_account(
+    gateway: web::Data<Gateway>,
+    request: HttpRequest,
+    path: web::Path<String>,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    check_operator(&gateway, &request)?;
+    let body = parse_json(&read_body(&gateway, &request, payload).await?)?;
+    let mut details = Details::new();
+    let mut text = |field: &str, required: bool| match body.get(field) {
+        Some(Value::String(value)) => value.clone(),
+        None | Some(Value::Null) if !required => String::new(),
+        None | Some(Value::Null) => {
+            details.push(&[field], "Required");
+            String::new()
+        }
+        Some(_) => {
+            details.push(&[field], "Expected a string such as \"10.00\"");
+            String::new()
+        }
+    };
+    let usd = text("usd", false);
+    let diem = text("diem", false);
+    let reference = text("reference", true);
+    details.into_result()?;
+    let credited = gateway
+        .services
+        .billing
+        .credit(billing_pb::CreditRequest {
+            owner: format!("account:{}", path.into_inner()),
+            usd,
+            diem,
+            reference,
+        })
+        .await?;
+    let balance = credited.balance.unwrap_or_default();
+    Ok(HttpResponse::Ok().json(json!({
+        "applied": credited.applied,
+        "balance": {"usd": balance.usd, "diem": balance.diem},
+    })))
 }
 
 /// The operator API's account shape, shared with `rialto admin accounts create`.

@@ -77,6 +77,9 @@ pub struct Account {
 
 const STARTUP: Duration = Duration::from_secs(30);
 const OPERATOR_TOKEN: &str = "sandbox-operator-token";
+/// Credit every sandbox account starts with, so tests of other things are
+/// not refused for payment.
+pub const SEED_CREDIT_USD: &str = "1000";
 /// The shared token of the internal gRPC interfaces in a sandbox.
 pub const GRPC_TOKEN: &str = "sandbox-grpc-token";
 
@@ -293,8 +296,17 @@ impl Sandbox {
         self.create_account_in_tier(name, "standard").await
     }
 
-    /// Creates an account of a rate-limit tier (`standard`, `partner`).
+    /// Creates an account of a rate-limit tier (`standard`, `partner`),
+    /// credited with [`SEED_CREDIT_USD`].
     pub async fn create_account_in_tier(&self, name: &str, tier: &str) -> anyhow::Result<Account> {
+        let account = self.create_unfunded_account(name, tier).await?;
+        self.credit(&account.id, SEED_CREDIT_USD, "sandbox-seed")
+            .await?;
+        Ok(account)
+    }
+
+    /// Creates an account with no credit.
+    pub async fn create_unfunded_account(&self, name: &str, tier: &str) -> anyhow::Result<Account> {
         let response = self
             .http
             .post(format!("{}/admin/v1/accounts", self.url))
@@ -314,6 +326,43 @@ impl Sandbox {
                 .unwrap_or_default()
                 .to_owned(),
         })
+    }
+
+    /// Credits an account with `usd` through the operator API (once per
+    /// `reference`); returns the response body.
+    pub async fn credit(
+        &self,
+        account_id: &str,
+        usd: &str,
+        reference: &str,
+    ) -> anyhow::Result<Value> {
+        self.credit_both(account_id, usd, "0", reference).await
+    }
+
+    /// Credits an account with `usd` and `diem`.
+    pub async fn credit_both(
+        &self,
+        account_id: &str,
+        usd: &str,
+        diem: &str,
+        reference: &str,
+    ) -> anyhow::Result<Value> {
+        let response = self
+            .http
+            .post(format!(
+                "{}/admin/v1/accounts/{account_id}/credits",
+                self.url
+            ))
+            .bearer_auth(&self.operator_token)
+            .json(&json!({"usd": usd, "diem": diem, "reference": reference}))
+            .send()
+            .await?;
+        let status = response.status().as_u16();
+        let body: Value = response.json().await?;
+        if status != 200 {
+            bail!("crediting answered {status}: {body}");
+        }
+        Ok(body)
     }
 
     /// Creates a key of `key_type` (`ADMIN` or `INFERENCE`) with `admin_key`;

@@ -75,6 +75,21 @@ enum AccountsCommand {
         #[arg(long, default_value = "standard")]
         tier: String,
     },
+    /// Add prepaid credit to an account, once per reference; print the balance as JSON.
+    Credit {
+        /// The account id.
+        #[arg(long)]
+        id: String,
+        /// USD to add, e.g. 10.00.
+        #[arg(long, default_value = "0")]
+        usd: String,
+        /// DIEM to add.
+        #[arg(long, default_value = "0")]
+        diem: String,
+        /// Idempotency reference: crediting the same reference twice adds once.
+        #[arg(long)]
+        reference: String,
+    },
 }
 
 fn main() -> std::process::ExitCode {
@@ -94,6 +109,18 @@ fn main() -> std::process::ExitCode {
                     command: AccountsCommand::Create { name, tier },
                 },
         } => create_account(config, name, tier),
+        Command::Admin {
+            command:
+                AdminCommand::Accounts {
+                    command:
+                        AccountsCommand::Credit {
+                            id,
+                            usd,
+                            diem,
+                            reference,
+                        },
+                },
+        } => credit_account(config, id, usd, diem, reference),
         Command::Version => {
             println!("{REVISION}");
             Ok(())
@@ -106,6 +133,44 @@ fn main() -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+fn credit_account(
+    config: Config,
+    id: String,
+    usd: String,
+    diem: String,
+    reference: String,
+) -> anyhow::Result<()> {
+    use rialto_billing::BillingService;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let db = rialto_core::db::Database::connect(
+            &config.database.url,
+            config.database.max_connections,
+        )
+        .await?;
+        let billing = rialto_billing::LocalBilling::new(&config, db);
+        let credited = billing
+            .credit(rialto_proto::billing::v1::CreditRequest {
+                owner: format!("account:{id}"),
+                usd,
+                diem,
+                reference,
+            })
+            .await?;
+        let balance = credited.balance.unwrap_or_default();
+        println!(
+            "{}",
+            serde_json::json!({
+                "applied": credited.applied,
+                "balance": {"usd": balance.usd, "diem": balance.diem},
+            })
+        );
+        Ok(())
+    })
 }
 
 fn create_account(config: Config, name: String, tier: String) -> anyhow::Result<()> {

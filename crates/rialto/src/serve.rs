@@ -97,7 +97,10 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
     let bus = rialto_core::bus::Bus::from_config(&config.bus, &brand.name)
         .await
         .context("cannot connect the event bus (bus.url)")?;
-    let db = if here.contains("auth") || here.contains("limiter") {
+    let db = if ["auth", "limiter", "billing"]
+        .iter()
+        .any(|s| here.contains(s))
+    {
         Some(
             rialto_core::db::Database::connect(
                 &config.database.url,
@@ -155,8 +158,10 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
             RateLimiter::new(&config, replicas, shared)
         }
     };
-    let billing = if here.contains("billing") {
-        BillingClient::new(LocalBilling::new(&config.models))
+    let billing = if let Some(db) = db.clone().filter(|_| here.contains("billing")) {
+        let billing = LocalBilling::new(&config, db);
+        billing.spawn_sweeper();
+        BillingClient::new(billing)
     } else {
         let channel = channel(&remote.billing, "billing", UNARY_TIMEOUT)?;
         BillingClient::new(RemoteBilling::new(channel, client_token.clone()))

@@ -1,0 +1,674 @@
+//! The prepaid ledger in the database: balances, holds, and the journal of
+//! every change.
+//!
+//! Owners are `account:<id>` (later `wallet:<address>`). Amounts are
+//! integer nano-units (1e-9 USD or DIEM; 1 DIEM is worth 1 USD of credit).
+//!
+//! Every operation is one transaction whose first statement writes (so on
+//! SQLite it takes the write lock at once instead of failing to upgrade a
+//! read), and every change appends a journal row with an idempotency key
+//! (`credit:<reference>`, `hold:<request id>`, `settle:<request id>`, ...):
+//! repeating an operation changes nothing. Holds are conditional updates
+//! (`... WHERE balance - held >= amount`) and the table's CHECKs refuse any
+//! balance below zero, so concurrent requests on any number of replicas can
+//! never overdraw an owner.
+//!
+//! A request's cost is taken from DIEM first, then USD: its hold reserves
+//! DIEM up to what is available and the rest in USD; its settlement charges
+//! the held DIEM first. A settlement never charges more than was held (the
+//! hold is the most a request can cost); a cost above it is recorded as
+//! written off, never taken from an unreserved balance.
+
+use rialto_core::db::{Database, now_ms};
+use rialto_core::{Error, Result};
+use sqlx::Row;
+
+/// An owner's balances, in nano-units.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Balance {
+    pub usd: i64,
+    pub diem: i64,
+    pub usd_held: i64,
+    pub diem_held: i64,
+}
+
+impl Balance {
+    pub fn usd_available(&self) -> i64 {
+        self.usd - self.usd_held
+    }
+
+    pub fn diem_available(&self) -> i64 {
+        self.diem - self.diem_held
+    }
+}
+
+/// What placing a hold did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HoldOutcome {
+    /// Reserved; `before` is the balance before this hold.
+    Placed {
+        usd: i64,
+        diem: i64,
+        before: Balance,
+    },
+    /// The available balance cannot cover `amount`.
+    Insufficient { before: Balance },
+    /// A hold with this request id exists already (a retry): nothing changed.
+    Duplicate,
+}
+
+/// What settling a hold did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SettleOutcome {
+    Settled {
+        usd: i64,
+        diem: i64,
+        written_off: i64,
+    },
+    /// No open hold with this request id (settled or released already).
+    NotOpen,
+}
+
+#[derive(Debug, Clone)]
+pub struct Ledger {
+    db: Database,
+}
+
+impl Ledger {
+    pub fn new(db: Database) -> Self {
+        Self { db }
+    }
+
+    pub async fn balance(&self, owner: &str) -> Result<Balance> {
+        let row = sqlx::query(
+            "SELECT usd_nanos, diem_nanos, usd_held_nanos, diem_held_nanos \
+             FROM ledgers WHERE owner = $1",
+        )
+        .bind(owner)
+        .fetch_optional(self.db.pool())
+        .await?;
+        Ok(match row {
+            Some(row) => Balance {
+                usd: row.try_get(0)?,
+                diem: row.try_get(1)?,
+                usd_held: row.try_get(2)?,
+                diem_held: row.try_get(3)?,
+            },
+            None => Balance::default(),
+        })
+    }
+
+    /// Adds credit, once per `reference`: a repeated reference changes
+    /// nothing and answers `false`.
+    pub async fn credit(&self, owner: &str, usd: i64, diem: i64, reference: &str) -> Result<bool> {
+        if usd < 0 || diem < 0 {
+            return Err(Error::invalid("credits must not be negative"));
+        }
+        let now = now_ms();
+        let mut tx = self.db.pool().begin().await?;
+        let journal = insert_journal(
+            &mut tx,
+            Entry {
+                owner,
+                kind: "credit",
+                key: &format!("credit:{reference}"),
+                usd,
+                diem,
+                usd_held: 0,
+                diem_held: 0,
+                written_off: 0,
+                request_id: None,
+                reference: Some(reference),
+                at_ms: now,
+            },
+        )
+        .await;
+        if let Err(error) = journal {
+            return if is_unique_violation(&error) {
+                Ok(false)
+            } else {
+                Err(error.into())
+            };
+        }
+        sqlx::query(
+            "INSERT INTO ledgers (owner, usd_nanos, diem_nanos, updated_at_ms) \
+             VALUES ($1, $2, $3, $4) \
+             ON CONFLICT (owner) DO UPDATE SET \
+             usd_nanos = ledgers.usd_nanos + excluded.usd_nanos, \
+             diem_nanos = ledgers.diem_nanos + excluded.diem_nanos, \
+             updated_at_ms = excluded.updated_at_ms",
+        )
+        .bind(owner)
+        .bind(usd)
+        .bind(diem)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
+    /// Reserves up to `amount` nano-units for `request_id`, DIEM first,
+    /// until `expires_at_ms`.
+    pub async fn hold(
+        &self,
+        owner: &str,
+        request_id: &str,
+        amount: i64,
+        expires_at_ms: i64,
+    ) -> Result<HoldOutcome> {
+        let amount = amount.max(0);
+        if amount == 0 {
+            // A free request reserves nothing, and settles to nothing.
+            let before = self.balance(owner).await?;
+            return Ok(HoldOutcome::Placed {
+                usd: 0,
+                diem: 0,
+                before,
+            });
+        }
+        // The split is computed from a read; the update only applies if the
+        // balance still allows it, else we read again.
+        for _ in 0..5 {
+            let before = self.balance(owner).await?;
+            let diem = amount.min(before.diem_available().max(0));
+            let usd = amount - diem;
+            if usd > before.usd_available() {
+                return Ok(HoldOutcome::Insufficient { before });
+            }
+            let now = now_ms();
+            let mut tx = self.db.pool().begin().await?;
+            let reserved = sqlx::query(
+                "UPDATE ledgers SET usd_held_nanos = usd_held_nanos + $2, \
+                 diem_held_nanos = diem_held_nanos + $3, updated_at_ms = $4 \
+                 WHERE owner = $1 AND usd_nanos - usd_held_nanos >= $2 \
+                 AND diem_nanos - diem_held_nanos >= $3",
+            )
+            .bind(owner)
+            .bind(usd)
+            .bind(diem)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+            if reserved.rows_affected() != 1 {
+                // Someone else took the balance meanwhile (or the owner has
+                // no ledger row yet): decide again on a fresh read.
+                tx.rollback().await?;
+                if before == Balance::default() && amount > 0 {
+                    return Ok(HoldOutcome::Insufficient { before });
+                }
+                continue;
+            }
+            let inserted = sqlx::query(
+                "INSERT INTO holds (request_id, owner, usd_nanos, diem_nanos, state, \
+                 created_at_ms, expires_at_ms) VALUES ($1, $2, $3, $4, 'open', $5, $6)",
+            )
+            .bind(request_id)
+            .bind(owner)
+            .bind(usd)
+            .bind(diem)
+            .bind(now)
+            .bind(expires_at_ms)
+            .execute(&mut *tx)
+            .await;
+            if let Err(error) = inserted {
+                tx.rollback().await?;
+                return if is_unique_violation(&error) {
+                    Ok(HoldOutcome::Duplicate)
+                } else {
+                    Err(error.into())
+                };
+            }
+            insert_journal(
+                &mut tx,
+                Entry {
+                    owner,
+                    kind: "hold",
+                    key: &format!("hold:{request_id}"),
+                    usd: 0,
+                    diem: 0,
+                    usd_held: usd,
+                    diem_held: diem,
+                    written_off: 0,
+                    request_id: Some(request_id),
+                    reference: None,
+                    at_ms: now,
+                },
+            )
+            .await?;
+            tx.commit().await?;
+            return Ok(HoldOutcome::Placed { usd, diem, before });
+        }
+        Err(Error::new(
+            rialto_core::ErrorCode::Unavailable,
+            "The balance is changing too fast to place a hold; retry",
+        ))
+    }
+
+    /// Charges `cost` nano-units against the open hold of `request_id` and
+    /// releases the rest. Once only: a second settlement is `NotOpen`.
+    pub async fn settle(&self, request_id: &str, cost: i64) -> Result<SettleOutcome> {
+        self.close(request_id, "settled", "settle", cost.max(0))
+            .await
+    }
+
+    /// Releases the open hold of `request_id` without charging.
+    pub async fn release(&self, request_id: &str) -> Result<SettleOutcome> {
+        self.close(request_id, "released", "release", 0).await
+    }
+
+    /// Releases open holds past their expiry; returns how many.
+    pub async fn expire(&self, now_ms: i64) -> Result<usize> {
+        let rows = sqlx::query(
+            "SELECT request_id FROM holds WHERE state = 'open' AND expires_at_ms <= $1 LIMIT 1000",
+        )
+        .bind(now_ms)
+        .fetch_all(self.db.pool())
+        .await?;
+        let mut expired = 0;
+        for row in rows {
+            let request_id: String = row.try_get(0)?;
+            if let SettleOutcome::Settled { .. } =
+                self.close(&request_id, "expired", "expire", 0).await?
+            {
+                expired += 1;
+            }
+        }
+        Ok(expired)
+    }
+
+    async fn close(
+        &self,
+        request_id: &str,
+        state: &'static str,
+        kind: &'static str,
+        cost: i64,
+    ) -> Result<SettleOutcome> {
+        let now = now_ms();
+        let mut tx = self.db.pool().begin().await?;
+        // Write first: claims the hold, and on SQLite the write lock.
+        let claimed =
+            sqlx::query("UPDATE holds SET state = $2 WHERE request_id = $1 AND state = 'open'")
+                .bind(request_id)
+                .bind(state)
+                .execute(&mut *tx)
+                .await?;
+        if claimed.rows_affected() != 1 {
+            tx.rollback().await?;
+            return Ok(SettleOutcome::NotOpen);
+        }
+        let hold =
+            sqlx::query("SELECT owner, usd_nanos, diem_nanos FROM holds WHERE request_id = $1")
+                .bind(request_id)
+                .fetch_one(&mut *tx)
+                .await?;
+        let owner: String = hold.try_get(0)?;
+        let held_usd: i64 = hold.try_get(1)?;
+        let held_diem: i64 = hold.try_get(2)?;
+        let diem = cost.min(held_diem);
+        let usd = (cost - diem).min(held_usd);
+        let written_off = cost - diem - usd;
+        sqlx::query(
+            "UPDATE ledgers SET usd_nanos = usd_nanos - $2, diem_nanos = diem_nanos - $3, \
+             usd_held_nanos = usd_held_nanos - $4, diem_held_nanos = diem_held_nanos - $5, \
+             updated_at_ms = $6 WHERE owner = $1",
+        )
+        .bind(&owner)
+        .bind(usd)
+        .bind(diem)
+        .bind(held_usd)
+        .bind(held_diem)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        insert_journal(
+            &mut tx,
+            Entry {
+                owner: &owner,
+                kind,
+                key: &format!("{kind}:{request_id}"),
+                usd: -usd,
+                diem: -diem,
+                usd_held: -held_usd,
+                diem_held: -held_diem,
+                written_off,
+                request_id: Some(request_id),
+                reference: None,
+                at_ms: now,
+            },
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(SettleOutcome::Settled {
+            usd,
+            diem,
+            written_off,
+        })
+    }
+
+    /// What the settlement of `request_id` charged: (usd, diem), zeros when
+    /// it was never settled.
+    pub async fn charged(&self, request_id: &str) -> Result<(i64, i64)> {
+        let row = sqlx::query(
+            "SELECT usd_nanos, diem_nanos FROM ledger_journal WHERE idempotency_key = $1",
+        )
+        .bind(format!("settle:{request_id}"))
+        .fetch_optional(self.db.pool())
+        .await?;
+        Ok(match row {
+            Some(row) => (-row.try_get::<i64, _>(0)?, -row.try_get::<i64, _>(1)?),
+            None => (0, 0),
+        })
+    }
+
+    /// The journal's sums for `owner`: (usd, diem, usd_held, diem_held).
+    /// They equal the balance at all times (tests reconcile them).
+    pub async fn journal_sums(&self, owner: &str) -> Result<Balance> {
+        let row = sqlx::query(
+            "SELECT CAST(COALESCE(SUM(usd_nanos), 0) AS BIGINT), \
+             CAST(COALESCE(SUM(diem_nanos), 0) AS BIGINT), \
+             CAST(COALESCE(SUM(usd_held_nanos), 0) AS BIGINT), \
+             CAST(COALESCE(SUM(diem_held_nanos), 0) AS BIGINT) \
+             FROM ledger_journal WHERE owner = $1",
+        )
+        .bind(owner)
+        .fetch_one(self.db.pool())
+        .await?;
+        Ok(Balance {
+            usd: row.try_get(0)?,
+            diem: row.try_get(1)?,
+            usd_held: row.try_get(2)?,
+            diem_held: row.try_get(3)?,
+        })
+    }
+}
+
+struct Entry<'a> {
+    owner: &'a str,
+    kind: &'a str,
+    key: &'a str,
+    usd: i64,
+    diem: i64,
+    usd_held: i64,
+    diem_held: i64,
+    written_off: i64,
+    request_id: Option<&'a str>,
+    reference: Option<&'a str>,
+    at_ms: i64,
+}
+
+async fn insert_journal(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    entry: Entry<'_>,
+) -> std::result::Result<(), sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO ledger_journal (id, owner, kind, idempotency_key, usd_nanos, diem_nanos, \
+         usd_held_nanos, diem_held_nanos, written_off_nanos, request_id, reference, at_ms) \
+         VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
+    )
+    .bind(uuid_like())
+    .bind(entry.owner)
+    .bind(entry.kind)
+    .bind(entry.key)
+    .bind(entry.usd)
+    .bind(entry.diem)
+    .bind(entry.usd_held)
+    .bind(entry.diem_held)
+    .bind(entry.written_off)
+    .bind(entry.request_id)
+    .bind(entry.reference)
+    .bind(entry.at_ms)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+fn uuid_like() -> String {
+    hex::encode(rialto_core::ids::random_bytes::<16>())
+}
+
+fn is_unique_violation(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(e) if e.is_unique_violation())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const NANO: i64 = 1_000_000_000;
+
+    async fn sqlite() -> (tempfile::TempDir, Ledger) {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}/ledger.db", dir.path().display());
+        let db = Database::connect(&url, 8).await.unwrap();
+        (dir, Ledger::new(db))
+    }
+
+    #[tokio::test]
+    async fn credits_are_idempotent_on_their_reference() {
+        let (_dir, ledger) = sqlite().await;
+        assert!(
+            ledger
+                .credit("account:a", 10 * NANO, 0, "r1")
+                .await
+                .unwrap()
+        );
+        assert!(
+            !ledger
+                .credit("account:a", 10 * NANO, 0, "r1")
+                .await
+                .unwrap()
+        );
+        assert!(ledger.credit("account:a", 0, 2 * NANO, "r2").await.unwrap());
+        let balance = ledger.balance("account:a").await.unwrap();
+        assert_eq!((balance.usd, balance.diem), (10 * NANO, 2 * NANO));
+        assert_eq!(ledger.journal_sums("account:a").await.unwrap(), balance);
+    }
+
+    #[tokio::test]
+    async fn holds_take_diem_first_and_settle_once() {
+        let (_dir, ledger) = sqlite().await;
+        ledger
+            .credit("account:a", 10 * NANO, NANO, "seed")
+            .await
+            .unwrap();
+        let placed = ledger
+            .hold("account:a", "req", 3 * NANO, i64::MAX)
+            .await
+            .unwrap();
+        assert!(
+            matches!(placed, HoldOutcome::Placed { usd, diem, .. } if usd == 2 * NANO && diem == NANO)
+        );
+        assert_eq!(
+            ledger
+                .hold("account:a", "req", NANO, i64::MAX)
+                .await
+                .unwrap(),
+            HoldOutcome::Duplicate
+        );
+        // The request cost 1.5: 1 DIEM, then 0.5 USD; the rest is released.
+        let settled = ledger.settle("req", 3 * NANO / 2).await.unwrap();
+        assert_eq!(
+            settled,
+            SettleOutcome::Settled {
+                usd: NANO / 2,
+                diem: NANO,
+                written_off: 0
+            }
+        );
+        assert_eq!(
+            ledger.settle("req", 3 * NANO / 2).await.unwrap(),
+            SettleOutcome::NotOpen
+        );
+        let balance = ledger.balance("account:a").await.unwrap();
+        assert_eq!(
+            balance,
+            Balance {
+                usd: 9 * NANO + NANO / 2,
+                diem: 0,
+                usd_held: 0,
+                diem_held: 0
+            }
+        );
+        assert_eq!(ledger.journal_sums("account:a").await.unwrap(), balance);
+    }
+
+    #[tokio::test]
+    async fn a_cost_above_the_hold_is_written_off_not_overdrawn() {
+        let (_dir, ledger) = sqlite().await;
+        ledger.credit("account:a", NANO, 0, "seed").await.unwrap();
+        ledger
+            .hold("account:a", "req", NANO, i64::MAX)
+            .await
+            .unwrap();
+        let settled = ledger.settle("req", 2 * NANO).await.unwrap();
+        assert_eq!(
+            settled,
+            SettleOutcome::Settled {
+                usd: NANO,
+                diem: 0,
+                written_off: NANO
+            }
+        );
+        assert_eq!(
+            ledger.balance("account:a").await.unwrap(),
+            Balance::default()
+        );
+    }
+
+    #[tokio::test]
+    async fn nothing_is_held_for_an_owner_without_credit() {
+        let (_dir, ledger) = sqlite().await;
+        let outcome = ledger
+            .hold("account:none", "req", 1, i64::MAX)
+            .await
+            .unwrap();
+        assert!(matches!(outcome, HoldOutcome::Insufficient { .. }));
+    }
+
+    #[tokio::test]
+    async fn free_requests_hold_nothing() {
+        let (_dir, ledger) = sqlite().await;
+        let outcome = ledger
+            .hold("account:none", "req", 0, i64::MAX)
+            .await
+            .unwrap();
+        assert!(matches!(
+            outcome,
+            HoldOutcome::Placed {
+                usd: 0,
+                diem: 0,
+                ..
+            }
+        ));
+        assert_eq!(
+            ledger.settle("req", 0).await.unwrap(),
+            SettleOutcome::NotOpen
+        );
+    }
+
+    #[tokio::test]
+    async fn expired_holds_are_released() {
+        let (_dir, ledger) = sqlite().await;
+        ledger.credit("account:a", NANO, 0, "seed").await.unwrap();
+        ledger.hold("account:a", "req", NANO, 1_000).await.unwrap();
+        assert_eq!(
+            ledger.balance("account:a").await.unwrap().usd_available(),
+            0
+        );
+        assert_eq!(ledger.expire(999).await.unwrap(), 0);
+        assert_eq!(ledger.expire(1_000).await.unwrap(), 1);
+        assert_eq!(
+            ledger.balance("account:a").await.unwrap().usd_available(),
+            NANO
+        );
+        assert_eq!(
+            ledger.settle("req", NANO).await.unwrap(),
+            SettleOutcome::NotOpen
+        );
+    }
+
+    /// A balance that covers exactly 10 holds, 1,000 concurrent requests:
+    /// 10 are placed, the balance never goes below zero, the journal
+    /// reconciles.
+    async fn exactly_ten_of_a_thousand(ledger: Ledger) {
+        ledger
+            .credit("account:race", 10 * NANO, 0, "seed")
+            .await
+            .unwrap();
+        let mut tasks = Vec::new();
+        for i in 0..1000 {
+            let ledger = ledger.clone();
+            tasks.push(tokio::spawn(async move {
+                ledger
+                    .hold("account:race", &format!("r{i}"), NANO, i64::MAX)
+                    .await
+                    .unwrap()
+            }));
+        }
+        let mut placed = Vec::new();
+        for (i, task) in tasks.into_iter().enumerate() {
+            if let HoldOutcome::Placed { .. } = task.await.unwrap() {
+                placed.push(i);
+            }
+        }
+        assert_eq!(placed.len(), 10);
+        let mut settles = Vec::new();
+        for i in placed {
+            let ledger = ledger.clone();
+            // Each settled twice at once: charged once.
+            for _ in 0..2 {
+                let ledger = ledger.clone();
+                settles.push(tokio::spawn(async move {
+                    ledger.settle(&format!("r{i}"), NANO).await.unwrap()
+                }));
+            }
+        }
+        let mut settled = 0;
+        for task in settles {
+            if let SettleOutcome::Settled { .. } = task.await.unwrap() {
+                settled += 1;
+            }
+        }
+        assert_eq!(settled, 10);
+        let balance = ledger.balance("account:race").await.unwrap();
+        assert_eq!(balance, Balance::default());
+        assert_eq!(ledger.journal_sums("account:race").await.unwrap(), balance);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn exactly_ten_of_a_thousand_on_sqlite() {
+        let (_dir, ledger) = sqlite().await;
+        exactly_ten_of_a_thousand(ledger).await;
+    }
+
+    /// On the PostgreSQL server of the machine (`E2E_POSTGRES_URL`), in a
+    /// database of its own, dropped afterwards.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn exactly_ten_of_a_thousand_on_postgres() {
+        let server = std::env::var("E2E_POSTGRES_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into());
+        let name = format!("rialto_ledger_{}", uuid_like());
+        let admin = |sql: String| {
+            let server = server.clone();
+            async move {
+                use sqlx::Connection;
+                let mut conn = sqlx::postgres::PgConnection::connect(&format!("{server}/postgres"))
+                    .await
+                    .unwrap();
+                sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                    .execute(&mut conn)
+                    .await
+                    .unwrap();
+                conn.close().await.unwrap();
+            }
+        };
+        admin(format!("CREATE DATABASE {name}")).await;
+        let db = Database::connect(&format!("{server}/{name}"), 8)
+            .await
+            .unwrap();
+        exactly_ten_of_a_thousand(Ledger::new(db.clone())).await;
+        db.pool().close().await;
+        admin(format!("DROP DATABASE {name} WITH (FORCE)")).await;
+    }
+}

@@ -1,0 +1,217 @@
+//! The prepaid ledger end to end: holds that never let concurrent requests
+//! overdraw a balance, 402 when the balance can't cover a request, the
+//! balance headers, DIEM spent before USD, streams the client abandoned
+//! billed for what was produced, and the balance endpoint.
+
+use futures_util::future::join_all;
+use reqwest::{Method, Response};
+use rialto_test_kit::{MockUpstream, Sandbox, Storage, Topology};
+use serde_json::{Value, json};
+
+/// `paid-chat` costs $1 per million tokens in and out: a request's hold is
+/// its prompt estimate plus `max_tokens`, in micro-dollars.
+fn models(mock_url: &str) -> String {
+    format!(
+        r#"
+[[models]]
+id = "paid-chat"
+input_usd_per_mtok = 1.0
+output_usd_per_mtok = 1.0
+backends = [{{ kind = "openai", url = "{mock_url}", model = "mock-model" }}]
+
+# Rate limits far above these tests' bursts: this file tests money.
+[limits.tiers.standard.XS]
+rpm = 100000
+tpm = 100000000
+"#
+    )
+}
+
+struct World {
+    _mock: MockUpstream,
+    sandbox: Sandbox,
+}
+
+async fn world(topology: Topology, storage: Storage) -> World {
+    let mock = MockUpstream::start().await.unwrap();
+    let sandbox = Sandbox::builder(topology)
+        .storage(storage)
+        .config(&models(&mock.base_url()))
+        .start()
+        .await
+        .unwrap();
+    World {
+        _mock: mock,
+        sandbox,
+    }
+}
+
+/// An unfunded account and an INFERENCE key: (account id, admin, inference).
+async fn account(sandbox: &Sandbox) -> (String, String, String) {
+    let account = sandbox
+        .create_unfunded_account("payer", "standard")
+        .await
+        .unwrap();
+    let (_, key) = sandbox
+        .create_key(&account.admin_key, "INFERENCE")
+        .await
+        .unwrap();
+    (account.id, account.admin_key, key)
+}
+
+/// "hello there" is estimated at 3 prompt tokens; the mock answers
+/// `max_tokens` words: the request's hold is 1,003 micro-dollars and its
+/// real cost (2 prompt words + 1,000) 1,002.
+fn thousand_words() -> Value {
+    json!({"model": "paid-chat", "max_tokens": 1000,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "mock": {"words": 1000}})
+}
+
+async fn chat(sandbox: &Sandbox, key: &str, body: &Value) -> Response {
+    sandbox
+        .call(Method::POST, "/chat/completions", key, Some(body))
+        .await
+        .unwrap()
+}
+
+async fn balance(sandbox: &Sandbox, admin: &str) -> Value {
+    let response = sandbox
+        .call(Method::GET, "/billing/balance", admin, None)
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    response.json().await.unwrap()
+}
+
+/// A balance that covers exactly 10 requests; 1,000 concurrent requests.
+async fn ten_of_a_thousand(topology: Topology, storage: Storage) {
+    let world = world(topology, storage).await;
+    let sandbox = &world.sandbox;
+    let (id, admin, key) = account(sandbox).await;
+    sandbox.credit(&id, "0.01003", "exactly-ten").await.unwrap();
+    let body = thousand_words();
+    let responses = join_all((0..1000).map(|_| chat(sandbox, &key, &body))).await;
+    let mut served = 0;
+    for response in responses {
+        match response.status().as_u16() {
+            200 => served += 1,
+            402 => {
+                let body: Value = response.json().await.unwrap();
+                assert!(
+                    body["error"]
+                        .as_str()
+                        .unwrap()
+                        .starts_with("Insufficient USD or Diem balance")
+                );
+            }
+            // More than 20 refusals block the key for a while (abuse
+            // protection counts 402s): refused too, never served.
+            429 => {
+                let body: Value = response.json().await.unwrap();
+                let message = body["error"].as_str().unwrap();
+                assert!(message.starts_with("Too many failed attempts"), "{message}");
+            }
+            other => panic!("unexpected {other}"),
+        }
+    }
+    assert_eq!(served, 10);
+    // Ten requests of 1,002 micro-dollars each were charged; the rest of
+    // each hold (one token) went back. Nothing is held, nothing overdrawn.
+    let balance = balance(sandbox, &admin).await;
+    assert_eq!(balance["balances"]["usd"].to_string(), "0.00001");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_balance_for_ten_requests_serves_ten_of_a_thousand_one_process() {
+    ten_of_a_thousand(Topology::OneProcess, Storage::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_balance_for_ten_requests_serves_ten_of_a_thousand_split_on_postgres() {
+    ten_of_a_thousand(Topology::Split, Storage::Postgres).await;
+}
+
+/// The balance headers show the balances before the request; DIEM pays
+/// first; an abandoned stream is billed for what it produced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn balances_costs_and_abandoned_streams() {
+    let world = world(Topology::OneProcess, Storage::Sqlite).await;
+    let sandbox = &world.sandbox;
+    let (id, admin, key) = account(sandbox).await;
+    sandbox
+        .credit_both(&id, "1", "0.000005", "seed")
+        .await
+        .unwrap();
+    let small = json!({"model": "paid-chat", "max_tokens": 10,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "mock": {"words": 10}});
+    let response = chat(sandbox, &key, &small).await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["x-rialto-balance-usd"], "1");
+    assert_eq!(response.headers()["x-rialto-balance-diem"], "0.000005");
+    let body: Value = response.json().await.unwrap();
+    // 2 + 10 tokens at $1/M = $0.000012: 0.000005 DIEM, then $0.000007.
+    assert_eq!(
+        body["cost"].to_string(),
+        r#"{"diem":0.000005,"usd":0.000007}"#
+    );
+    let next = chat(sandbox, &key, &small).await;
+    assert_eq!(next.headers()["x-rialto-balance-usd"], "0.999993");
+    assert_eq!(next.headers()["x-rialto-balance-diem"], "0");
+
+    // A stream the client leaves after a few chunks: billed for the prompt
+    // and the words sent, far less than its hold of 5,003 micro-dollars.
+    let before = balance(sandbox, &admin).await["balances"]["usd"]
+        .as_f64()
+        .unwrap();
+    let stream = json!({"model": "paid-chat", "max_tokens": 5000, "stream": true,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "mock": {"words": 5000, "chunk_delay_ms": 20}});
+    let mut response = chat(sandbox, &key, &stream).await;
+    assert_eq!(response.status(), 200);
+    for _ in 0..3 {
+        response.chunk().await.unwrap().unwrap();
+    }
+    drop(response);
+    let mut after = before;
+    for _ in 0..100 {
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        let now = balance(sandbox, &admin).await;
+        after = now["balances"]["usd"].as_f64().unwrap();
+        if after < before {
+            break;
+        }
+    }
+    let charged = before - after;
+    assert!(charged > 0.0, "the abandoned stream was not billed");
+    assert!(charged < 0.0005, "billed {charged}, more than it produced");
+}
+
+/// An account without credit is refused with 402 before any backend call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_credit_no_call() {
+    let world = world(Topology::Split, Storage::Sqlite).await;
+    let sandbox = &world.sandbox;
+    let (_, admin, key) = account(sandbox).await;
+    let response = chat(sandbox, &key, &thousand_words()).await;
+    assert_eq!(response.status(), 402);
+    assert_eq!(response.headers()["x-rialto-balance-usd"], "0");
+    assert!(
+        response
+            .headers()
+            .contains_key("x-ratelimit-remaining-requests")
+    );
+    assert_eq!(world._mock.request_count(), 0);
+    let balance = balance(sandbox, &admin).await;
+    assert_eq!(
+        balance,
+        json!({"canConsume": false, "consumptionCurrency": null,
+            "balances": {"diem": 0, "usd": 0}, "diemEpochAllocation": 0})
+    );
+    let refused = sandbox
+        .call(Method::GET, "/billing/balance", &key, None)
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 401);
+}
