@@ -7,10 +7,12 @@ response, with openapi-core against GET /openapi.yaml; exits non-zero on the
 first mismatch.
 """
 
+import json
 import os
 import sys
 import time
 from datetime import datetime, timedelta, timezone
+from decimal import Decimal
 
 import requests
 import yaml
@@ -57,13 +59,53 @@ def check(response, expected_status, valid_request=True):
 
 session = requests.Session()
 api = f"{root}/api/v1"
+operator_auth = {"Authorization": f"Bearer {operator}"}
+
+
+def numbers(response):
+    """The JSON body with its numbers as exact Decimals (or ints)."""
+    return response.json(parse_float=Decimal)
+
 
 account = check(
-    session.post(f"{root}/admin/v1/accounts", json={"name": "conformance"},
-                 headers={"Authorization": f"Bearer {operator}"}),
+    session.post(f"{root}/admin/v1/accounts", json={"name": "conformance"}, headers=operator_auth),
     201,
 ).json()
 admin = {"Authorization": f"Bearer {account['api_key']['key']}"}
+credits_url = f"{root}/admin/v1/accounts/{account['id']}/credits"
+credited = check(
+    session.post(credits_url, json={"usd": "100.00", "reference": "conformance-seed"}, headers=operator_auth),
+    200,
+).json()
+assert credited["applied"] is True, credited
+assert credited["balance"]["usd"] == "100", credited
+
+# Crediting is idempotent on the reference: the second time changes nothing.
+again = check(
+    session.post(credits_url, json={"usd": "100.00", "reference": "conformance-seed"}, headers=operator_auth),
+    200,
+).json()
+assert again == {"applied": False, "balance": {"usd": "100", "diem": "0"}}, again
+# Bad amounts and references are refused, and so is a wrong operator token.
+for bad_body in ({"usd": "1.0000000001", "reference": "conformance-precise"},
+                 {"diem": "ten", "reference": "conformance-words"},
+                 {"usd": "1", "reference": "x" * 201}):
+    refused = check(session.post(credits_url, json=bad_body, headers=operator_auth), 400, valid_request=False)
+    assert refused.json()["error"].startswith(("usd ", "diem ", "reference ")), refused.text
+negative = check(
+    session.post(credits_url, json={"usd": "-1", "reference": "conformance-negative"}, headers=operator_auth),
+    400, valid_request=False,
+)
+assert negative.json() == {"error": "usd must be zero or more, with at most 9 decimals"}, negative.text
+missing = check(session.post(credits_url, json={"usd": "1"}, headers=operator_auth), 400, valid_request=False)
+assert missing.json()["details"]["reference"]["_errors"] == ["Required"], missing.text
+check(session.post(credits_url, json={"usd": 1, "reference": "conformance-number"}, headers=operator_auth), 400,
+      valid_request=False)
+check(session.post(credits_url, json={"usd": "1", "reference": "conformance-token"},
+                   headers={"Authorization": "Bearer not-the-operator"}), 401)
+assert check(
+    session.post(credits_url, json={"reference": "conformance-seed"}, headers=operator_auth), 200,
+).json()["balance"] == {"usd": "100", "diem": "0"}
 
 created = check(
     session.post(f"{api}/api_keys", json={"apiKeyType": "INFERENCE", "description": "conformance"}, headers=admin),
@@ -108,8 +150,23 @@ for key in (inference, admin):
     by_model = {entry["apiModelId"]: entry["rateLimits"] for entry in limits["rateLimits"]}
     assert model in by_model and limited_model in by_model, by_model
     assert {"RPM", "TPM"} <= {limit["type"] for limit in by_model[model]}, by_model
+    assert numbers(reply)["data"]["balances"] == {"USD": 100, "DIEM": 0}, reply.text
     assert rate_headers(reply, tokens=False)["x-ratelimit-type"] == "api_key"
 tier = limits["apiTier"]["id"]
+
+
+def balance(key):
+    """GET /billing/balance with `key` (ADMIN): the body, numbers exact."""
+    reply = check(session.get(f"{api}/billing/balance", headers=key), 200)
+    assert rate_headers(reply, tokens=False)["x-ratelimit-type"] == "api_key"
+    return numbers(reply)
+
+
+assert balance(admin) == {"canConsume": True, "consumptionCurrency": "USD", "balances": {"diem": 0, "usd": 100},
+                          "diemEpochAllocation": 0}
+refused = check(session.get(f"{api}/billing/balance", headers=inference), 401)
+assert refused.json() == {"error": "Admin API key required"}, refused.text
+check(session.get(f"{api}/billing/balance"), 401, valid_request=False)
 
 # The rate-limit log under both paths: ADMIN keys only.
 for path in ("api_keys/rate_limits/log", "api_keys/rate_limit_logs"):
@@ -119,13 +176,30 @@ for path in ("api_keys/rate_limits/log", "api_keys/rate_limit_logs"):
     refused = check(session.get(f"{api}/{path}", headers=inference), 401)
     assert refused.json() == {"error": "Admin API key required"}, refused.text
 
+def balance_headers(response):
+    """(usd, diem) of the `x-rialto-balance-*` headers, as Decimals."""
+    where = f"{response.request.method} {response.request.url} -> {response.status_code}"
+    for name in ("x-rialto-balance-usd", "x-rialto-balance-diem"):
+        assert name in response.headers, f"{where}: no {name} in {dict(response.headers)}"
+    return Decimal(response.headers["x-rialto-balance-usd"]), Decimal(response.headers["x-rialto-balance-diem"])
+
+
 hello = [{"role": "user", "content": "hello"}]
 plain = check(session.post(f"{api}/chat/completions", json={"model": model, "messages": hello}, headers=inference),
               200)
 values = rate_headers(plain, tokens=True)
 assert values["x-ratelimit-type"] == "api_key", values
 assert values["x-ratelimit-remaining-tokens"] <= values["x-ratelimit-limit-tokens"], values
-check(session.post(f"{api}/chat/completions", json={"model": model, "messages": hello, "n": 2}, headers=inference), 200)
+# The balances before the request; the model has prices, so it cost USD.
+assert plain.headers["x-rialto-balance-usd"] == "100", dict(plain.headers)
+assert plain.headers["x-rialto-balance-diem"] == "0", dict(plain.headers)
+plain_cost = numbers(plain)["cost"]
+assert plain_cost["usd"] > 0 and plain_cost["diem"] == 0, plain_cost
+spent = plain_cost["usd"]
+two = check(session.post(f"{api}/chat/completions", json={"model": model, "messages": hello, "n": 2},
+                         headers=inference), 200)
+assert balance_headers(two) == (100 - spent, 0), (dict(two.headers), spent)
+spent += numbers(two)["cost"]["usd"]
 streamed = check(
     session.post(f"{api}/chat/completions", json={"model": model, "messages": hello, "stream": True},
                  headers=inference),
@@ -133,6 +207,14 @@ streamed = check(
 )
 assert streamed.text.rstrip().endswith("data: [DONE]"), streamed.text[-200:]
 rate_headers(streamed, tokens=True)
+assert balance_headers(streamed) == (100 - spent, 0), (dict(streamed.headers), spent)
+events = [json.loads(line[len("data: "):], parse_float=Decimal) for line in streamed.text.splitlines()
+          if line.startswith("data: {")]
+stream_cost = [event["cost"] for event in events if "cost" in event]
+assert len(stream_cost) == 1 and stream_cost[0]["usd"] > 0 and stream_cost[0]["diem"] == 0, events[-1]
+spent += stream_cost[0]["usd"]
+# What the chats cost is what the balance lost.
+assert balance(admin)["balances"] == {"diem": 0, "usd": 100 - spent}, spent
 check(session.post(f"{api}/chat/completions", json={"model": model, "messages": []}, headers=inference), 400,
       valid_request=False)
 check(session.post(f"{api}/chat/completions", json={"model": "nope", "messages": hello}, headers=inference), 404)
@@ -140,9 +222,48 @@ check(session.post(f"{api}/chat/completions", json={"model": model, "messages": 
       valid_request=False)
 
 
+# An account without credit is refused (402) before the model is called; a
+# DIEM credit then pays, DIEM first.
+unfunded = check(
+    session.post(f"{root}/admin/v1/accounts", json={"name": "conformance-unfunded"}, headers=operator_auth),
+    201,
+).json()
+unfunded_admin = {"Authorization": f"Bearer {unfunded['api_key']['key']}"}
+unfunded_key = check(
+    session.post(f"{api}/api_keys", json={"apiKeyType": "INFERENCE", "description": "unfunded"},
+                 headers=unfunded_admin),
+    200,
+).json()["data"]
+unfunded_inference = {"Authorization": f"Bearer {unfunded_key['apiKey']}"}
+assert balance(unfunded_admin) == {"canConsume": False, "consumptionCurrency": None,
+                                   "balances": {"diem": 0, "usd": 0}, "diemEpochAllocation": 0}
+broke = check(session.post(f"{api}/chat/completions", json={"model": model, "messages": hello},
+                           headers=unfunded_inference), 402)
+assert broke.json() == {"error": "Insufficient USD or Diem balance to complete request. "
+                                 "Add credits to your account and try again."}, broke.text
+assert broke.headers["x-rialto-balance-usd"] == "0", dict(broke.headers)
+assert broke.headers["x-rialto-balance-diem"] == "0", dict(broke.headers)
+rate_headers(broke, tokens=True)
+diem_credit = check(
+    session.post(f"{root}/admin/v1/accounts/{unfunded['id']}/credits",
+                 json={"diem": "1", "reference": "conformance-diem"}, headers=operator_auth),
+    200,
+).json()
+assert diem_credit == {"applied": True, "balance": {"usd": "0", "diem": "1"}}, diem_credit
+assert balance(unfunded_admin)["consumptionCurrency"] == "DIEM"
+paid = check(session.post(f"{api}/chat/completions", json={"model": model, "messages": hello},
+                          headers=unfunded_inference), 200)
+assert balance_headers(paid) == (0, 1), dict(paid.headers)
+paid_cost = numbers(paid)["cost"]
+assert paid_cost["diem"] > 0 and paid_cost["usd"] == 0, paid_cost
+assert balance(unfunded_admin)["balances"] == {"diem": 1 - paid_cost["diem"], "usd": 0}
+
 # A real refusal: the limited model's global window admits one request a minute.
 first = check(session.post(f"{api}/chat/completions", json={"model": limited_model, "messages": hello},
                            headers=inference), 200)
+# The limited model has no prices: it costs nothing, and the balance shows.
+assert first.json()["cost"] == {"usd": 0, "diem": 0}, first.text
+assert balance_headers(first) == (100 - spent, 0), dict(first.headers)
 values = rate_headers(first, tokens=False)
 assert (values["x-ratelimit-type"], values["x-ratelimit-limit-requests"], values["x-ratelimit-remaining-requests"]) \
     == ("global", 1, 0), values

@@ -98,8 +98,8 @@ impl Ledger {
         })
     }
 
-    /// Adds credit, once per `reference`: a repeated reference changes
-    /// nothing and answers `false`.
+    /// Adds credit, once per `reference` of this owner: a repeated
+    /// reference changes nothing and answers `false`.
     pub async fn credit(&self, owner: &str, usd: i64, diem: i64, reference: &str) -> Result<bool> {
         if usd < 0 || diem < 0 {
             return Err(Error::invalid("credits must not be negative"));
@@ -111,7 +111,7 @@ impl Ledger {
             Entry {
                 owner,
                 kind: "credit",
-                key: &format!("credit:{reference}"),
+                key: &format!("credit:{owner}:{reference}"),
                 usd,
                 diem,
                 usd_held: 0,

@@ -132,9 +132,25 @@ pub fn parse_amount(field: &str, text: &str) -> Result<i64> {
             "{field} must be a decimal amount such as \"10.00\""
         ))
     })?;
+    // Plain decimals only: digits, at most one point with digits on both
+    // sides (the parser would also take "1_000", "+1" or ".5").
+    let plain = match text.split_once('.') {
+        None => text.bytes().all(|b| b.is_ascii_digit()),
+        Some((whole, fraction)) => {
+            !whole.is_empty()
+                && !fraction.is_empty()
+                && whole.bytes().all(|b| b.is_ascii_digit())
+                && fraction.bytes().all(|b| b.is_ascii_digit())
+        }
+    };
     if amount.is_sign_negative() || amount.scale() > 9 {
         return Err(Error::invalid(format!(
             "{field} must be zero or more, with at most 9 decimals"
+        )));
+    }
+    if !plain {
+        return Err(Error::invalid(format!(
+            "{field} must be a decimal amount such as \"10.00\""
         )));
     }
     to_nanos(amount)
@@ -257,7 +273,7 @@ impl BillingService for LocalBilling {
         let usd = parse_amount("usd", &request.usd)?;
         let diem = parse_amount("diem", &request.diem)?;
         let reference = request.reference.trim();
-        if reference.is_empty() || reference.len() > 200 {
+        if reference.is_empty() || reference.chars().count() > 200 {
             return Err(Error::invalid("reference must be 1 to 200 characters"));
         }
         let applied = self
@@ -385,8 +401,19 @@ mod tests {
         );
         assert_eq!(balance.usd_held, "0");
         // Bad amounts are refused with a clear message.
-        let bad = billing.credit(credit("-1", "0", "neg")).await.unwrap_err();
-        assert_eq!(bad.code, ErrorCode::InvalidRequest);
+        for amount in ["-1", "1_000", "+1", ".5", "1.", "1e3", "ten"] {
+            let bad = billing
+                .credit(credit(amount, "0", "bad"))
+                .await
+                .unwrap_err();
+            assert_eq!(bad.code, ErrorCode::InvalidRequest, "{amount}");
+        }
+        // References are per owner: another account's same reference counts.
+        let other = pb::CreditRequest {
+            owner: "account:b".into(),
+            ..credit("1", "0", "seed")
+        };
+        assert!(billing.credit(other).await.unwrap().applied);
         let bad = billing
             .credit(credit("1.0000000001", "0", "fine"))
             .await

@@ -134,8 +134,13 @@ struct InProcess {
 
 struct Subscriber {
     queue_group: Option<String>,
-    sender: mpsc::UnboundedSender<Bytes>,
+    sender: mpsc::Sender<Bytes>,
 }
+
+/// Events waiting for one in-process subscriber; past it, new events are
+/// dropped (at most once, like NATS with a slow consumer) rather than
+/// buffered without bound.
+const SUBSCRIBER_QUEUE: usize = 10_000;
 
 #[async_trait]
 impl Transport for InProcess {
@@ -151,13 +156,11 @@ impl Transport for InProcess {
         let mut served_groups: Vec<&str> = Vec::new();
         for subscriber in list.iter() {
             match subscriber.queue_group.as_deref() {
-                None => {
-                    let _ = subscriber.sender.send(payload.clone());
-                }
+                None => deliver(&subscriber.sender, &subject, &payload),
                 // One member of each queue group gets the event.
                 Some(group) if !served_groups.contains(&group) => {
                     served_groups.push(group);
-                    let _ = subscriber.sender.send(payload.clone());
+                    deliver(&subscriber.sender, &subject, &payload);
                 }
                 Some(_) => {}
             }
@@ -170,7 +173,7 @@ impl Transport for InProcess {
         subject: String,
         queue_group: Option<String>,
     ) -> crate::Result<Events> {
-        let (sender, receiver) = mpsc::unbounded_channel();
+        let (sender, receiver) = mpsc::channel(SUBSCRIBER_QUEUE);
         self.subscribers
             .lock()
             .map_err(|_| crate::Error::internal("bus lock poisoned"))?
@@ -186,6 +189,12 @@ impl Transport for InProcess {
             })
             .boxed(),
         )
+    }
+}
+
+fn deliver(sender: &mpsc::Sender<Bytes>, subject: &str, payload: &Bytes) {
+    if let Err(mpsc::error::TrySendError::Full(_)) = sender.try_send(payload.clone()) {
+        tracing::warn!(subject, "bus subscriber lagging: event dropped");
     }
 }
 

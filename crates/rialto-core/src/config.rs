@@ -541,8 +541,8 @@ impl Config {
             || durations.iter().any(|&d| d > DAY_SECS)
         {
             return invalid(
-                "limits.window_secs, idle_secs and abuse.window_secs/block_secs must be \
-                 1 to 86400 seconds (window_secs and abuse.window_secs at least 1)"
+                "limits.window_secs, idle_secs and abuse.window_secs/block_secs must be at \
+                 most 86400 seconds, and window_secs and abuse.window_secs at least 1"
                     .into(),
             );
         }

@@ -72,6 +72,13 @@ impl Settlement {
         }
     }
 
+    /// The request never ran: its rate-limit slots are given back.
+    fn refused(&mut self) {
+        if let Some(ticket) = self.ticket.take() {
+            self.limiter.release(ticket);
+        }
+    }
+
     fn settle_request(&self, usage: &Usage) -> billing_pb::SettleRequest {
         billing_pb::SettleRequest {
             request_id: self.request_id.clone(),
@@ -223,7 +230,7 @@ async fn complete_or_stream(
     let hold = match hold {
         Ok(hold) => hold,
         Err(error) => {
-            settlement.settle(0);
+            settlement.refused();
             return Err(error.into());
         }
     };
@@ -234,7 +241,7 @@ async fn complete_or_stream(
         });
     }
     if !hold.placed {
-        settlement.settle(0);
+        settlement.refused();
         return Err(ApiError::new(
             ErrorCode::PaymentRequired,
             "Insufficient USD or Diem balance to complete request. \

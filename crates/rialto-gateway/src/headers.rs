@@ -72,9 +72,10 @@ pub async fn stamp(
     let path = request.path().to_owned();
     let started = Instant::now();
     let gateway = request.app_data::<web::Data<Gateway>>().cloned();
-    // The API is guarded; probes and the document are not (a load
-    // balancer's health checks must not lock themselves out).
-    let guarded = path.starts_with("/api/") || path.starts_with("/admin/");
+    // Everything is guarded but the probes and the document (a load
+    // balancer's health checks must not lock themselves out). Exact raw
+    // paths: an encoded spelling of a route is guarded like the route.
+    let guarded = !matches!(path.as_str(), "/healthz" | "/readyz" | "/openapi.yaml");
     let subjects = gateway
         .as_ref()
         .filter(|_| guarded)

@@ -83,8 +83,10 @@ impl AbuseSubjects {
         let credential = crate::bearer_token(request.headers())
             .map(|token| gateway.abuse.credential(token.as_bytes()));
         let forwarded = gateway.client_address_header.as_ref().and_then(|name| {
-            let value = request.headers().get(name)?.to_str().ok()?;
-            forwarded_address(value)
+            // The last line of the header: a proxy that adds its own line
+            // leaves the client's lines before it.
+            let value = request.headers().get_all(name).last()?;
+            forwarded_address(value.as_bytes())
         });
         let address = forwarded
             .or_else(|| request.peer_addr().map(|a| a.ip()))
@@ -157,7 +159,7 @@ impl AbuseSubjects {
         path: &str,
     ) {
         if let (Some(_), Some(credential)) = (authenticated, self.credential) {
-            gateway.abuse.vouch(credential, self.started);
+            gateway.abuse.vouch(credential, Instant::now());
         }
         if !is_failure(status) {
             return;
@@ -167,7 +169,7 @@ impl AbuseSubjects {
             None => self.address,
         };
         let Some(subject) = subject else { return };
-        if gateway.abuse.record_failure(subject, self.started) == Recorded::Blocked {
+        if gateway.abuse.record_failure(subject, Instant::now()) == Recorded::Blocked {
             tracing::warn!(path, "too many failed requests: blocking the caller");
             if let Some(who) = authenticated {
                 gateway.services.limiter.record_hit(limiter_pb::LimitHit {
@@ -186,8 +188,10 @@ impl AbuseSubjects {
 /// The client address in a proxy's header: only the last element, the one
 /// the trusted proxy appended (`1.2.3.4`, `1.2.3.4:5678`, `::1` or
 /// `[::1]:5678`). Anything to its left came from the client.
-fn forwarded_address(value: &str) -> Option<std::net::IpAddr> {
-    let last = value.rsplit(',').next()?.trim();
+fn forwarded_address(value: &[u8]) -> Option<std::net::IpAddr> {
+    // Split on bytes: only the last element needs to be readable.
+    let last = value.rsplit(|b| *b == b',').next()?;
+    let last = std::str::from_utf8(last).ok()?.trim();
     if let Ok(address) = last.parse::<std::net::IpAddr>() {
         return Some(address);
     }
@@ -273,7 +277,8 @@ fn decimal(text: &str) -> Value {
 }
 
 /// `GET /api/v1/billing/balance` (ADMIN key): the account's balances in the
-/// hosted API's shape. Available credit: the balance less open holds.
+/// hosted API's shape, as booked (credit held by requests in flight is
+/// still included).
 pub async fn billing_balance(
     gateway: web::Data<Gateway>,
     request: HttpRequest,
@@ -342,14 +347,16 @@ mod tests {
     #[test]
     fn only_the_address_the_proxy_appended_counts() {
         let ip = |s: &str| Some(s.parse().unwrap());
-        assert_eq!(forwarded_address("10.0.0.1"), ip("10.0.0.1"));
-        assert_eq!(forwarded_address("6.6.6.6, 10.0.0.1"), ip("10.0.0.1"));
-        assert_eq!(forwarded_address("6.6.6.6, 10.0.0.1:443"), ip("10.0.0.1"));
+        assert_eq!(forwarded_address(b"10.0.0.1"), ip("10.0.0.1"));
+        assert_eq!(forwarded_address(b"6.6.6.6, 10.0.0.1"), ip("10.0.0.1"));
+        assert_eq!(forwarded_address(b"6.6.6.6, 10.0.0.1:443"), ip("10.0.0.1"));
         assert_eq!(
-            forwarded_address("6.6.6.6, [2001:db8::1]:443"),
+            forwarded_address(b"6.6.6.6, [2001:db8::1]:443"),
             ip("2001:db8::1")
         );
         // An unreadable last element does not fall back to the client's.
-        assert_eq!(forwarded_address("6.6.6.6, garbage"), None);
+        // Bytes the client wrote before do not matter.
+        assert_eq!(forwarded_address(b"\xff\xfe, 10.0.0.1"), ip("10.0.0.1"));
+        assert_eq!(forwarded_address(b"6.6.6.6, garbage"), None);
     }
 }

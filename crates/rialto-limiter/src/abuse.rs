@@ -51,10 +51,10 @@ impl Record {
             || self
                 .failures
                 .back()
-                .is_some_and(|t| now.duration_since(*t) < window)
+                .is_some_and(|t| now.saturating_duration_since(*t) < window)
             || self
                 .vouched_at
-                .is_some_and(|t| now.duration_since(t) < VOUCH_TTL)
+                .is_some_and(|t| now.saturating_duration_since(t) < VOUCH_TTL)
     }
 }
 
@@ -163,7 +163,7 @@ impl AbuseGuard {
             .records
             .get(subject)
             .and_then(|r| r.vouched_at)
-            .is_some_and(|t| now.duration_since(t) < VOUCH_TTL)
+            .is_some_and(|t| now.saturating_duration_since(t) < VOUCH_TTL)
     }
 
     /// Counts one failed request of `subject`.
@@ -171,7 +171,7 @@ impl AbuseGuard {
         let mut shard = self.shard(&subject);
         let due = shard
             .swept_at
-            .is_none_or(|t| now.duration_since(t) >= Duration::from_secs(1));
+            .is_none_or(|t| now.saturating_duration_since(t) >= Duration::from_secs(1));
         if shard.records.len() > SWEEP_ABOVE && due {
             // Forget subjects with nothing recent, at most once a second:
             // memory follows the rate of failures, not the number of
@@ -188,7 +188,7 @@ impl AbuseGuard {
         while record
             .failures
             .front()
-            .is_some_and(|t| now.duration_since(*t) >= self.window)
+            .is_some_and(|t| now.saturating_duration_since(*t) >= self.window)
         {
             record.failures.pop_front();
         }

@@ -24,6 +24,10 @@ use crate::window::Window;
 /// cannot keep up, hits are dropped rather than held in memory.
 pub type HitSink = mpsc::Sender<pb::LimitHit>;
 
+/// The longest a request is expected to run: an actor waits this long for
+/// the commits of admitted requests before it may stop.
+const MAX_REQUEST_MS: i64 = 3_600_000;
+
 /// At most one log entry per window and limit type per this many ms: a
 /// client hammering a full window must not turn into a database flood.
 const HIT_LOG_INTERVAL_MS: i64 = 1_000;
@@ -47,6 +51,7 @@ struct NamedWindow {
     /// account and global windows are shared by many keys, and each key's
     /// account must see its own hits.
     last_logged_ms: HashMap<(u64, u8), i64>,
+    swept_ms: i64,
 }
 
 pub struct PrincipalActor {
@@ -55,6 +60,8 @@ pub struct PrincipalActor {
     span_ms: i64,
     idle_ms: i64,
     last_active_ms: i64,
+    /// Admitted requests not yet committed or released.
+    in_flight: u64,
     hits: HitSink,
     registry: Arc<Registry>,
     tags: RandomState,
@@ -66,7 +73,12 @@ impl PrincipalActor {
     }
 
     fn is_idle(&mut self, now_ms: i64) -> bool {
-        now_ms - self.last_active_ms >= self.idle_ms
+        let quiet = now_ms - self.last_active_ms;
+        // Requests still running (a long stream) will commit here: wait for
+        // them, up to a bound for commits that never come (a crash).
+        let waiting = self.in_flight > 0 && quiet < MAX_REQUEST_MS;
+        quiet >= self.idle_ms
+            && !waiting
             && self.windows.values_mut().all(|w| w.window.is_empty(now_ms))
     }
 }
@@ -102,6 +114,7 @@ impl Handler<Admit> for PrincipalActor {
             let window = NamedWindow {
                 window: Window::new(self.span_ms),
                 last_logged_ms: HashMap::new(),
+                swept_ms: 0,
             };
             self.windows.insert(request.window.clone(), window);
         }
@@ -119,6 +132,9 @@ impl Handler<Admit> for PrincipalActor {
             .window
             .admit(now, &limit, request.estimated_tokens, tag);
         let state = Some(named.window.state(now, &limit));
+        if decision.is_ok() {
+            self.in_flight += 1;
+        }
         MessageResult(match decision {
             Ok(()) => pb::AdmitResponse {
                 admitted: true,
@@ -129,8 +145,12 @@ impl Handler<Admit> for PrincipalActor {
             Err(refusal) => {
                 let slot = (self.tags.hash_one(&request.key_id), refusal.by as u8);
                 let logged = &mut named.last_logged_ms;
-                if logged.len() > 1024 {
+                // Swept at most once an interval: a flood of keys refused by a
+                // shared window costs one pass a second, not one per refusal.
+                if logged.len() > 1024 && now.saturating_sub(named.swept_ms) >= HIT_LOG_INTERVAL_MS
+                {
                     logged.retain(|_, at| now.saturating_sub(*at) < HIT_LOG_INTERVAL_MS);
+                    named.swept_ms = now;
                 }
                 let last = logged.get(&slot).copied().unwrap_or(i64::MIN);
                 if now.saturating_sub(last) >= HIT_LOG_INTERVAL_MS {
@@ -160,6 +180,7 @@ impl Handler<Commit> for PrincipalActor {
 
     fn handle(&mut self, Commit(request): Commit, _: &mut Self::Context) {
         let now = now_ms();
+        self.in_flight = self.in_flight.saturating_sub(1);
         let tag = self.tag(&request.request_id);
         if let Some(named) = self.windows.get_mut(&request.window) {
             named.window.commit(
@@ -226,6 +247,7 @@ impl Registry {
             span_ms: self.span_ms,
             idle_ms: self.idle_ms,
             last_active_ms: now_ms(),
+            in_flight: 0,
             hits: self.hits.clone(),
             registry: self.clone(),
             tags: RandomState::new(),

@@ -193,11 +193,12 @@ impl LimiterService for LocalLimiter {
         let limit = i64::from(request.limit.clamp(1, LOG_PAGE));
         let rows = sqlx::query(
             "SELECT account_id, api_key_id, model_id, tier, limit_type, at_ms \
-             FROM rate_limit_logs WHERE account_id = $1 \
+             FROM rate_limit_logs WHERE account_id = $1 AND at_ms >= $3 \
              ORDER BY at_ms DESC, id DESC LIMIT $2",
         )
         .bind(&request.account_id)
         .bind(limit)
+        .bind(now_ms() - LOG_RETENTION_MS)
         .fetch_all(self.db.pool())
         .await?;
         let hits = rows
@@ -360,13 +361,14 @@ id = "chat"
     async fn the_log_keeps_the_newest_200_entries_of_an_account() {
         let dir = tempfile::tempdir().unwrap();
         let (_, local, _) = limiter(&dir).await;
+        let base = now_ms() - 10_000;
         let hit = |i: i64| pb::LimitHit {
             account_id: "acct".into(),
             api_key_id: "k".into(),
             model_id: "chat".into(),
             tier: "standard".into(),
             limit_type: "RPM".into(),
-            at_ms: 1_000_000 + i,
+            at_ms: base + i,
         };
         let hits = (0..230).map(hit).collect();
         local
@@ -388,7 +390,7 @@ id = "chat"
                 .await
                 .unwrap()
                 .hits;
-            if count == 200 && newest.first().is_some_and(|h| h.at_ms == 1_000_229) {
+            if count == 200 && newest.first().is_some_and(|h| h.at_ms == base + 229) {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -422,6 +424,18 @@ id = "chat"
         assert!(local.admit(request.clone()).await.unwrap().admitted);
         assert!(!local.admit(request.clone()).await.unwrap().admitted);
         assert_eq!(local.registry().len(), 1);
+        // Until its admitted request commits, the actor waits for it.
+        local
+            .commit(pb::CommitRequest {
+                request_id: "r".into(),
+                principal: "key:idle".into(),
+                window: "chat".into(),
+                used_tokens: 0,
+                release: false,
+                estimated_tokens: 0,
+            })
+            .await
+            .unwrap();
         // Window (1 s) and idle time (1 s) pass: the actor stops itself.
         tokio::time::sleep(Duration::from_millis(2600)).await;
         assert_eq!(local.registry().len(), 0);

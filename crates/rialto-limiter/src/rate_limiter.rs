@@ -244,10 +244,11 @@ impl RateLimiter {
         self.send_commits(ticket, used_tokens, false);
     }
 
-    /// Gives back the slots of a request a later window refused. Sent to
-    /// each owner directly, never on the bus (at most once there): a lost
-    /// release would hold a slot for a whole window.
-    fn release(&self, ticket: Ticket) {
+    /// Gives back the slots of a request that never ran (a later window, or
+    /// billing, refused it). Sent to each owner directly, never on the bus
+    /// (at most once there): a lost release would hold a slot for a whole
+    /// window.
+    pub fn release(&self, ticket: Ticket) {
         self.send_commits(ticket, 0, true);
     }
 

@@ -5,7 +5,7 @@
 //! at every instant, with no burst at a window boundary (a fixed window lets
 //! 2N through around the boundary) and no approximation (a sliding-window
 //! counter interpolates, GCRA refills continuously so a burst test admits
-//! "50 and a bit"). Its cost is one entry of 24 bytes per request in the
+//! "50 and a bit"). Its cost is one entry of 32 bytes per request in the
 //! window, bounded by the limit itself, and O(1) amortized work per
 //! decision. Token estimates are corrected in place when the real usage is
 //! known, so the log also gives exact token windows.
@@ -198,7 +198,10 @@ impl Window {
             if let Some(entry) = self.entries.remove(index) {
                 self.tokens -= entry.tokens;
                 self.requests -= 1;
-                self.day.1 = self.day.1.saturating_sub(1);
+                // Only a request counted today gives back today's count.
+                if entry.at_ms.div_euclid(DAY_MS) == self.day.0 {
+                    self.day.1 = self.day.1.saturating_sub(1);
+                }
             }
             return;
         }
