@@ -215,3 +215,60 @@ async fn no_credit_no_call() {
         .unwrap();
     assert_eq!(refused.status(), 401);
 }
+
+/// The gateway dies between hold and settlement: the hold is released once
+/// it expires, exactly once, and nothing is charged or lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hold_outlives_a_killed_gateway_only_until_it_expires() {
+    use rialto_proto::billing::v1::GetBalanceRequest;
+    use rialto_proto::billing::v1::billing_client::BillingClient;
+    let mock = MockUpstream::start().await.unwrap();
+    let mut sandbox = Sandbox::builder(Topology::Split)
+        .config(&models(&mock.base_url()))
+        .config("[billing]\nhold_ttl_secs = 2\n")
+        .start()
+        .await
+        .unwrap();
+    let (id, _, key) = account(&sandbox).await;
+    sandbox.credit(&id, "1", "seed").await.unwrap();
+    let stream = json!({"model": "paid-chat", "max_tokens": 5000, "stream": true,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "mock": {"words": 5000, "chunk_delay_ms": 50}});
+    let mut response = chat(&sandbox, &key, &stream).await;
+    assert_eq!(response.status(), 200);
+    response.chunk().await.unwrap().unwrap();
+
+    let addr = sandbox.grpc_addr("billing").unwrap().to_owned();
+    let token: tonic::metadata::MetadataValue<_> =
+        format!("Bearer {}", rialto_test_kit::GRPC_TOKEN)
+            .parse()
+            .unwrap();
+    let billing = BillingClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap();
+    let balance = || {
+        let mut request = tonic::Request::new(GetBalanceRequest {
+            owner: format!("account:{id}"),
+        });
+        request
+            .metadata_mut()
+            .insert("authorization", token.clone());
+        let mut billing = billing.clone();
+        async move { billing.get_balance(request).await.unwrap().into_inner() }
+    };
+    // 5,003 micro-dollars are held while the stream runs.
+    assert_eq!(balance().await.usd_held, "0.005003");
+    sandbox.kill("gateway").unwrap();
+    drop(response);
+    // The hold expires (2 s) and the sweeper releases it: all credit is
+    // available again, none was charged.
+    let mut now = balance().await;
+    for _ in 0..100 {
+        if now.usd_held == "0" {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        now = balance().await;
+    }
+    assert_eq!((now.usd.as_str(), now.usd_held.as_str()), ("1", "0"));
+}

@@ -267,6 +267,24 @@ async fn cli_creates_accounts() {
     assert_eq!(again["applied"], false, "the same reference credits once");
     assert_eq!(again["balance"]["usd"], "5");
     assert_eq!(chat(&world, key).await.status(), 200);
+    let tiered = world
+        .sandbox
+        .command()
+        .unwrap()
+        .args(["admin", "accounts", "tier", "--id", id, "--tier", "partner"])
+        .output()
+        .unwrap();
+    let tiered: Value = serde_json::from_slice(&tiered.stdout).unwrap();
+    assert_eq!(tiered["tier"], "partner");
+    let unknown = world
+        .sandbox
+        .command()
+        .unwrap()
+        .args(["admin", "accounts", "tier", "--id", id, "--tier", "gold"])
+        .output()
+        .unwrap();
+    assert!(!unknown.status.success());
+    assert!(String::from_utf8_lossy(&unknown.stderr).contains("unknown tier"));
 }
 
 /// The same lifecycle on PostgreSQL, in both topologies.

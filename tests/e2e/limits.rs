@@ -318,6 +318,21 @@ async fn headers_estimates_and_commits(topology: Topology) {
     let response = chat_at(sandbox, &sandbox.url, &partner, &body).await;
     assert_eq!(number(&response, "x-ratelimit-limit-requests"), 100);
     assert_eq!(number(&response, "x-ratelimit-limit-tokens"), 1_500_000);
+    // The operator moves an account to the partner tier: its keys follow.
+    let (id, _, _, moved) = account(sandbox, "standard").await;
+    let before = chat_at(sandbox, &sandbox.url, &moved, &body).await;
+    assert_eq!(number(&before, "x-ratelimit-limit-requests"), 50);
+    let set = sandbox
+        .http()
+        .put(format!("{}/admin/v1/accounts/{id}/tier", sandbox.url))
+        .bearer_auth(&sandbox.operator_token)
+        .json(&json!({"tier": "partner"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(set.status(), 200);
+    let response = chat_at(sandbox, &sandbox.url, &moved, &body).await;
+    assert_eq!(number(&response, "x-ratelimit-limit-requests"), 100);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

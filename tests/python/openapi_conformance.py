@@ -342,3 +342,18 @@ check(session.get(f"{root}/healthz"), 200)
 check(session.get(f"{root}/readyz"), 200)
 
 print(f"conformance ok: {checked} exchanges match the document")
+
+
+# The operator moves the account to the partner tier; an unknown account is 404.
+operator_auth = {"Authorization": f"Bearer {operator}"}
+tiered = check(session.put(f"{root}/admin/v1/accounts/{account['id']}/tier", json={"tier": "partner"},
+                           headers=operator_auth), 200).json()
+assert tiered["tier"] == "partner", tiered
+check(session.put(f"{root}/admin/v1/accounts/{account['id']}/tier", json={"tier": "gold"},
+                  headers=operator_auth), 400)
+check(session.put(f"{root}/admin/v1/accounts/no-such-account/tier", json={"tier": "partner"},
+                  headers=operator_auth), 404)
+missing = check(session.post(f"{root}/admin/v1/accounts/no-such-account/credits",
+                             json={"usd": "1", "reference": "nowhere"}, headers=operator_auth), 404)
+assert missing.json() == {"error": "Account not found"}, missing.text
+print(f"tier and unknown-account checks ok ({checked} exchanges in all)")

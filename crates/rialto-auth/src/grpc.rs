@@ -79,6 +79,24 @@ impl Auth for AuthGrpc {
             self.0.delete_api_key(request.into_inner()).await?,
         ))
     }
+
+    async fn get_account(
+        &self,
+        request: Request<pb::GetAccountRequest>,
+    ) -> Result<Response<pb::Account>, Status> {
+        Ok(Response::new(
+            self.0.get_account(request.into_inner()).await?,
+        ))
+    }
+
+    async fn set_account_tier(
+        &self,
+        request: Request<pb::SetAccountTierRequest>,
+    ) -> Result<Response<pb::Account>, Status> {
+        Ok(Response::new(
+            self.0.set_account_tier(request.into_inner()).await?,
+        ))
+    }
 }
 
 /// The auth service in another process, reached over gRPC.
@@ -123,5 +141,13 @@ impl AuthService for RemoteAuth {
         request: pb::DeleteApiKeyRequest,
     ) -> Result<pb::DeleteApiKeyResponse> {
         Ok(self.0.clone().delete_api_key(request).await?.into_inner())
+    }
+
+    async fn get_account(&self, request: pb::GetAccountRequest) -> Result<pb::Account> {
+        Ok(self.0.clone().get_account(request).await?.into_inner())
+    }
+
+    async fn set_account_tier(&self, request: pb::SetAccountTierRequest) -> Result<pb::Account> {
+        Ok(self.0.clone().set_account_tier(request).await?.into_inner())
     }
 }

@@ -41,6 +41,11 @@ pub trait AuthService: Send + Sync + 'static {
         &self,
         request: pb::DeleteApiKeyRequest,
     ) -> Result<pb::DeleteApiKeyResponse>;
+    /// The account, or NotFound.
+    async fn get_account(&self, request: pb::GetAccountRequest) -> Result<pb::Account>;
+    /// Changes the account's rate-limit tier; its keys see it at once here
+    /// and within the cache's re-check on other auth replicas.
+    async fn set_account_tier(&self, request: pb::SetAccountTierRequest) -> Result<pb::Account>;
 }
 
 /// A cloneable handle on the auth service, local or remote.

@@ -298,21 +298,7 @@ impl AuthService for LocalAuth {
         if name.is_empty() || name.chars().count() > 128 {
             return Err(Error::invalid("account name must be 1 to 128 characters"));
         }
-        let tier = match request.tier.trim() {
-            "" => "standard",
-            tier if tier.len() <= 32
-                && tier
-                    .bytes()
-                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') =>
-            {
-                tier
-            }
-            _ => {
-                return Err(Error::invalid(
-                    "account tier must be 1 to 32 letters, digits, - or _",
-                ));
-            }
-        };
+        let tier = valid_tier(&request.tier)?;
         let account_id = uuid::Uuid::new_v4().to_string();
         let mut tx = self.inner.db.pool().begin().await?;
         sqlx::query("INSERT INTO accounts (id, name, tier, created_at_ms) VALUES ($1, $2, $3, $4)")
@@ -423,6 +409,63 @@ impl AuthService for LocalAuth {
             "api key deleted"
         );
         Ok(pb::DeleteApiKeyResponse {})
+    }
+
+    async fn get_account(&self, request: pb::GetAccountRequest) -> Result<pb::Account> {
+        let row = sqlx::query("SELECT id, name, tier, created_at_ms FROM accounts WHERE id = $1")
+            .bind(&request.account_id)
+            .fetch_optional(self.inner.db.pool())
+            .await?
+            .ok_or_else(|| Error::new(ErrorCode::NotFound, "Account not found"))?;
+        Ok(pb::Account {
+            id: row.try_get("id")?,
+            name: row.try_get("name")?,
+            tier: row.try_get("tier")?,
+            created_at_ms: row.try_get("created_at_ms")?,
+        })
+    }
+
+    async fn set_account_tier(&self, request: pb::SetAccountTierRequest) -> Result<pb::Account> {
+        let tier = valid_tier(&request.tier)?;
+        let updated = sqlx::query("UPDATE accounts SET tier = $2 WHERE id = $1")
+            .bind(&request.account_id)
+            .bind(tier)
+            .execute(self.inner.db.pool())
+            .await?
+            .rows_affected();
+        if updated == 0 {
+            return Err(Error::new(ErrorCode::NotFound, "Account not found"));
+        }
+        // Cached principals carry the tier: drop the account's.
+        let inner = &self.inner;
+        inner.generation.fetch_add(1, Ordering::AcqRel);
+        inner
+            .cache
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|_, key| key.principal.account_id != request.account_id);
+        tracing::info!(account_id = request.account_id, tier, "account tier set");
+        self.get_account(pb::GetAccountRequest {
+            account_id: request.account_id,
+        })
+        .await
+    }
+}
+
+/// A tier name: 1 to 32 letters, digits, `-` or `_`; empty means standard.
+fn valid_tier(tier: &str) -> Result<&str> {
+    match tier.trim() {
+        "" => Ok("standard"),
+        tier if tier.len() <= 32
+            && tier
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-') =>
+        {
+            Ok(tier)
+        }
+        _ => Err(Error::invalid(
+            "account tier must be 1 to 32 letters, digits, - or _",
+        )),
     }
 }
 

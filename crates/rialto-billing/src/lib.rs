@@ -177,12 +177,14 @@ impl LocalBilling {
         }
     }
 
-    /// Releases expired holds every ten seconds, forever (a crashed
-    /// gateway's holds must not keep credit reserved).
+    /// Releases expired holds, forever (a crashed gateway's holds must not
+    /// keep credit reserved): every ten seconds, or twice a hold's lifetime
+    /// when that is shorter.
     pub fn spawn_sweeper(&self) {
         let ledger = self.ledger.clone();
+        let period = (self.hold_ttl_ms / 2).clamp(100, 10_000) as u64;
         tokio::spawn(async move {
-            let mut every = tokio::time::interval(std::time::Duration::from_secs(10));
+            let mut every = tokio::time::interval(std::time::Duration::from_millis(period));
             loop {
                 every.tick().await;
                 match ledger.expire(rialto_core::db::now_ms()).await {

@@ -205,7 +205,8 @@ pub fn configure(gateway: web::Data<Gateway>) -> impl FnOnce(&mut web::ServiceCo
                     .route(
                         "/accounts/{id}/credits",
                         web::post().to(operator::credit_account),
-                    ),
+                    )
+                    .route("/accounts/{id}/tier", web::put().to(operator::set_tier)),
             )
             .default_service(web::to(not_found));
     }

@@ -66,24 +66,7 @@ pub async fn create_account(
     };
     let tier = match body.get("tier") {
         None | Some(Value::Null) => String::new(),
-        Some(Value::String(tier)) => {
-            let policy = gateway.services.limiter.policy();
-            if !policy.tiers().any(|t| t == tier) {
-                let known: Vec<&str> = policy.tiers().collect();
-                let mut details = Details::new();
-                details.push(
-                    &["tier"],
-                    format!("Unknown tier; expected one of: {}", known.join(", ")),
-                );
-                return Err(ApiError::validation(details));
-            }
-            tier.clone()
-        }
-        Some(_) => {
-            let mut details = Details::new();
-            details.push(&["tier"], "Expected string");
-            return Err(ApiError::validation(details));
-        }
+        tier => checked_tier(&gateway, tier)?,
     };
     let created = gateway
         .services
@@ -91,6 +74,53 @@ pub async fn create_account(
         .create_account(pb::CreateAccountRequest { name, tier })
         .await?;
     Ok(HttpResponse::Created().json(account_json(&created)))
+}
+
+/// A tier of `[limits.tiers]`, or a validation error naming them.
+fn checked_tier(gateway: &Gateway, value: Option<&Value>) -> Result<String, ApiError> {
+    let mut details = Details::new();
+    match value {
+        Some(Value::String(tier)) => {
+            let policy = gateway.services.limiter.policy();
+            if policy.tiers().any(|t| t == tier) {
+                return Ok(tier.clone());
+            }
+            let known: Vec<&str> = policy.tiers().collect();
+            details.push(
+                &["tier"],
+                format!("Unknown tier; expected one of: {}", known.join(", ")),
+            );
+        }
+        None | Some(Value::Null) => details.push(&["tier"], "Required"),
+        Some(_) => details.push(&["tier"], "Expected string"),
+    }
+    Err(ApiError::validation(details))
+}
+
+/// `PUT /admin/v1/accounts/{id}/tier {"tier": "partner"}`: the account's
+/// rate-limit table from now on.
+pub async fn set_tier(
+    gateway: web::Data<Gateway>,
+    request: HttpRequest,
+    path: web::Path<String>,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    check_operator(&gateway, &request)?;
+    let body = parse_json(&read_body(&gateway, &request, payload).await?)?;
+    let tier = checked_tier(&gateway, body.get("tier"))?;
+    let account = gateway
+        .services
+        .auth
+        .set_account_tier(pb::SetAccountTierRequest {
+            account_id: path.into_inner(),
+            tier,
+        })
+        .await?;
+    Ok(HttpResponse::Ok().json(json!({
+        "id": account.id,
+        "name": account.name,
+        "tier": account.tier,
+    })))
 }
 
 /// `POST /admin/v1/accounts/{id}/credits {"usd": "10.00", "diem": "0",
@@ -121,11 +151,20 @@ pub async fn credit_account(
     let diem = text("diem", false);
     let reference = text("reference", true);
     details.into_result()?;
+    let account_id = path.into_inner();
+    // Credit only what exists: a mistyped id must not swallow money.
+    gateway
+        .services
+        .auth
+        .get_account(pb::GetAccountRequest {
+            account_id: account_id.clone(),
+        })
+        .await?;
     let credited = gateway
         .services
         .billing
         .credit(billing_pb::CreditRequest {
-            owner: format!("account:{}", path.into_inner()),
+            owner: format!("account:{account_id}"),
             usd,
             diem,
             reference,

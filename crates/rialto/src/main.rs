@@ -75,6 +75,14 @@ enum AccountsCommand {
         #[arg(long, default_value = "standard")]
         tier: String,
     },
+    /// Set an account's rate-limit tier (one of [limits.tiers]); print the account as JSON.
+    Tier {
+        /// The account id.
+        #[arg(long)]
+        id: String,
+        #[arg(long)]
+        tier: String,
+    },
     /// Add prepaid credit to an account, once per reference; print the balance as JSON.
     Credit {
         /// The account id.
@@ -121,6 +129,12 @@ fn main() -> std::process::ExitCode {
                         },
                 },
         } => credit_account(config, id, usd, diem, reference),
+        Command::Admin {
+            command:
+                AdminCommand::Accounts {
+                    command: AccountsCommand::Tier { id, tier },
+                },
+        } => set_tier(config, id, tier),
         Command::Version => {
             println!("{REVISION}");
             Ok(())
@@ -133,6 +147,44 @@ fn main() -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+fn set_tier(config: Config, id: String, tier: String) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        config.limits.tiers.contains_key(&tier),
+        "unknown tier {tier:?}; [limits.tiers] defines: {}",
+        config
+            .limits
+            .tiers
+            .keys()
+            .cloned()
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    use rialto_auth::AuthService;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let db = rialto_core::db::Database::connect(
+            &config.database.url,
+            config.database.max_connections,
+        )
+        .await?;
+        let auth =
+            rialto_auth::LocalAuth::new(db, &rialto_core::Brand::new(&config.brand).key_prefix);
+        let account = auth
+            .set_account_tier(rialto_proto::auth::v1::SetAccountTierRequest {
+                account_id: id,
+                tier,
+            })
+            .await?;
+        println!(
+            "{}",
+            serde_json::json!({"id": account.id, "name": account.name, "tier": account.tier})
+        );
+        Ok(())
+    })
 }
 
 fn credit_account(
