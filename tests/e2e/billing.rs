@@ -272,3 +272,118 @@ async fn a_hold_outlives_a_killed_gateway_only_until_it_expires() {
     }
     assert_eq!((now.usd.as_str(), now.usd_held.as_str()), ("1", "0"));
 }
+
+/// The usage history: every charge, paginated, filtered, as JSON and CSV.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_history_pages_filters_and_exports() {
+    let world = world(Topology::OneProcess, Storage::Sqlite).await;
+    let sandbox = &world.sandbox;
+    let (id, admin, key) = account(sandbox).await;
+    sandbox.credit(&id, "1", "seed").await.unwrap();
+    let small = json!({"model": "paid-chat", "max_tokens": 10,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "mock": {"words": 10}});
+    let mut request_ids = Vec::new();
+    for _ in 0..3 {
+        let response = chat(sandbox, &key, &small).await;
+        assert_eq!(response.status(), 200);
+        let body: Value = response.json().await.unwrap();
+        request_ids.push(body["id"].as_str().unwrap().to_owned());
+    }
+    let get = |query: &str, accept: &str| {
+        let request = sandbox
+            .http()
+            .get(format!("{}?{query}", sandbox.api("/billing/usage")))
+            .bearer_auth(&admin)
+            .header("accept", accept);
+        async move { request.send().await.unwrap() }
+    };
+    let first = get("limit=2&page=1", "application/json").await;
+    assert_eq!(first.status(), 200);
+    assert_eq!(first.headers()["x-pagination-total"], "3");
+    assert_eq!(first.headers()["x-pagination-total-pages"], "2");
+    assert_eq!(first.headers()["x-pagination-limit"], "2");
+    assert_eq!(first.headers()["x-pagination-page"], "1");
+    let first: Value = first.json().await.unwrap();
+    assert_eq!(
+        first["pagination"],
+        json!({"limit": 2, "page": 1, "total": 3, "totalPages": 2})
+    );
+    let entry = &first["data"][0];
+    // Newest first: the last request; 2 + 10 tokens at $1/M.
+    assert_eq!(
+        entry["inferenceDetails"]["requestId"],
+        request_ids[2].as_str()
+    );
+    assert_eq!(entry["amount"].to_string(), "-0.000012");
+    assert_eq!(entry["currency"], "USD");
+    assert_eq!(entry["sku"], "paid-chat-llm-mtoken");
+    assert_eq!(entry["units"].to_string(), "0.000012");
+    assert_eq!(entry["pricePerUnitUsd"].to_string(), "1");
+    assert_eq!(entry["inferenceDetails"]["promptTokens"], 2);
+    assert_eq!(entry["inferenceDetails"]["completionTokens"], 10);
+    let second: Value = get("limit=2&page=2", "application/json")
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(second["data"].as_array().unwrap().len(), 1);
+    let oldest: Value = get("sortOrder=asc&limit=1", "application/json")
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        oldest["data"][0]["inferenceDetails"]["requestId"],
+        request_ids[0].as_str()
+    );
+    let diem: Value = get("currency=DIEM", "application/json")
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(diem["data"], json!([]));
+    let future: Value = get("startDate=2999-01-01T00:00:00Z", "application/json")
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(future["pagination"]["total"], 0);
+
+    let csv = get("", "text/csv").await;
+    assert_eq!(csv.status(), 200);
+    assert!(
+        csv.headers()["content-type"]
+            .to_str()
+            .unwrap()
+            .starts_with("text/csv")
+    );
+    assert_eq!(
+        csv.headers()["content-disposition"],
+        "attachment; filename=\"usage.csv\""
+    );
+    let text = csv.text().await.unwrap();
+    let lines: Vec<&str> = text.lines().collect();
+    assert_eq!(lines.len(), 4, "{text}");
+    assert!(lines[0].starts_with("timestamp,sku,currency,amount"));
+    assert!(lines[1].contains(",paid-chat-llm-mtoken,USD,-0.000012,"));
+
+    let bad = get(
+        "limit=0&currency=EUR&sortOrder=up&startDate=yesterday",
+        "application/json",
+    )
+    .await;
+    assert_eq!(bad.status(), 400);
+    let bad: Value = bad.json().await.unwrap();
+    for field in ["limit", "currency", "sortOrder", "startDate"] {
+        assert!(
+            bad["details"][field]["_errors"][0].is_string(),
+            "{field}: {bad}"
+        );
+    }
+    let refused = sandbox
+        .call(Method::GET, "/billing/usage", &key, None)
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 401);
+}

@@ -60,6 +60,15 @@ impl Billing for BillingGrpc {
             self.0.get_balance(request.into_inner()).await?,
         ))
     }
+
+    async fn usage_history(
+        &self,
+        request: Request<pb::UsageHistoryRequest>,
+    ) -> Result<Response<pb::UsageHistoryResponse>, Status> {
+        Ok(Response::new(
+            self.0.usage_history(request.into_inner()).await?,
+        ))
+    }
 }
 
 /// Billing in another process, reached over gRPC.
@@ -91,5 +100,12 @@ impl BillingService for RemoteBilling {
 
     async fn get_balance(&self, request: pb::GetBalanceRequest) -> Result<pb::Balance> {
         Ok(self.0.clone().get_balance(request).await?.into_inner())
+    }
+
+    async fn usage_history(
+        &self,
+        request: pb::UsageHistoryRequest,
+    ) -> Result<pb::UsageHistoryResponse> {
+        Ok(self.0.clone().usage_history(request).await?.into_inner())
     }
 }

@@ -69,6 +69,40 @@ pub enum SettleOutcome {
     NotOpen,
 }
 
+/// What a settled request used, for its usage record.
+#[derive(Debug, Clone, Copy)]
+pub struct UsageDetail<'a> {
+    pub model_id: &'a str,
+    pub prompt_tokens: i64,
+    pub completion_tokens: i64,
+}
+
+/// One currency's charge for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UsageRecord {
+    pub request_id: String,
+    pub model_id: String,
+    pub currency: String,
+    pub amount_nanos: i64,
+    pub prompt_tokens: i64,
+    pub completion_tokens: i64,
+    pub at_ms: i64,
+}
+
+/// Which usage records to read.
+#[derive(Debug, Clone, Copy)]
+pub struct HistoryQuery<'a> {
+    pub owner: &'a str,
+    /// `USD` or `DIEM`; all when None.
+    pub currency: Option<&'a str>,
+    pub start_ms: i64,
+    /// Exclusive.
+    pub end_ms: i64,
+    pub limit: i64,
+    pub offset: i64,
+    pub newest_first: bool,
+}
+
 #[derive(Debug, Clone)]
 pub struct Ledger {
     db: Database,
@@ -248,13 +282,77 @@ impl Ledger {
     /// Charges `cost` nano-units against the open hold of `request_id` and
     /// releases the rest. Once only: a second settlement is `NotOpen`.
     pub async fn settle(&self, request_id: &str, cost: i64) -> Result<SettleOutcome> {
-        self.close(request_id, "settled", "settle", cost.max(0))
+        self.close(request_id, "settled", "settle", cost.max(0), None)
             .await
+    }
+
+    /// Like [`settle`](Self::settle), also recording the usage history
+    /// (one row per currency that paid) in the same transaction.
+    pub async fn settle_usage(
+        &self,
+        request_id: &str,
+        cost: i64,
+        usage: &UsageDetail<'_>,
+    ) -> Result<SettleOutcome> {
+        self.close(request_id, "settled", "settle", cost.max(0), Some(usage))
+            .await
+    }
+
+    /// A page of an owner's usage history and the number of records that
+    /// match in all.
+    pub async fn usage_history(&self, query: &HistoryQuery<'_>) -> Result<(Vec<UsageRecord>, i64)> {
+        let currency = query.currency.unwrap_or("");
+        let total: i64 = sqlx::query(
+            "SELECT CAST(COUNT(*) AS BIGINT) FROM usage_records WHERE owner = $1 \
+             AND ($2 = '' OR currency = $2) AND at_ms >= $3 AND at_ms < $4",
+        )
+        .bind(query.owner)
+        .bind(currency)
+        .bind(query.start_ms)
+        .bind(query.end_ms)
+        .fetch_one(self.db.pool())
+        .await?
+        .try_get(0)?;
+        let sql = if query.newest_first {
+            "SELECT request_id, model_id, currency, amount_nanos, prompt_tokens, \
+             completion_tokens, at_ms FROM usage_records WHERE owner = $1 \
+             AND ($2 = '' OR currency = $2) AND at_ms >= $3 AND at_ms < $4 \
+             ORDER BY at_ms DESC, id DESC LIMIT $5 OFFSET $6"
+        } else {
+            "SELECT request_id, model_id, currency, amount_nanos, prompt_tokens, \
+             completion_tokens, at_ms FROM usage_records WHERE owner = $1 \
+             AND ($2 = '' OR currency = $2) AND at_ms >= $3 AND at_ms < $4 \
+             ORDER BY at_ms ASC, id ASC LIMIT $5 OFFSET $6"
+        };
+        let rows = sqlx::query(sql)
+            .bind(query.owner)
+            .bind(currency)
+            .bind(query.start_ms)
+            .bind(query.end_ms)
+            .bind(query.limit)
+            .bind(query.offset)
+            .fetch_all(self.db.pool())
+            .await?;
+        let records = rows
+            .iter()
+            .map(|row| {
+                Ok(UsageRecord {
+                    request_id: row.try_get(0)?,
+                    model_id: row.try_get(1)?,
+                    currency: row.try_get(2)?,
+                    amount_nanos: row.try_get(3)?,
+                    prompt_tokens: row.try_get(4)?,
+                    completion_tokens: row.try_get(5)?,
+                    at_ms: row.try_get(6)?,
+                })
+            })
+            .collect::<std::result::Result<Vec<_>, sqlx::Error>>()?;
+        Ok((records, total))
     }
 
     /// Releases the open hold of `request_id` without charging.
     pub async fn release(&self, request_id: &str) -> Result<SettleOutcome> {
-        self.close(request_id, "released", "release", 0).await
+        self.close(request_id, "released", "release", 0, None).await
     }
 
     /// Releases open holds past their expiry; returns how many.
@@ -268,8 +366,9 @@ impl Ledger {
         let mut expired = 0;
         for row in rows {
             let request_id: String = row.try_get(0)?;
-            if let SettleOutcome::Settled { .. } =
-                self.close(&request_id, "expired", "expire", 0).await?
+            if let SettleOutcome::Settled { .. } = self
+                .close(&request_id, "expired", "expire", 0, None)
+                .await?
             {
                 expired += 1;
             }
@@ -283,6 +382,7 @@ impl Ledger {
         state: &'static str,
         kind: &'static str,
         cost: i64,
+        usage: Option<&UsageDetail<'_>>,
     ) -> Result<SettleOutcome> {
         let now = now_ms();
         let mut tx = self.db.pool().begin().await?;
@@ -338,6 +438,29 @@ impl Ledger {
             },
         )
         .await?;
+        if let Some(usage) = usage {
+            for (currency, amount) in [("DIEM", diem), ("USD", usd)] {
+                if amount == 0 {
+                    continue;
+                }
+                sqlx::query(
+                    "INSERT INTO usage_records (id, owner, request_id, model_id, currency, \
+                     amount_nanos, prompt_tokens, completion_tokens, at_ms) \
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+                )
+                .bind(uuid_like())
+                .bind(&owner)
+                .bind(request_id)
+                .bind(usage.model_id)
+                .bind(currency)
+                .bind(amount)
+                .bind(usage.prompt_tokens)
+                .bind(usage.completion_tokens)
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
+            }
+        }
         tx.commit().await?;
         Ok(SettleOutcome::Settled {
             usd,
@@ -620,7 +743,15 @@ mod tests {
             for _ in 0..2 {
                 let ledger = ledger.clone();
                 settles.push(tokio::spawn(async move {
-                    ledger.settle(&format!("r{i}"), NANO).await.unwrap()
+                    let usage = UsageDetail {
+                        model_id: "m",
+                        prompt_tokens: 1,
+                        completion_tokens: 2,
+                    };
+                    ledger
+                        .settle_usage(&format!("r{i}"), NANO, &usage)
+                        .await
+                        .unwrap()
                 }));
             }
         }
@@ -634,6 +765,21 @@ mod tests {
         let balance = ledger.balance("account:race").await.unwrap();
         assert_eq!(balance, Balance::default());
         assert_eq!(ledger.journal_sums("account:race").await.unwrap(), balance);
+        // One usage record per settled request, none for the duplicates.
+        let query = |currency| HistoryQuery {
+            owner: "account:race",
+            currency,
+            start_ms: 0,
+            end_ms: i64::MAX,
+            limit: 4,
+            offset: 8,
+            newest_first: true,
+        };
+        let (page, total) = ledger.usage_history(&query(Some("USD"))).await.unwrap();
+        assert_eq!((page.len(), total), (2, 10));
+        assert_eq!(page[0].amount_nanos, NANO);
+        let (_, diem) = ledger.usage_history(&query(Some("DIEM"))).await.unwrap();
+        assert_eq!(diem, 0);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -33,6 +33,11 @@ pub trait BillingService: Send + Sync + 'static {
     /// Adds credit once per reference.
     async fn credit(&self, request: pb::CreditRequest) -> Result<pb::CreditResponse>;
     async fn get_balance(&self, request: pb::GetBalanceRequest) -> Result<pb::Balance>;
+    /// A page of an owner's usage history.
+    async fn usage_history(
+        &self,
+        request: pb::UsageHistoryRequest,
+    ) -> Result<pb::UsageHistoryResponse>;
 }
 
 /// A cloneable handle on billing, local or remote.
@@ -250,11 +255,16 @@ impl BillingService for LocalBilling {
     async fn settle(&self, request: pb::SettleRequest) -> Result<pb::Cost> {
         let usage = request.usage.unwrap_or_default();
         let cost = self.prices(&request.model_id)?.cost(&usage);
-        match self
+        let detail = ledger::UsageDetail {
+            model_id: &request.model_id,
+            prompt_tokens: i64::try_from(usage.prompt_tokens).unwrap_or(i64::MAX),
+            completion_tokens: i64::try_from(usage.completion_tokens).unwrap_or(i64::MAX),
+        };
+        let settled = self
             .ledger
-            .settle(&request.request_id, to_nanos(cost)?)
-            .await?
-        {
+            .settle_usage(&request.request_id, to_nanos(cost)?, &detail)
+            .await?;
+        match settled {
             ledger::SettleOutcome::Settled { usd, diem, .. } => Ok(pb::Cost {
                 usd: from_nanos(usd),
                 diem: from_nanos(diem),
@@ -291,6 +301,65 @@ impl BillingService for LocalBilling {
 
     async fn get_balance(&self, request: pb::GetBalanceRequest) -> Result<pb::Balance> {
         Ok(balance_pb(&self.ledger.balance(&request.owner).await?))
+    }
+
+    async fn usage_history(
+        &self,
+        request: pb::UsageHistoryRequest,
+    ) -> Result<pb::UsageHistoryResponse> {
+        let limit = i64::from(request.limit.clamp(1, 500));
+        let page = i64::from(request.page.max(1));
+        let (records, total) = self
+            .ledger
+            .usage_history(&ledger::HistoryQuery {
+                owner: &request.owner,
+                currency: Some(request.currency.as_str()).filter(|c| !c.is_empty()),
+                start_ms: request.start_ms,
+                end_ms: request.end_ms,
+                limit,
+                offset: (page - 1).saturating_mul(limit),
+                newest_first: request.newest_first,
+            })
+            .await?;
+        let entries = records
+            .into_iter()
+            .map(|r| {
+                let prompt = u64::try_from(r.prompt_tokens).unwrap_or(0);
+                let completion = u64::try_from(r.completion_tokens).unwrap_or(0);
+                let tokens = prompt.saturating_add(completion);
+                // The request's blended USD price per million tokens.
+                let price = self
+                    .prices
+                    .get(&r.model_id)
+                    .filter(|_| tokens > 0)
+                    .map(|p| {
+                        let cost = p.cost(&pb::Usage {
+                            prompt_tokens: prompt,
+                            completion_tokens: completion,
+                            ..Default::default()
+                        });
+                        (cost * Decimal::from(1_000_000u32) / Decimal::from(tokens))
+                            .round_dp(9)
+                            .normalize()
+                            .to_string()
+                    })
+                    .unwrap_or_else(|| "0".to_owned());
+                pb::UsageEntry {
+                    request_id: r.request_id,
+                    model_id: r.model_id,
+                    currency: r.currency,
+                    amount: from_nanos(r.amount_nanos),
+                    prompt_tokens: prompt,
+                    completion_tokens: completion,
+                    at_ms: r.at_ms,
+                    price_per_mtok_usd: price,
+                }
+            })
+            .collect();
+        Ok(pb::UsageHistoryResponse {
+            entries,
+            total: u64::try_from(total).unwrap_or(0),
+        })
     }
 }
 

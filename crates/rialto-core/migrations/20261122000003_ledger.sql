@@ -47,3 +47,20 @@ CREATE TABLE holds (
 );
 
 CREATE INDEX holds_open ON holds (state, expires_at_ms);
+
+-- What each settled request was charged, one row per currency that paid,
+-- written in the settlement's transaction: the usage history.
+CREATE TABLE usage_records (
+    id TEXT PRIMARY KEY,
+    owner TEXT NOT NULL,
+    request_id TEXT NOT NULL,
+    model_id TEXT NOT NULL,
+    -- USD or DIEM
+    currency TEXT NOT NULL,
+    amount_nanos BIGINT NOT NULL,
+    prompt_tokens BIGINT NOT NULL,
+    completion_tokens BIGINT NOT NULL,
+    at_ms BIGINT NOT NULL
+);
+
+CREATE INDEX usage_records_owner ON usage_records (owner, at_ms);

@@ -39,6 +39,7 @@ mod limits;
 mod models;
 mod openapi;
 pub mod operator;
+mod usage;
 
 pub use error::{ApiError, Details};
 
@@ -197,6 +198,7 @@ pub fn configure(gateway: web::Data<Gateway>) -> impl FnOnce(&mut web::ServiceCo
                     .route("/api_keys/rate_limits/log", web::get().to(limits::log))
                     .route("/api_keys/rate_limit_logs", web::get().to(limits::log))
                     .route("/billing/balance", web::get().to(limits::billing_balance))
+                    .route("/billing/usage", web::get().to(usage::history))
                     .route("/api_keys/{id}", web::get().to(keys::get)),
             )
             .service(
