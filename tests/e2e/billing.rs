@@ -387,3 +387,43 @@ async fn usage_history_pages_filters_and_exports() {
         .unwrap();
     assert_eq!(refused.status(), 401);
 }
+
+/// A stake grants DIEM for the day, spent before any USD.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stake_pays_in_diem() {
+    let world = world(Topology::Split, Storage::Sqlite).await;
+    let sandbox = &world.sandbox;
+    let (id, admin, key) = account(sandbox).await;
+    let stake = |account: String, body: Value| {
+        let request = sandbox
+            .http()
+            .put(format!("{}/admin/v1/accounts/{account}/stake", sandbox.url))
+            .bearer_auth(&sandbox.operator_token)
+            .json(&body);
+        async move { request.send().await.unwrap() }
+    };
+    let set = stake(id.clone(), json!({"diem_per_day": "0.00002"})).await;
+    assert_eq!(set.status(), 200);
+    let set: Value = set.json().await.unwrap();
+    assert_eq!(set["diem_per_day"], "0.00002");
+    assert_eq!(set["balance"]["diem"], "0.00002");
+    let before = balance(sandbox, &admin).await;
+    assert_eq!(before["consumptionCurrency"], "DIEM");
+    assert_eq!(before["diemEpochAllocation"].to_string(), "0.00002");
+    let small = json!({"model": "paid-chat", "max_tokens": 10,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "mock": {"words": 10}});
+    let response = chat(sandbox, &key, &small).await;
+    assert_eq!(response.status(), 200);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["cost"].to_string(), r#"{"diem":0.000012,"usd":0}"#);
+    let after = balance(sandbox, &admin).await;
+    assert_eq!(after["balances"]["diem"].to_string(), "0.000008");
+    // Bad input and unknown accounts are refused.
+    let missing = stake(id.clone(), json!({})).await;
+    assert_eq!(missing.status(), 400);
+    let negative = stake(id, json!({"diem_per_day": "-1"})).await;
+    assert_eq!(negative.status(), 400);
+    let unknown = stake("nobody".into(), json!({"diem_per_day": "1"})).await;
+    assert_eq!(unknown.status(), 404);
+}

@@ -69,6 +69,13 @@ impl Billing for BillingGrpc {
             self.0.usage_history(request.into_inner()).await?,
         ))
     }
+
+    async fn set_stake(
+        &self,
+        request: Request<pb::SetStakeRequest>,
+    ) -> Result<Response<pb::Balance>, Status> {
+        Ok(Response::new(self.0.set_stake(request.into_inner()).await?))
+    }
 }
 
 /// Billing in another process, reached over gRPC.
@@ -107,5 +114,9 @@ impl BillingService for RemoteBilling {
         request: pb::UsageHistoryRequest,
     ) -> Result<pb::UsageHistoryResponse> {
         Ok(self.0.clone().usage_history(request).await?.into_inner())
+    }
+
+    async fn set_stake(&self, request: pb::SetStakeRequest) -> Result<pb::Balance> {
+        Ok(self.0.clone().set_stake(request).await?.into_inner())
     }
 }

@@ -113,23 +113,134 @@ impl Ledger {
         Self { db }
     }
 
+    /// The owner's balances, after today's staking allocation if it is due.
     pub async fn balance(&self, owner: &str) -> Result<Balance> {
+        self.balance_on(owner, today()).await
+    }
+
+    /// The balances as of UTC day `day` (days since 1970-01-01): a stake's
+    /// allocation for that day is made first if it was not yet.
+    pub async fn balance_on(&self, owner: &str, day: i64) -> Result<Balance> {
+        let (balance, epoch, stake) = self.read(owner).await?;
+        match stake {
+            Some(per_day) if epoch < day => {
+                self.allocate(owner, day, per_day).await?;
+                Ok(self.read(owner).await?.0)
+            }
+            _ => Ok(balance),
+        }
+    }
+
+    /// Balances, the day of the last allocation, and the stake per day.
+    async fn read(&self, owner: &str) -> Result<(Balance, i64, Option<i64>)> {
         let row = sqlx::query(
-            "SELECT usd_nanos, diem_nanos, usd_held_nanos, diem_held_nanos \
-             FROM ledgers WHERE owner = $1",
+            "SELECT l.usd_nanos, l.diem_nanos, l.usd_held_nanos, l.diem_held_nanos, \
+             l.diem_epoch, s.diem_per_day_nanos \
+             FROM ledgers l LEFT JOIN stakes s ON s.owner = l.owner WHERE l.owner = $1",
         )
         .bind(owner)
         .fetch_optional(self.db.pool())
         .await?;
         Ok(match row {
-            Some(row) => Balance {
-                usd: row.try_get(0)?,
-                diem: row.try_get(1)?,
-                usd_held: row.try_get(2)?,
-                diem_held: row.try_get(3)?,
-            },
-            None => Balance::default(),
+            Some(row) => (
+                Balance {
+                    usd: row.try_get(0)?,
+                    diem: row.try_get(1)?,
+                    usd_held: row.try_get(2)?,
+                    diem_held: row.try_get(3)?,
+                },
+                row.try_get(4)?,
+                row.try_get(5)?,
+            ),
+            None => (Balance::default(), 0, None),
         })
+    }
+
+    /// Starts `day`'s DIEM epoch: the DIEM balance becomes the stake's daily
+    /// allocation (what was left of the day before does not roll over), plus
+    /// what open holds still reserve of it. Once per owner and day.
+    async fn allocate(&self, owner: &str, day: i64, per_day: i64) -> Result<()> {
+        let now = now_ms();
+        let mut tx = self.db.pool().begin().await?;
+        let claimed = sqlx::query(
+            "UPDATE ledgers SET diem_epoch = $2, updated_at_ms = $3 \
+             WHERE owner = $1 AND diem_epoch < $2",
+        )
+        .bind(owner)
+        .bind(day)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        if claimed.rows_affected() != 1 {
+            // Another request started the epoch first.
+            tx.rollback().await?;
+            return Ok(());
+        }
+        let row = sqlx::query("SELECT diem_nanos, diem_held_nanos FROM ledgers WHERE owner = $1")
+            .bind(owner)
+            .fetch_one(&mut *tx)
+            .await?;
+        let (old, held): (i64, i64) = (row.try_get(0)?, row.try_get(1)?);
+        let new = per_day.saturating_add(held);
+        sqlx::query("UPDATE ledgers SET diem_nanos = $2 WHERE owner = $1")
+            .bind(owner)
+            .bind(new)
+            .execute(&mut *tx)
+            .await?;
+        insert_journal(
+            &mut tx,
+            Entry {
+                owner,
+                kind: "epoch",
+                key: &format!("epoch:{owner}:{day}"),
+                usd: 0,
+                diem: new - old,
+                usd_held: 0,
+                diem_held: 0,
+                written_off: 0,
+                request_id: None,
+                reference: None,
+                at_ms: now,
+            },
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// Sets the owner's stake: `per_day` DIEM every UTC day from the next
+    /// allocation (today's, when it has not been made yet).
+    pub async fn set_stake(&self, owner: &str, per_day: i64) -> Result<()> {
+        if per_day < 0 {
+            return Err(Error::invalid("a stake must not be negative"));
+        }
+        let now = now_ms();
+        let mut tx = self.db.pool().begin().await?;
+        sqlx::query(
+            "INSERT INTO stakes (owner, diem_per_day_nanos, updated_at_ms) VALUES ($1, $2, $3) \
+             ON CONFLICT (owner) DO UPDATE SET diem_per_day_nanos = excluded.diem_per_day_nanos, \
+             updated_at_ms = excluded.updated_at_ms",
+        )
+        .bind(owner)
+        .bind(per_day)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        sqlx::query(
+            "INSERT INTO ledgers (owner, updated_at_ms) VALUES ($1, $2) \
+             ON CONFLICT (owner) DO NOTHING",
+        )
+        .bind(owner)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+
+    /// The owner's stake per day, 0 without one.
+    pub async fn stake(&self, owner: &str) -> Result<i64> {
+        Ok(self.read(owner).await?.2.unwrap_or(0))
     }
 
     /// Adds credit, once per `reference` of this owner: a repeated
@@ -506,6 +617,11 @@ impl Ledger {
     }
 }
 
+/// Today's UTC day number.
+fn today() -> i64 {
+    now_ms().div_euclid(86_400_000)
+}
+
 struct Entry<'a> {
     owner: &'a str,
     kind: &'a str,
@@ -688,6 +804,33 @@ mod tests {
             ledger.settle("req", 0).await.unwrap(),
             SettleOutcome::NotOpen
         );
+    }
+
+    #[tokio::test]
+    async fn a_stake_grants_diem_each_day_without_roll_over() {
+        let (_dir, ledger) = sqlite().await;
+        let owner = "account:staker";
+        ledger.set_stake(owner, 25 * NANO).await.unwrap();
+        // Days ahead of the real clock, so holds (which read today) do not
+        // start epochs of their own.
+        let day = today() + 1;
+        let first = ledger.balance_on(owner, day).await.unwrap();
+        assert_eq!(first.diem, 25 * NANO);
+        // Spend 10 of today's 25.
+        ledger.hold(owner, "r1", 10 * NANO, i64::MAX).await.unwrap();
+        ledger.settle("r1", 10 * NANO).await.unwrap();
+        assert_eq!(ledger.balance_on(owner, day).await.unwrap().diem, 15 * NANO);
+        // A hold open across midnight keeps its reservation.
+        ledger.hold(owner, "r2", 5 * NANO, i64::MAX).await.unwrap();
+        // The next day: 25 again, not 25 + 15 (no roll-over), plus the
+        // 5 still held; the epoch starts once however often it is read.
+        let next = ledger.balance_on(owner, day + 1).await.unwrap();
+        assert_eq!((next.diem, next.diem_held), (30 * NANO, 5 * NANO));
+        assert_eq!(ledger.balance_on(owner, day + 1).await.unwrap(), next);
+        ledger.settle("r2", 5 * NANO).await.unwrap();
+        let settled = ledger.balance_on(owner, day + 1).await.unwrap();
+        assert_eq!((settled.diem, settled.diem_held), (25 * NANO, 0));
+        assert_eq!(ledger.journal_sums(owner).await.unwrap(), settled);
     }
 
     #[tokio::test]

@@ -38,6 +38,8 @@ pub trait BillingService: Send + Sync + 'static {
         &self,
         request: pb::UsageHistoryRequest,
     ) -> Result<pb::UsageHistoryResponse>;
+    /// Sets the DIEM the owner's stake grants per UTC day.
+    async fn set_stake(&self, request: pb::SetStakeRequest) -> Result<pb::Balance>;
 }
 
 /// A cloneable handle on billing, local or remote.
@@ -122,6 +124,7 @@ fn balance_pb(balance: &ledger::Balance) -> pb::Balance {
         diem: from_nanos(balance.diem),
         usd_held: from_nanos(balance.usd_held),
         diem_held: from_nanos(balance.diem_held),
+        diem_per_day: "0".to_owned(),
     }
 }
 
@@ -300,7 +303,18 @@ impl BillingService for LocalBilling {
     }
 
     async fn get_balance(&self, request: pb::GetBalanceRequest) -> Result<pb::Balance> {
-        Ok(balance_pb(&self.ledger.balance(&request.owner).await?))
+        let mut balance = balance_pb(&self.ledger.balance(&request.owner).await?);
+        balance.diem_per_day = from_nanos(self.ledger.stake(&request.owner).await?);
+        Ok(balance)
+    }
+
+    async fn set_stake(&self, request: pb::SetStakeRequest) -> Result<pb::Balance> {
+        let per_day = parse_amount("diem_per_day", &request.diem_per_day)?;
+        self.ledger.set_stake(&request.owner, per_day).await?;
+        self.get_balance(pb::GetBalanceRequest {
+            owner: request.owner,
+        })
+        .await
     }
 
     async fn usage_history(

@@ -10,6 +10,8 @@ CREATE TABLE ledgers (
     diem_nanos BIGINT NOT NULL DEFAULT 0,
     usd_held_nanos BIGINT NOT NULL DEFAULT 0,
     diem_held_nanos BIGINT NOT NULL DEFAULT 0,
+    -- UTC day (days since the epoch) of the last staking allocation.
+    diem_epoch BIGINT NOT NULL DEFAULT 0,
     updated_at_ms BIGINT NOT NULL,
     CHECK (usd_held_nanos >= 0 AND diem_held_nanos >= 0),
     CHECK (usd_nanos >= usd_held_nanos AND diem_nanos >= diem_held_nanos)
@@ -64,3 +66,12 @@ CREATE TABLE usage_records (
 );
 
 CREATE INDEX usage_records_owner ON usage_records (owner, at_ms);
+
+-- DIEM staking: an owner's stake grants this much DIEM per UTC day; the
+-- day's unspent DIEM does not roll over.
+CREATE TABLE stakes (
+    owner TEXT PRIMARY KEY,
+    diem_per_day_nanos BIGINT NOT NULL,
+    updated_at_ms BIGINT NOT NULL,
+    CHECK (diem_per_day_nanos >= 0)
+);

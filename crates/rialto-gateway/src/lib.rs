@@ -208,7 +208,8 @@ pub fn configure(gateway: web::Data<Gateway>) -> impl FnOnce(&mut web::ServiceCo
                         "/accounts/{id}/credits",
                         web::post().to(operator::credit_account),
                     )
-                    .route("/accounts/{id}/tier", web::put().to(operator::set_tier)),
+                    .route("/accounts/{id}/tier", web::put().to(operator::set_tier))
+                    .route("/accounts/{id}/stake", web::put().to(operator::set_stake)),
             )
             .default_service(web::to(not_found));
     }

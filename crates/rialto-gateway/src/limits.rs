@@ -305,8 +305,7 @@ pub async fn billing_balance(
         "canConsume": !currency.is_null(),
         "consumptionCurrency": currency,
         "balances": {"diem": diem, "usd": usd},
-        // DIEM staking allocations arrive with staking.
-        "diemEpochAllocation": 0,
+        "diemEpochAllocation": decimal(&balance.diem_per_day),
     })))
 }
 

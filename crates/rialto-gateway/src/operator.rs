@@ -123,6 +123,52 @@ pub async fn set_tier(
     })))
 }
 
+/// `PUT /admin/v1/accounts/{id}/stake {"diem_per_day": "25"}`: the DIEM the
+/// account's stake grants every UTC day (unspent DIEM does not roll over).
+pub async fn set_stake(
+    gateway: web::Data<Gateway>,
+    request: HttpRequest,
+    path: web::Path<String>,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    check_operator(&gateway, &request)?;
+    let body = parse_json(&read_body(&gateway, &request, payload).await?)?;
+    let per_day = match body.get("diem_per_day") {
+        Some(Value::String(value)) => value.clone(),
+        other => {
+            let mut details = Details::new();
+            let message = if other.is_none() {
+                "Required"
+            } else {
+                "Expected a string such as \"25\""
+            };
+            details.push(&["diem_per_day"], message);
+            return Err(ApiError::validation(details));
+        }
+    };
+    let account_id = path.into_inner();
+    gateway
+        .services
+        .auth
+        .get_account(pb::GetAccountRequest {
+            account_id: account_id.clone(),
+        })
+        .await?;
+    let balance = gateway
+        .services
+        .billing
+        .set_stake(billing_pb::SetStakeRequest {
+            owner: format!("account:{account_id}"),
+            diem_per_day: per_day,
+        })
+        .await?;
+    Ok(HttpResponse::Ok().json(json!({
+        "id": account_id,
+        "diem_per_day": balance.diem_per_day,
+        "balance": {"usd": balance.usd, "diem": balance.diem},
+    })))
+}
+
 /// `POST /admin/v1/accounts/{id}/credits {"usd": "10.00", "diem": "0",
 /// "reference": "..."}`: adds credit once per reference (a repeated
 /// reference changes nothing and answers `"applied": false`).

@@ -83,6 +83,15 @@ enum AccountsCommand {
         #[arg(long)]
         tier: String,
     },
+    /// Set the DIEM an account's stake grants every UTC day; print the balance as JSON.
+    Stake {
+        /// The account id.
+        #[arg(long)]
+        id: String,
+        /// DIEM per day, e.g. 25.
+        #[arg(long)]
+        diem_per_day: String,
+    },
     /// Add prepaid credit to an account, once per reference; print the balance as JSON.
     Credit {
         /// The account id.
@@ -135,6 +144,12 @@ fn main() -> std::process::ExitCode {
                     command: AccountsCommand::Tier { id, tier },
                 },
         } => set_tier(config, id, tier),
+        Command::Admin {
+            command:
+                AdminCommand::Accounts {
+                    command: AccountsCommand::Stake { id, diem_per_day },
+                },
+        } => set_stake(config, id, diem_per_day),
         Command::Version => {
             println!("{REVISION}");
             Ok(())
@@ -182,6 +197,36 @@ fn set_tier(config: Config, id: String, tier: String) -> anyhow::Result<()> {
         println!(
             "{}",
             serde_json::json!({"id": account.id, "name": account.name, "tier": account.tier})
+        );
+        Ok(())
+    })
+}
+
+fn set_stake(config: Config, id: String, diem_per_day: String) -> anyhow::Result<()> {
+    use rialto_billing::BillingService;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let db = rialto_core::db::Database::connect(
+            &config.database.url,
+            config.database.max_connections,
+        )
+        .await?;
+        let billing = rialto_billing::LocalBilling::new(&config, db);
+        let balance = billing
+            .set_stake(rialto_proto::billing::v1::SetStakeRequest {
+                owner: format!("account:{id}"),
+                diem_per_day,
+            })
+            .await?;
+        println!(
+            "{}",
+            serde_json::json!({
+                "id": id,
+                "diem_per_day": balance.diem_per_day,
+                "balance": {"usd": balance.usd, "diem": balance.diem},
+            })
         );
         Ok(())
     })
