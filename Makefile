@@ -31,7 +31,7 @@ test: toolchain services venv bench-venv ## Every check: fmt, clippy -D warnings
 	$(CARGO) test --workspace --locked
 	python3 bench/run.py --smoke --profile debug --target-dir $(TARGET_DIR)
 
-bench: toolchain bench-venv ## Benchmark suite (about 10 min): writes BENCHMARKS.md and bench/results/*.json
+bench: toolchain services bench-venv ## Benchmark suite (about 12 min; PostgreSQL for bench-ledger): writes BENCHMARKS.md and bench/results/*.json
 	$(CARGO) build --release --locked -p rialto -p rialto-bench
 	python3 bench/run.py --profile release --target-dir $(TARGET_DIR)
 

@@ -9,9 +9,12 @@
 //!   concurrency), open-loop (fixed rate, latency measured from each request's
 //!   intended start so coordinated omission cannot hide queueing) and
 //!   streaming (time to first token and total stream time).
+//! - `bench-limiter`: the cost of one rate-limit decision, in process.
+//! - `bench-ledger`: the prepaid ledger's holds and settlements per second
+//!   and the latency of each, on SQLite and on PostgreSQL.
 //!
-//! Both speak HTTP/1.1 over hyper with keep-alive connections and print
-//! their results as JSON.
+//! The first two speak HTTP/1.1 over hyper with keep-alive connections; all
+//! print their results as JSON.
 
 /// Whether a JSON request body asks for a stream: `"stream"` followed by
 /// optional white space, `:`, optional white space and `true`. Enough for

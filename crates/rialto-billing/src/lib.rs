@@ -239,18 +239,21 @@ impl BillingService for LocalBilling {
             )
             .await?;
         Ok(match outcome {
-            ledger::HoldOutcome::Placed { before, .. } => pb::HoldResponse {
+            ledger::HoldOutcome::Placed { usd, diem, before } => pb::HoldResponse {
                 placed: true,
                 before: Some(balance_pb(&before)),
+                reserved: usd > 0 || diem > 0,
             },
             ledger::HoldOutcome::Insufficient { before } => pb::HoldResponse {
                 placed: false,
                 before: Some(balance_pb(&before)),
+                reserved: false,
             },
             // A retry of a request already holding: it may go on.
             ledger::HoldOutcome::Duplicate => pb::HoldResponse {
                 placed: true,
                 before: None,
+                reserved: true,
             },
         })
     }

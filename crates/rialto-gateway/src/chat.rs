@@ -91,7 +91,11 @@ impl Settlement {
     /// limiter); the `cost` object of the response.
     async fn bill(&mut self, usage: &Usage) -> Result<Value, ApiError> {
         self.settle(usage.total());
-        self.held = false;
+        if !std::mem::take(&mut self.held) {
+            // Nothing was reserved (a free model): nothing to charge, and
+            // no round trip to the ledger.
+            return Ok(json!({"usd": 0, "diem": 0}));
+        }
         let cost = self.billing.settle(self.settle_request(usage)).await?;
         // Exact decimal strings become JSON numbers written digit for digit
         // (serde_json's arbitrary_precision), as the spec's `cost` wants.
@@ -248,7 +252,7 @@ async fn complete_or_stream(
              Add credits to your account and try again.",
         ));
     }
-    settlement.held = true;
+    settlement.held = hold.reserved;
 
     let router_request = router_pb::ChatRequest {
         request_id: request_id.clone(),

@@ -1,0 +1,489 @@
+//! The prepaid ledger's cost: holds and settlements per second, and the
+//! latency of one of each, on SQLite and on PostgreSQL.
+//!
+//! Runs the real `rialto_billing::ledger::Ledger` over a `Database` opened
+//! with `Database::connect` (migrations applied; WAL and
+//! `synchronous = NORMAL` on SQLite), as `rialto serve` opens it, with the
+//! same pool size by default (`database.max_connections`, 16). SQLite uses a
+//! file in a temporary folder; PostgreSQL a database of its own on the
+//! server (`--postgres`), created before and dropped after: nothing is
+//! migrated into the server's `postgres` database, which is only used to
+//! create and drop it. An unreachable server is skipped, with a note.
+//!
+//! One *pair* is what a priced chat request costs billing: `Ledger::hold`
+//! of the most the request can cost (a balance read, then a transaction: a
+//! conditional UPDATE and two INSERTs), then `Ledger::settle_usage` of what
+//! it used (a transaction: UPDATE, SELECT, UPDATE, the journal's INSERT and
+//! the usage record's INSERT), the calls `LocalBilling` makes. Scenarios,
+//! per database:
+//!
+//! - `c1_owners`, `cN_owners`: 1 and `--concurrency` tasks, pairs back to
+//!   back, each task's next pair on the next of `--owners` owners (credited
+//!   up front);
+//! - `c1_one_owner`, `cN_one_owner`: the same, every pair on one owner, so
+//!   every hold and settlement updates the same ledger row;
+//! - `c1_free`: what a free model's request costs billing (its hold is 0):
+//!   `hold` of 0 (returns after one balance read), `settle_usage` (finds no
+//!   open hold: a transaction with one UPDATE of no row, rolled back) and
+//!   `charged` (one SELECT), as `LocalBilling::settle` does on `NotOpen`.
+//!
+//! Each pair's hold and settlement are timed apart. Prints one JSON object.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use clap::Parser;
+use hdrhistogram::Histogram;
+use rialto_billing::ledger::{HoldOutcome, Ledger, SettleOutcome, UsageDetail};
+use rialto_core::db::{Database, now_ms, redacted};
+use serde_json::{Value, json};
+
+#[derive(Parser)]
+#[command(
+    about = "Holds and settlements per second of the prepaid ledger, on SQLite and PostgreSQL"
+)]
+struct Cli {
+    /// Seconds measured per scenario.
+    #[arg(long, default_value_t = 5.0)]
+    seconds: f64,
+    /// Seconds of the same load before each measurement.
+    #[arg(long, default_value_t = 1.0)]
+    warmup: f64,
+    /// Concurrent tasks in the concurrent scenarios.
+    #[arg(long, default_value_t = 32)]
+    concurrency: usize,
+    /// Owners (accounts) credited up front for the many-owners scenarios.
+    #[arg(long, default_value_t = 1000)]
+    owners: usize,
+    /// Connections in the pool (`database.max_connections`'s default).
+    #[arg(long, default_value_t = 16)]
+    pool: u32,
+    /// The PostgreSQL server (no database in the URL).
+    #[arg(
+        long,
+        env = "E2E_POSTGRES_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432"
+    )]
+    postgres: String,
+    /// Measure SQLite only.
+    #[arg(long)]
+    no_postgres: bool,
+}
+
+/// Nano-units (1e-9 USD) per USD.
+const NANOS: i64 = 1_000_000_000;
+/// What each owner is credited: $1,000,000.
+const CREDIT: i64 = 1_000_000 * NANOS;
+/// The hold of the benchmark's chat request on `bench-fast` (bench/run.py):
+/// 5 prompt tokens at $0.5/M and the default completion budget of 1024 at
+/// $1.5/M.
+const HOLD: i64 = 5 * 500 + 1024 * 1500;
+/// Its settlement: 10 prompt and 20 completion tokens.
+const COST: i64 = 10 * 500 + 20 * 1500;
+/// Holds expire after the default `billing.hold_ttl_secs` (900 s); no
+/// sweeper runs here, so none expires meanwhile.
+const HOLD_TTL_MS: i64 = 900_000;
+
+#[derive(Clone, Copy)]
+struct Timing {
+    warmup: Duration,
+    measured: Duration,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// Hold the most, settle the use.
+    Priced,
+    /// Hold 0, settle with no hold open, read what was charged.
+    Free,
+}
+
+struct Tally {
+    pairs: u64,
+    /// Holds not placed, or settlements that found no open hold (a priced
+    /// pair), or that found one (a free pair).
+    refused: u64,
+    errors: u64,
+    first_error: Option<String>,
+    hold_ns: Histogram<u64>,
+    settle_ns: Histogram<u64>,
+    pair_ns: Histogram<u64>,
+}
+
+impl Tally {
+    fn new() -> anyhow::Result<Self> {
+        let histogram = || Histogram::new_with_bounds(1, 120_000_000_000, 3);
+        Ok(Self {
+            pairs: 0,
+            refused: 0,
+            errors: 0,
+            first_error: None,
+            hold_ns: histogram()?,
+            settle_ns: histogram()?,
+            pair_ns: histogram()?,
+        })
+    }
+
+    fn add(&mut self, other: &Self) -> anyhow::Result<()> {
+        self.pairs += other.pairs;
+        self.refused += other.refused;
+        self.errors += other.errors;
+        if self.first_error.is_none() {
+            self.first_error.clone_from(&other.first_error);
+        }
+        self.hold_ns.add(&other.hold_ns)?;
+        self.settle_ns.add(&other.settle_ns)?;
+        self.pair_ns.add(&other.pair_ns)?;
+        Ok(())
+    }
+
+    fn error(&mut self, error: impl std::fmt::Display) {
+        self.errors += 1;
+        if self.first_error.is_none() {
+            self.first_error = Some(error.to_string());
+        }
+    }
+}
+
+fn ns(from: Instant, to: Instant) -> u64 {
+    u64::try_from((to - from).as_nanos())
+        .unwrap_or(u64::MAX)
+        .max(1)
+}
+
+/// One hold and its settlement, with the instants it started, the hold
+/// returned and the settlement returned. The outcome is `Ok(true)` when both
+/// did what they should, `Ok(false)` when one did not (a hold not placed is
+/// not settled), `Err` when the database failed.
+async fn pair(
+    ledger: &Ledger,
+    kind: Kind,
+    owner: &str,
+    request_id: &str,
+) -> (Instant, Instant, Instant, Result<bool, rialto_core::Error>) {
+    let detail = UsageDetail {
+        model_id: "bench-fast",
+        prompt_tokens: 10,
+        completion_tokens: 20,
+    };
+    let (amount, cost) = match kind {
+        Kind::Priced => (HOLD, COST),
+        Kind::Free => (0, 0),
+    };
+    let started = Instant::now();
+    let hold = ledger
+        .hold(owner, request_id, amount, now_ms() + HOLD_TTL_MS)
+        .await;
+    let held = Instant::now();
+    let placed = match hold {
+        Ok(HoldOutcome::Placed { .. }) => true,
+        Ok(_) => false,
+        Err(error) => return (started, held, held, Err(error)),
+    };
+    if !placed {
+        return (started, held, held, Ok(false));
+    }
+    let settled = match ledger.settle_usage(request_id, cost, &detail).await {
+        Ok(SettleOutcome::Settled { usd, .. }) => Ok(kind == Kind::Priced && usd == COST),
+        // What `LocalBilling::settle` does when no hold was open.
+        Ok(SettleOutcome::NotOpen) => match ledger.charged(request_id).await {
+            Ok(charged) => Ok(kind == Kind::Free && charged == (0, 0)),
+            Err(error) => Err(error),
+        },
+        Err(error) => Err(error),
+    };
+    (started, held, Instant::now(), settled)
+}
+
+/// `tasks` tasks running pairs back to back for the warm-up and the
+/// measured time; task `t`'s `i`-th pair goes to owner
+/// `(t + i * tasks) % owners`.
+async fn pairs(
+    ledger: &Ledger,
+    kind: Kind,
+    owners: &Arc<Vec<String>>,
+    tasks: usize,
+    tag: &str,
+    timing: Timing,
+) -> anyhow::Result<Tally> {
+    let begin = Instant::now() + timing.warmup;
+    let end = begin + timing.measured;
+    let mut handles = Vec::with_capacity(tasks);
+    for task in 0..tasks.max(1) {
+        let (ledger, owners, tag) = (ledger.clone(), owners.clone(), tag.to_owned());
+        handles.push(tokio::spawn(async move {
+            let mut tally = Tally::new()?;
+            let mut index = task % owners.len().max(1);
+            let mut i = 0u64;
+            loop {
+                let owner = owners.get(index).context("no owners")?;
+                index = (index + tasks) % owners.len();
+                i += 1;
+                let request_id = format!("{tag}-{task}-{i}");
+                let (started, held, settled, outcome) =
+                    pair(&ledger, kind, owner, &request_id).await;
+                if settled >= end {
+                    break;
+                }
+                if started < begin {
+                    continue;
+                }
+                match outcome {
+                    Ok(ok) => {
+                        tally.pairs += 1;
+                        tally.refused += u64::from(!ok);
+                        let _ = tally.hold_ns.record(ns(started, held));
+                        let _ = tally.settle_ns.record(ns(held, settled));
+                        let _ = tally.pair_ns.record(ns(started, settled));
+                    }
+                    Err(error) => tally.error(error),
+                }
+            }
+            anyhow::Ok(tally)
+        }));
+    }
+    let mut total = Tally::new()?;
+    for handle in handles {
+        total.add(&handle.await??)?;
+    }
+    Ok(total)
+}
+
+fn round1(x: f64) -> f64 {
+    (x * 10.0).round() / 10.0
+}
+
+fn latency_us(h: &Histogram<u64>) -> Value {
+    let us = |ns: u64| round1(ns as f64 / 1000.0);
+    json!({
+        "p50": us(h.value_at_quantile(0.50)),
+        "p90": us(h.value_at_quantile(0.90)),
+        "p99": us(h.value_at_quantile(0.99)),
+        "p999": us(h.value_at_quantile(0.999)),
+        "max": us(h.max()),
+        "mean": round1(h.mean() / 1000.0),
+    })
+}
+
+fn scenario(tally: &Tally, tasks: usize, owners: usize, timing: Timing) -> Value {
+    json!({
+        "tasks": tasks,
+        "owners": owners,
+        "pairs": tally.pairs,
+        "per_s": (tally.pairs as f64 / timing.measured.as_secs_f64()).round(),
+        "refused": tally.refused,
+        "errors": tally.errors,
+        "first_error": tally.first_error,
+        "hold_us": latency_us(&tally.hold_ns),
+        "settle_us": latency_us(&tally.settle_ns),
+        "pair_us": latency_us(&tally.pair_ns),
+    })
+}
+
+/// Every scenario on one database.
+async fn measure(db: Database, cli: &Cli, timing: Timing) -> anyhow::Result<Value> {
+    let ledger = Ledger::new(db);
+    let owners: Arc<Vec<String>> = Arc::new(
+        (0..cli.owners.max(1))
+            .map(|i| format!("account:bench-{i}"))
+            .collect(),
+    );
+    let hot: Arc<Vec<String>> = Arc::new(vec!["account:bench-hot".to_owned()]);
+    // Credit every owner, a pool's worth at a time.
+    let credited = Instant::now();
+    let everyone: Vec<String> = owners.iter().chain(hot.iter()).cloned().collect();
+    let stripes = usize::try_from(cli.pool).unwrap_or(1).max(1);
+    let mut handles = Vec::new();
+    for stripe in 0..stripes {
+        let (ledger, everyone) = (ledger.clone(), everyone.clone());
+        handles.push(tokio::spawn(async move {
+            for owner in everyone.iter().skip(stripe).step_by(stripes) {
+                ledger.credit(owner, CREDIT, 0, "bench-seed").await?;
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for handle in handles {
+        handle.await??;
+    }
+    let credit_s = credited.elapsed().as_secs_f64();
+
+    let tasks = cli.concurrency.max(1);
+    let many = owners.len();
+    let c1_owners = pairs(&ledger, Kind::Priced, &owners, 1, "c1o", timing).await?;
+    let c1_one = pairs(&ledger, Kind::Priced, &hot, 1, "c1h", timing).await?;
+    let cn_owners = pairs(&ledger, Kind::Priced, &owners, tasks, "cno", timing).await?;
+    let cn_one = pairs(&ledger, Kind::Priced, &hot, tasks, "cnh", timing).await?;
+    let c1_free = pairs(&ledger, Kind::Free, &owners, 1, "c1f", timing).await?;
+
+    // The books still balance, on the owner that took the most.
+    let hot_owner = hot.first().context("no hot owner")?;
+    let balance = ledger.balance(hot_owner).await?;
+    let journal = ledger.journal_sums(hot_owner).await?;
+    anyhow::ensure!(
+        balance == journal && balance.usd_held == 0,
+        "the ledger of {hot_owner} does not reconcile: {balance:?} vs journal {journal:?}"
+    );
+    Ok(json!({
+        "credit_s": round1(credit_s),
+        "c1_owners": scenario(&c1_owners, 1, many, timing),
+        "c1_one_owner": scenario(&c1_one, 1, 1, timing),
+        "cN_owners": scenario(&cn_owners, tasks, many, timing),
+        "cN_one_owner": scenario(&cn_one, tasks, 1, timing),
+        "c1_free": scenario(&c1_free, 1, many, timing),
+    }))
+}
+
+async fn sqlite(cli: &Cli, timing: Timing) -> anyhow::Result<Value> {
+    let dir = tempfile::Builder::new()
+        .prefix("rialto-bench-ledger-")
+        .tempdir()?;
+    let url = format!("sqlite://{}/ledger.db", dir.path().display());
+    let db = Database::connect(&url, cli.pool).await?;
+    let mode: String = sqlx::query_scalar("PRAGMA journal_mode")
+        .fetch_one(db.pool())
+        .await?;
+    let sync: i64 = sqlx::query_scalar("PRAGMA synchronous")
+        .fetch_one(db.pool())
+        .await?;
+    let version: String = sqlx::query_scalar("SELECT sqlite_version()")
+        .fetch_one(db.pool())
+        .await?;
+    let mut result = measure(db.clone(), cli, timing).await?;
+    db.pool().close().await;
+    if let Some(object) = result.as_object_mut() {
+        object.insert(
+            "server".into(),
+            json!(format!(
+                "SQLite {version}, journal_mode={mode}, synchronous={}",
+                ["OFF", "NORMAL", "FULL", "EXTRA"]
+                    .get(usize::try_from(sync).unwrap_or(9))
+                    .unwrap_or(&"?")
+            )),
+        );
+        object.insert("pool".into(), json!(cli.pool));
+        object.insert("file".into(), json!("a file in the temporary folder"));
+    }
+    Ok(result)
+}
+
+/// Runs `sql` on the server's `postgres` database (CREATE and DROP
+/// DATABASE only).
+async fn admin(server: &str, sql: &str) -> anyhow::Result<()> {
+    use sqlx::Connection;
+    let mut conn = tokio::time::timeout(
+        Duration::from_secs(10),
+        sqlx::postgres::PgConnection::connect(&format!("{server}/postgres")),
+    )
+    .await
+    .context("timed out connecting")??;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
+        .execute(&mut conn)
+        .await?;
+    conn.close().await?;
+    Ok(())
+}
+
+async fn postgres_settings(url: &str) -> anyhow::Result<String> {
+    use sqlx::Connection;
+    let mut conn = sqlx::postgres::PgConnection::connect(url).await?;
+    let mut settings = Vec::new();
+    for name in [
+        "server_version",
+        "synchronous_commit",
+        "fsync",
+        "shared_buffers",
+    ] {
+        let value: String = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SHOW {name}")))
+            .fetch_one(&mut conn)
+            .await?;
+        settings.push(if name == "server_version" {
+            format!("PostgreSQL {value}")
+        } else {
+            format!("{name}={value}")
+        });
+    }
+    conn.close().await?;
+    Ok(settings.join(", "))
+}
+
+async fn postgres(cli: &Cli, timing: Timing) -> anyhow::Result<Value> {
+    let server = cli.postgres.trim_end_matches('/');
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_nanos();
+    let name = format!("rialto_bench_ledger_{}_{nanos}", std::process::id());
+    if let Err(error) = admin(server, &format!("CREATE DATABASE {name}")).await {
+        return Ok(json!({
+            "skipped": true,
+            "note": format!(
+                "PostgreSQL at {} is unreachable or refused CREATE DATABASE: {error:#}",
+                redacted(server)
+            ),
+        }));
+    }
+    let url = format!("{server}/{name}");
+    let measured = async {
+        let db = Database::connect(&url, cli.pool).await?;
+        let settings = postgres_settings(&url).await?;
+        let result = measure(db.clone(), cli, timing).await;
+        db.pool().close().await;
+        let mut result = result?;
+        if let Some(object) = result.as_object_mut() {
+            object.insert("server".into(), json!(settings));
+            object.insert("pool".into(), json!(cli.pool));
+            object.insert("database".into(), json!(name));
+        }
+        anyhow::Ok(result)
+    }
+    .await;
+    // Dropped whatever happened.
+    let dropped = admin(
+        server,
+        &format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)"),
+    )
+    .await;
+    let result = measured?;
+    dropped.with_context(|| format!("dropping the database {name}"))?;
+    Ok(result)
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    anyhow::ensure!(
+        cli.seconds > 0.0 && cli.warmup >= 0.0,
+        "--seconds must be positive and --warmup not negative"
+    );
+    let timing = Timing {
+        warmup: Duration::from_secs_f64(cli.warmup),
+        measured: Duration::from_secs_f64(cli.seconds),
+    };
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // As `rialto serve` runs: one runtime worker per core.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(cores)
+        .enable_all()
+        .build()?;
+    let report = runtime.block_on(async {
+        let sqlite = sqlite(&cli, timing).await.context("SQLite")?;
+        let postgres = if cli.no_postgres {
+            json!({"skipped": true, "note": "--no-postgres"})
+        } else {
+            postgres(&cli, timing).await.context("PostgreSQL")?
+        };
+        anyhow::Ok(json!({
+            "cores": cores,
+            "seconds": cli.seconds,
+            "warmup_s": cli.warmup,
+            "concurrency": cli.concurrency.max(1),
+            "owners": cli.owners.max(1),
+            "hold_nanos": HOLD,
+            "settle_nanos": COST,
+            "sqlite": sqlite,
+            "postgres": postgres,
+        }))
+    })?;
+    println!("{report}");
+    Ok(())
+}
