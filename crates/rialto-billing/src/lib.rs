@@ -100,6 +100,11 @@ impl Prices {
     }
 }
 
+/// The ledger owner of an account (wallets get `wallet:<address>`).
+pub fn account_owner(account_id: &str) -> String {
+    format!("account:{account_id}")
+}
+
 /// Nano-units per unit of USD or DIEM in the ledger.
 const NANOS: i64 = 1_000_000_000;
 

@@ -363,7 +363,7 @@ pub(crate) struct BalanceHeaders {
 
 /// The ledger owner of a principal: its account.
 fn ledger_owner(principal: &auth_pb::Principal) -> String {
-    format!("account:{}", principal.account_id)
+    rialto_billing::account_owner(&principal.account_id)
 }
 
 /// The `x-ratelimit-*` values of a request (request extensions); the stamp

@@ -123,6 +123,19 @@ pub async fn set_tier(
     })))
 }
 
+/// The ledger owner of an account that exists (404 otherwise): a mistyped
+/// id must not swallow money.
+async fn existing_account_owner(gateway: &Gateway, account_id: &str) -> Result<String, ApiError> {
+    gateway
+        .services
+        .auth
+        .get_account(pb::GetAccountRequest {
+            account_id: account_id.to_owned(),
+        })
+        .await?;
+    Ok(rialto_billing::account_owner(account_id))
+}
+
 /// `PUT /admin/v1/accounts/{id}/stake {"diem_per_day": "25"}`: the DIEM the
 /// account's stake grants every UTC day (unspent DIEM does not roll over).
 pub async fn set_stake(
@@ -147,18 +160,12 @@ pub async fn set_stake(
         }
     };
     let account_id = path.into_inner();
-    gateway
-        .services
-        .auth
-        .get_account(pb::GetAccountRequest {
-            account_id: account_id.clone(),
-        })
-        .await?;
+    let owner = existing_account_owner(&gateway, &account_id).await?;
     let balance = gateway
         .services
         .billing
         .set_stake(billing_pb::SetStakeRequest {
-            owner: format!("account:{account_id}"),
+            owner,
             diem_per_day: per_day,
         })
         .await?;
@@ -197,20 +204,12 @@ pub async fn credit_account(
     let diem = text("diem", false);
     let reference = text("reference", true);
     details.into_result()?;
-    let account_id = path.into_inner();
-    // Credit only what exists: a mistyped id must not swallow money.
-    gateway
-        .services
-        .auth
-        .get_account(pb::GetAccountRequest {
-            account_id: account_id.clone(),
-        })
-        .await?;
+    let owner = existing_account_owner(&gateway, &path.into_inner()).await?;
     let credited = gateway
         .services
         .billing
         .credit(billing_pb::CreditRequest {
-            owner: format!("account:{account_id}"),
+            owner,
             usd,
             diem,
             reference,

@@ -164,19 +164,13 @@ fn main() -> std::process::ExitCode {
     }
 }
 
-fn set_tier(config: Config, id: String, tier: String) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        config.limits.tiers.contains_key(&tier),
-        "unknown tier {tier:?}; [limits.tiers] defines: {}",
-        config
-            .limits
-            .tiers
-            .keys()
-            .cloned()
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
-    use rialto_auth::AuthService;
+/// Runs one administrative command against the configured database, on a
+/// runtime of its own.
+fn with_database<F, Fut>(config: &Config, command: F) -> anyhow::Result<()>
+where
+    F: FnOnce(rialto_core::db::Database) -> Fut,
+    Fut: std::future::Future<Output = anyhow::Result<()>>,
+{
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -186,9 +180,30 @@ fn set_tier(config: Config, id: String, tier: String) -> anyhow::Result<()> {
             config.database.max_connections,
         )
         .await?;
-        let auth =
-            rialto_auth::LocalAuth::new(db, &rialto_core::Brand::new(&config.brand).key_prefix);
-        let account = auth
+        command(db).await
+    })
+}
+
+/// A tier of `[limits.tiers]`, or an error naming them.
+fn ensure_tier(config: &Config, tier: &str) -> anyhow::Result<()> {
+    let tiers = &config.limits.tiers;
+    anyhow::ensure!(
+        tiers.contains_key(tier),
+        "unknown tier {tier:?}; [limits.tiers] defines: {}",
+        tiers.keys().cloned().collect::<Vec<_>>().join(", ")
+    );
+    Ok(())
+}
+
+fn local_auth(config: &Config, db: rialto_core::db::Database) -> rialto_auth::LocalAuth {
+    rialto_auth::LocalAuth::new(db, &rialto_core::Brand::new(&config.brand).key_prefix)
+}
+
+fn set_tier(config: Config, id: String, tier: String) -> anyhow::Result<()> {
+    use rialto_auth::AuthService;
+    ensure_tier(&config, &tier)?;
+    with_database(&config, async |db| {
+        let account = local_auth(&config, db)
             .set_account_tier(rialto_proto::auth::v1::SetAccountTierRequest {
                 account_id: id,
                 tier,
@@ -204,19 +219,10 @@ fn set_tier(config: Config, id: String, tier: String) -> anyhow::Result<()> {
 
 fn set_stake(config: Config, id: String, diem_per_day: String) -> anyhow::Result<()> {
     use rialto_billing::BillingService;
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    runtime.block_on(async {
-        let db = rialto_core::db::Database::connect(
-            &config.database.url,
-            config.database.max_connections,
-        )
-        .await?;
-        let billing = rialto_billing::LocalBilling::new(&config, db);
-        let balance = billing
+    with_database(&config, async |db| {
+        let balance = rialto_billing::LocalBilling::new(&config, db)
             .set_stake(rialto_proto::billing::v1::SetStakeRequest {
-                owner: format!("account:{id}"),
+                owner: rialto_billing::account_owner(&id),
                 diem_per_day,
             })
             .await?;
@@ -240,19 +246,10 @@ fn credit_account(
     reference: String,
 ) -> anyhow::Result<()> {
     use rialto_billing::BillingService;
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    runtime.block_on(async {
-        let db = rialto_core::db::Database::connect(
-            &config.database.url,
-            config.database.max_connections,
-        )
-        .await?;
-        let billing = rialto_billing::LocalBilling::new(&config, db);
-        let credited = billing
+    with_database(&config, async |db| {
+        let credited = rialto_billing::LocalBilling::new(&config, db)
             .credit(rialto_proto::billing::v1::CreditRequest {
-                owner: format!("account:{id}"),
+                owner: rialto_billing::account_owner(&id),
                 usd,
                 diem,
                 reference,
@@ -271,30 +268,10 @@ fn credit_account(
 }
 
 fn create_account(config: Config, name: String, tier: String) -> anyhow::Result<()> {
-    anyhow::ensure!(
-        config.limits.tiers.contains_key(&tier),
-        "unknown tier {tier:?}; [limits.tiers] defines: {}",
-        config
-            .limits
-            .tiers
-            .keys()
-            .cloned()
-            .collect::<Vec<_>>()
-            .join(", ")
-    );
     use rialto_auth::AuthService;
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    runtime.block_on(async {
-        let db = rialto_core::db::Database::connect(
-            &config.database.url,
-            config.database.max_connections,
-        )
-        .await?;
-        let auth =
-            rialto_auth::LocalAuth::new(db, &rialto_core::Brand::new(&config.brand).key_prefix);
-        let created = auth
+    ensure_tier(&config, &tier)?;
+    with_database(&config, async |db| {
+        let created = local_auth(&config, db)
             .create_account(rialto_proto::auth::v1::CreateAccountRequest { name, tier })
             .await?;
         println!(
