@@ -427,3 +427,137 @@ async fn a_stake_pays_in_diem() {
     let unknown = stake("nobody".into(), json!({"diem_per_day": "1"})).await;
     assert_eq!(unknown.status(), 404);
 }
+
+/// With two billing replicas (and two gateways and limiters) on
+/// PostgreSQL, the balance still covers exactly ten of a thousand.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_balance_for_ten_requests_serves_ten_of_a_thousand_two_billing_replicas_on_postgres() {
+    ten_of_a_thousand(Topology::Replicated, Storage::Postgres).await;
+}
+
+/// The data of each server-sent event of a stream's body.
+fn sse_data(body: &str) -> Vec<String> {
+    body.lines()
+        .filter_map(|line| line.strip_prefix("data: "))
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Billing dies (both replicas, the owner of the account first) while an
+/// account's streams run, and comes back: the streams end normally with
+/// their `cost`, their usage records wait in JetStream while their holds
+/// stay open, and once billing is back every hold is settled exactly once
+/// with what the response said (the journal reconciled against the usage
+/// records and the balance).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settlements_survive_a_killed_billing_replica() {
+    use sqlx::Row;
+    let mock = MockUpstream::start().await.unwrap();
+    let mut sandbox = Sandbox::builder(Topology::Replicated)
+        .storage(Storage::Postgres)
+        .config(&models(&mock.base_url()))
+        .start()
+        .await
+        .unwrap();
+    let (id, _, key) = account(&sandbox).await;
+    sandbox.credit(&id, "1", "seed").await.unwrap();
+    let owner = format!("account:{id}");
+    let replicas: Vec<String> = ["billing-0", "billing-1"]
+        .iter()
+        .map(|name| format!("http://{}", sandbox.grpc_addr(name).unwrap()))
+        .collect();
+    let addresses: Vec<&str> = replicas.iter().map(String::as_str).collect();
+    let owner_index = rialto_billing::replicas::owner_of(&owner, &addresses);
+    let victim = format!("billing-{owner_index}");
+    let other = format!("billing-{}", 1 - owner_index);
+
+    // 12 streams of 30 words, one word every 60 ms (about 2 s each).
+    let stream = json!({"model": "paid-chat", "max_tokens": 100, "stream": true,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "mock": {"words": 30, "chunk_delay_ms": 60}});
+    let mut streams = Vec::new();
+    for _ in 0..12 {
+        let request = sandbox
+            .http()
+            .post(sandbox.api("/chat/completions"))
+            .bearer_auth(&key)
+            .json(&stream);
+        let response = request.send().await.unwrap();
+        assert_eq!(response.status(), 200);
+        streams.push(tokio::spawn(async move { response.text().await.unwrap() }));
+    }
+    sandbox.kill(&victim).unwrap();
+    sandbox.kill(&other).unwrap();
+    let mut reported = std::collections::HashMap::new();
+    for stream in streams {
+        let events = sse_data(&stream.await.unwrap());
+        assert_eq!(events.last().unwrap(), "[DONE]", "{events:?}");
+        let last: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
+        let request_id = last["id"]
+            .as_str()
+            .unwrap()
+            .trim_start_matches("chatcmpl-")
+            .to_owned();
+        // 2 prompt tokens and 30 words at $1/M.
+        assert_eq!(last["cost"].to_string(), r#"{"diem":0,"usd":0.000032}"#);
+        reported.insert(request_id, 32_000i64);
+    }
+    assert!(
+        sandbox.logs().contains("queueing its usage record"),
+        "the streams ended while billing was down"
+    );
+    let db = sqlx::PgPool::connect(sandbox.database_url()).await.unwrap();
+    let open = || async {
+        sqlx::query("SELECT CAST(COUNT(*) AS BIGINT) FROM holds WHERE state = 'open'")
+            .fetch_one(&db)
+            .await
+            .unwrap()
+            .get::<i64, _>(0)
+    };
+    assert_eq!(open().await, 12, "nothing settles while billing is down");
+    sandbox.restart(&other).await.unwrap();
+    sandbox.restart(&victim).await.unwrap();
+    for _ in 0..200 {
+        if open().await == 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(open().await, 0, "every hold settled");
+    // One settlement per request, charging what its response reported.
+    let settled = sqlx::query(
+        "SELECT request_id, -usd_nanos FROM ledger_journal WHERE owner = $1 AND kind = 'settle'",
+    )
+    .bind(&owner)
+    .fetch_all(&db)
+    .await
+    .unwrap();
+    let settled: std::collections::HashMap<String, i64> =
+        settled.iter().map(|row| (row.get(0), row.get(1))).collect();
+    assert_eq!(settled, reported);
+    // The usage records agree with the journal, the journal with the balance.
+    let records: i64 = sqlx::query(
+        "SELECT CAST(COALESCE(SUM(amount_nanos), 0) AS BIGINT) FROM usage_records WHERE owner = $1",
+    )
+    .bind(&owner)
+    .fetch_one(&db)
+    .await
+    .unwrap()
+    .get(0);
+    assert_eq!(records, 12 * 32_000);
+    let row = sqlx::query(
+        "SELECT l.usd_nanos, l.usd_held_nanos, \
+         (SELECT CAST(SUM(usd_nanos) AS BIGINT) FROM ledger_journal j WHERE j.owner = l.owner) \
+         FROM ledgers l WHERE l.owner = $1",
+    )
+    .bind(&owner)
+    .fetch_one(&db)
+    .await
+    .unwrap();
+    let (usd, held, journal): (i64, i64, i64) = (row.get(0), row.get(1), row.get(2));
+    assert_eq!((usd, held, journal), (1_000_000_000 - 12 * 32_000, 0, usd));
+    // The restarted replica serves again.
+    let response = chat(&sandbox, &key, &thousand_words()).await;
+    assert_eq!(response.status(), 200);
+    db.close().await;
+}

@@ -18,6 +18,12 @@
 //! the held DIEM first. A settlement never charges more than was held (the
 //! hold is the most a request can cost); a cost above it is recorded as
 //! written off, never taken from an unreserved balance.
+//!
+//! A hold nobody settled in time (its gateway crashed, or billing was down)
+//! expires: its reservation is released. If the request's usage record
+//! arrives later (from the durable queue), the expired hold is settled
+//! then, once, from what the balance has available at that time
+//! ([`Ledger::settle_usage`] does both).
 
 use rialto_core::db::{Database, now_ms};
 use rialto_core::{Error, Result};
@@ -393,8 +399,13 @@ impl Ledger {
     /// Charges `cost` nano-units against the open hold of `request_id` and
     /// releases the rest. Once only: a second settlement is `NotOpen`.
     pub async fn settle(&self, request_id: &str, cost: i64) -> Result<SettleOutcome> {
-        self.close(request_id, "settled", "settle", cost.max(0), None)
-            .await
+        match self
+            .close(request_id, "settled", "settle", cost.max(0), None)
+            .await?
+        {
+            SettleOutcome::NotOpen => self.settle_expired(request_id, cost.max(0), None).await,
+            settled => Ok(settled),
+        }
     }
 
     /// Like [`settle`](Self::settle), also recording the usage history
@@ -405,8 +416,100 @@ impl Ledger {
         cost: i64,
         usage: &UsageDetail<'_>,
     ) -> Result<SettleOutcome> {
-        self.close(request_id, "settled", "settle", cost.max(0), Some(usage))
-            .await
+        match self
+            .close(request_id, "settled", "settle", cost.max(0), Some(usage))
+            .await?
+        {
+            SettleOutcome::NotOpen => {
+                self.settle_expired(request_id, cost.max(0), Some(usage))
+                    .await
+            }
+            settled => Ok(settled),
+        }
+    }
+
+    /// Settles a hold that expired before its usage arrived: charges what
+    /// the balance has available now, DIEM first, at most what the hold
+    /// reserved; the rest is written off. Once: the hold becomes settled.
+    async fn settle_expired(
+        &self,
+        request_id: &str,
+        cost: i64,
+        usage: Option<&UsageDetail<'_>>,
+    ) -> Result<SettleOutcome> {
+        for _ in 0..5 {
+            let now = now_ms();
+            let mut tx = self.db.pool().begin().await?;
+            let claimed = sqlx::query(
+                "UPDATE holds SET state = 'settled' WHERE request_id = $1 AND state = 'expired'",
+            )
+            .bind(request_id)
+            .execute(&mut *tx)
+            .await?;
+            if claimed.rows_affected() != 1 {
+                tx.rollback().await?;
+                return Ok(SettleOutcome::NotOpen);
+            }
+            let row = sqlx::query(
+                "SELECT h.owner, h.usd_nanos + h.diem_nanos,                  l.usd_nanos - l.usd_held_nanos, l.diem_nanos - l.diem_held_nanos                  FROM holds h JOIN ledgers l ON l.owner = h.owner WHERE h.request_id = $1",
+            )
+            .bind(request_id)
+            .fetch_one(&mut *tx)
+            .await?;
+            let owner: String = row.try_get(0)?;
+            let most: i64 = row.try_get(1)?;
+            let (usd_available, diem_available): (i64, i64) = (row.try_get(2)?, row.try_get(3)?);
+            let chargeable = cost.min(most);
+            let diem = chargeable.min(diem_available.max(0));
+            let usd = (chargeable - diem).min(usd_available.max(0));
+            let charged = sqlx::query(
+                "UPDATE ledgers SET usd_nanos = usd_nanos - $2, diem_nanos = diem_nanos - $3, \
+                 updated_at_ms = $4 WHERE owner = $1 \
+                 AND usd_nanos - usd_held_nanos >= $2 AND diem_nanos - diem_held_nanos >= $3",
+            )
+            .bind(&owner)
+            .bind(usd)
+            .bind(diem)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+            if charged.rows_affected() != 1 {
+                // The balance moved since the read (PostgreSQL): again.
+                tx.rollback().await?;
+                continue;
+            }
+            let written_off = cost - diem - usd;
+            insert_journal(
+                &mut tx,
+                Entry {
+                    owner: &owner,
+                    kind: "settle",
+                    key: &format!("settle:{request_id}"),
+                    usd: -usd,
+                    diem: -diem,
+                    usd_held: 0,
+                    diem_held: 0,
+                    written_off,
+                    request_id: Some(request_id),
+                    reference: None,
+                    at_ms: now,
+                },
+            )
+            .await?;
+            if let Some(usage) = usage {
+                insert_usage_records(&mut tx, &owner, request_id, usage, usd, diem, now).await?;
+            }
+            tx.commit().await?;
+            return Ok(SettleOutcome::Settled {
+                usd,
+                diem,
+                written_off,
+            });
+        }
+        Err(Error::new(
+            rialto_core::ErrorCode::Unavailable,
+            "The balance is changing too fast to settle; retry",
+        ))
     }
 
     /// A page of an owner's usage history and the number of records that
@@ -550,27 +653,7 @@ impl Ledger {
         )
         .await?;
         if let Some(usage) = usage {
-            for (currency, amount) in [("DIEM", diem), ("USD", usd)] {
-                if amount == 0 {
-                    continue;
-                }
-                sqlx::query(
-                    "INSERT INTO usage_records (id, owner, request_id, model_id, currency, \
-                     amount_nanos, prompt_tokens, completion_tokens, at_ms) \
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
-                )
-                .bind(uuid_like())
-                .bind(&owner)
-                .bind(request_id)
-                .bind(usage.model_id)
-                .bind(currency)
-                .bind(amount)
-                .bind(usage.prompt_tokens)
-                .bind(usage.completion_tokens)
-                .bind(now)
-                .execute(&mut *tx)
-                .await?;
-            }
+            insert_usage_records(&mut tx, &owner, request_id, usage, usd, diem, now).await?;
         }
         tx.commit().await?;
         Ok(SettleOutcome::Settled {
@@ -659,6 +742,40 @@ async fn insert_journal(
     .bind(entry.at_ms)
     .execute(&mut **tx)
     .await?;
+    Ok(())
+}
+
+/// The usage history rows of one settlement: one per currency that paid.
+async fn insert_usage_records(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    owner: &str,
+    request_id: &str,
+    usage: &UsageDetail<'_>,
+    usd: i64,
+    diem: i64,
+    at_ms: i64,
+) -> std::result::Result<(), sqlx::Error> {
+    for (currency, amount) in [("DIEM", diem), ("USD", usd)] {
+        if amount == 0 {
+            continue;
+        }
+        sqlx::query(
+            "INSERT INTO usage_records (id, owner, request_id, model_id, currency, \
+             amount_nanos, prompt_tokens, completion_tokens, at_ms) \
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9)",
+        )
+        .bind(uuid_like())
+        .bind(owner)
+        .bind(request_id)
+        .bind(usage.model_id)
+        .bind(currency)
+        .bind(amount)
+        .bind(usage.prompt_tokens)
+        .bind(usage.completion_tokens)
+        .bind(at_ms)
+        .execute(&mut **tx)
+        .await?;
+    }
     Ok(())
 }
 
@@ -848,10 +965,48 @@ mod tests {
             ledger.balance("account:a").await.unwrap().usd_available(),
             NANO
         );
+        // Its usage arrives late (the durable queue, after a crash): the
+        // expired hold is settled once, from what is available now.
+        ledger
+            .credit("account:a", 0, NANO / 4, "diem")
+            .await
+            .unwrap();
         assert_eq!(
-            ledger.settle("req", NANO).await.unwrap(),
+            ledger.settle("req", NANO / 2).await.unwrap(),
+            SettleOutcome::Settled {
+                usd: NANO / 4,
+                diem: NANO / 4,
+                written_off: 0
+            }
+        );
+        assert_eq!(
+            ledger.settle("req", NANO / 2).await.unwrap(),
             SettleOutcome::NotOpen
         );
+        let balance = ledger.balance("account:a").await.unwrap();
+        assert_eq!((balance.usd, balance.diem), (3 * NANO / 4, 0));
+        assert_eq!(ledger.journal_sums("account:a").await.unwrap(), balance);
+        // Never more than the balance has: the rest is written off.
+        ledger
+            .hold("account:a", "big", NANO / 2, 1_000)
+            .await
+            .unwrap();
+        assert_eq!(ledger.expire(1_000).await.unwrap(), 1);
+        ledger
+            .hold("account:a", "other", NANO / 2, i64::MAX)
+            .await
+            .unwrap();
+        assert_eq!(
+            ledger.settle("big", NANO / 2).await.unwrap(),
+            SettleOutcome::Settled {
+                usd: NANO / 4,
+                diem: 0,
+                written_off: NANO / 4
+            }
+        );
+        let balance = ledger.balance("account:a").await.unwrap();
+        assert_eq!((balance.usd, balance.usd_held), (NANO / 2, NANO / 2));
+        assert_eq!(ledger.journal_sums("account:a").await.unwrap(), balance);
     }
 
     /// A balance that covers exactly 10 holds, 1,000 concurrent requests:

@@ -20,6 +20,8 @@ use rust_decimal::Decimal;
 
 pub mod grpc;
 pub mod ledger;
+pub mod replicas;
+pub mod usage_queue;
 
 /// Billing in domain terms.
 #[async_trait]
@@ -98,6 +100,26 @@ impl Prices {
             + Decimal::from(usage.completion_tokens) * self.output;
         (per_mtok / Decimal::from(1_000_000u32)).normalize()
     }
+}
+
+/// What the ledger charges when it settles `usage` against a hold of
+/// `held_usd` and `held_diem`: DIEM first, never more than was held. The
+/// gateway reports it as `cost` when it had to queue the settlement.
+pub fn expected_cost(
+    prices: &Prices,
+    usage: &pb::Usage,
+    held_usd: &str,
+    held_diem: &str,
+) -> Result<pb::Cost> {
+    let cost = to_nanos(prices.cost(usage))?;
+    let held_diem = parse_amount("held_diem", held_diem)?;
+    let held_usd = parse_amount("held_usd", held_usd)?;
+    let diem = cost.min(held_diem);
+    let usd = (cost - diem).min(held_usd);
+    Ok(pb::Cost {
+        usd: from_nanos(usd),
+        diem: from_nanos(diem),
+    })
 }
 
 /// The ledger owner of an account (wallets get `wallet:<address>`).
@@ -248,17 +270,19 @@ impl BillingService for LocalBilling {
                 placed: true,
                 before: Some(balance_pb(&before)),
                 reserved: usd > 0 || diem > 0,
+                held_usd: from_nanos(usd),
+                held_diem: from_nanos(diem),
             },
             ledger::HoldOutcome::Insufficient { before } => pb::HoldResponse {
                 placed: false,
                 before: Some(balance_pb(&before)),
-                reserved: false,
+                ..Default::default()
             },
             // A retry of a request already holding: it may go on.
             ledger::HoldOutcome::Duplicate => pb::HoldResponse {
                 placed: true,
-                before: None,
                 reserved: true,
+                ..Default::default()
             },
         })
     }
@@ -476,6 +500,7 @@ mod tests {
             request_id: "r1".into(),
             model_id: "m".into(),
             usage: Some(usage),
+            owner: owner.clone(),
         };
         // $0.0015: 0.001 DIEM first, then $0.0005.
         let cost = billing.settle(settle.clone()).await.unwrap();

@@ -13,6 +13,7 @@ use actix_web::{HttpMessage, HttpRequest, HttpResponse, HttpResponseBuilder, web
 use bytes::Bytes;
 use futures_util::StreamExt;
 use rialto_billing::BillingClient;
+use rialto_billing::usage_queue::{Settled, settle_durably};
 use rialto_core::ErrorCode;
 use rialto_limiter::{RateLimiter, Target, Ticket};
 use rialto_proto::auth::v1 as auth_pb;
@@ -59,10 +60,17 @@ struct Settlement {
     limiter: RateLimiter,
     ticket: Option<Ticket>,
     billing: BillingClient,
+    /// Where a settlement billing cannot take now is queued.
+    usage_queue: Option<rialto_core::bus::Bus>,
+    owner: String,
     request_id: String,
     model_id: String,
     /// A hold is open in the ledger until the request is billed.
     held: bool,
+    /// What the hold reserved (exact decimals).
+    held_usd: String,
+    held_diem: String,
+    prices: rialto_billing::Prices,
 }
 
 impl Settlement {
@@ -84,6 +92,7 @@ impl Settlement {
             request_id: self.request_id.clone(),
             model_id: self.model_id.clone(),
             usage: Some(usage.billed()),
+            owner: self.owner.clone(),
         }
     }
 
@@ -96,7 +105,18 @@ impl Settlement {
             // no round trip to the ledger.
             return Ok(json!({"usd": 0, "diem": 0}));
         }
-        let cost = self.billing.settle(self.settle_request(usage)).await?;
+        let request = self.settle_request(usage);
+        let billed = request.usage.unwrap_or_default();
+        let cost = match settle_durably(&self.billing, self.usage_queue.as_ref(), request).await? {
+            Settled::Now(cost) => cost,
+            // Billing will settle the queued record as the ledger would now.
+            Settled::Queued => rialto_billing::expected_cost(
+                &self.prices,
+                &billed,
+                &self.held_usd,
+                &self.held_diem,
+            )?,
+        };
         // Exact decimal strings become JSON numbers written digit for digit
         // (serde_json's arbitrary_precision), as the spec's `cost` wants.
         let number = |text: &str| serde_json::from_str::<Value>(text).unwrap_or(json!(0));
@@ -111,10 +131,11 @@ impl Settlement {
             return;
         }
         let billing = self.billing.clone();
+        let queue = self.usage_queue.clone();
         let request = self.settle_request(usage);
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move {
-                if let Err(error) = billing.settle(request).await {
+                if let Err(error) = settle_durably(&billing, queue.as_ref(), request).await {
                     tracing::warn!(%error, "settlement failed; the hold will expire");
                 }
             });
@@ -213,16 +234,21 @@ async fn complete_or_stream(
         limiter: limiter.clone(),
         ticket: Some(admission.ticket),
         billing: gateway.services.billing.clone(),
+        usage_queue: gateway.services.usage_queue.clone(),
+        owner: crate::ledger_owner(principal),
         request_id: request_id.clone(),
         model_id: chat.model_id.clone(),
         held: false,
+        held_usd: String::new(),
+        held_diem: String::new(),
+        prices: rialto_billing::Prices::from_model(&model.config),
     };
     // Reserve the most the request can cost; refuse it if the balance can't.
     let hold = gateway
         .services
         .billing
         .hold(billing_pb::HoldRequest {
-            owner: crate::ledger_owner(principal),
+            owner: settlement.owner.clone(),
             request_id: request_id.clone(),
             model_id: chat.model_id.clone(),
             prompt_tokens: chat.prompt_tokens_estimate,
@@ -253,6 +279,8 @@ async fn complete_or_stream(
         ));
     }
     settlement.held = hold.reserved;
+    settlement.held_usd = hold.held_usd;
+    settlement.held_diem = hold.held_diem;
 
     let router_request = router_pb::ChatRequest {
         request_id: request_id.clone(),

@@ -50,6 +50,9 @@ pub struct Services {
     pub limiter: RateLimiter,
     pub billing: BillingClient,
     pub router: RouterClient,
+    /// Where settlements billing cannot take now are queued: the bus when a
+    /// billing replica reads it (this process's, or NATS), else None.
+    pub usage_queue: Option<rialto_core::bus::Bus>,
 }
 
 /// Everything a handler needs, built once at start and shared by all workers.

@@ -12,9 +12,9 @@ use std::sync::Arc;
 use bytes::Bytes;
 use prost::Message;
 use rialto_core::bus::Bus;
+use rialto_core::placement::{owner_index, replica_seed};
 use rialto_core::{Config, Error, ErrorCode, Result};
 use rialto_proto::limiter::v1 as pb;
-use xxhash_rust::xxh3::{xxh3_64, xxh3_64_with_seed};
 
 use crate::policy::{Caller, Policy, Scope, Target, WindowSpec};
 use crate::{COMMITS_SUBJECT, HITS_SUBJECT, LOG_PAGE, LimiterClient};
@@ -90,7 +90,7 @@ impl RateLimiter {
         let replicas = replicas
             .into_iter()
             .map(|(address, client)| Replica {
-                seed: xxh3_64(address.as_bytes()),
+                seed: replica_seed(&address),
                 client,
             })
             .collect();
@@ -338,21 +338,10 @@ impl RateLimiter {
 
 /// The index of the replica owning `principal`: the highest of
 /// hash(principal, replica) over the replicas (rendezvous hashing).
-fn owner_index(principal: &str, seeds: impl Iterator<Item = u64>) -> usize {
-    let mut best = (0, 0u64);
-    for (index, seed) in seeds.enumerate() {
-        let score = xxh3_64_with_seed(principal.as_bytes(), seed);
-        if index == 0 || score > best.1 {
-            best = (index, score);
-        }
-    }
-    best.0
-}
-
 /// Which of `addresses` (as listed in `remote.limiter`) owns `principal`
 /// (`key:<id>`, `user:<account>`, `global:<model>`): for operators and tests.
 pub fn owner_of(principal: &str, addresses: &[&str]) -> usize {
-    owner_index(principal, addresses.iter().map(|a| xxh3_64(a.as_bytes())))
+    owner_index(principal, addresses.iter().map(|a| replica_seed(a)))
 }
 
 fn ceil_secs(ms: i64) -> i64 {

@@ -3,11 +3,12 @@
 //! One process: `rialto serve` runs all five services. Split: each of auth,
 //! limiter, billing and router runs in its own process serving gRPC, and a
 //! gateway process reaches them through `RIALTO_REMOTE__*`. Replicated: two
-//! gateways and two limiter replicas sharing principals by consistent hash,
-//! with the bus on the NATS server (`E2E_NATS_URL`, default
-//! `nats://127.0.0.1:4222`) under a subject prefix of their own. Every
+//! gateways, two limiter replicas and two billing replicas sharing
+//! principals by consistent hash, with the bus on the NATS server
+//! (`E2E_NATS_URL`, default `nats://127.0.0.1:4222`) under a subject prefix
+//! of their own (its JetStream streams are deleted with the sandbox). Every
 //! process binds port 0 and announces its address on stdout; the sandbox
-//! reads it.
+//! reads it. A killed process can be restarted on the same address.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
@@ -23,8 +24,8 @@ use serde_json::{Value, json};
 pub enum Topology {
     OneProcess,
     Split,
-    /// auth, billing and router in one process; two limiter replicas; two
-    /// gateways; NATS as the bus.
+    /// auth and router in one process; two limiter replicas; two billing
+    /// replicas; two gateways; NATS as the bus.
     Replicated,
 }
 
@@ -59,6 +60,8 @@ pub struct Sandbox {
     /// service name -> `host:port` of its gRPC server (split topology).
     grpc_addrs: Vec<(String, String)>,
     postgres_database: Option<String>,
+    /// The NATS bus's subject prefix (replicated topology).
+    bus_prefix: Option<String>,
     http: reqwest::Client,
     dir: tempfile::TempDir,
 }
@@ -66,6 +69,12 @@ pub struct Sandbox {
 struct Process {
     name: String,
     child: Child,
+    /// How it was started, to start it again.
+    args: Vec<String>,
+    envs: Vec<(String, String)>,
+    announce: String,
+    /// What it announced (its listening address).
+    address: String,
 }
 
 /// An account made through the operator API.
@@ -144,6 +153,7 @@ level = "info"
             processes: Vec::new(),
             grpc_addrs: Vec::new(),
             postgres_database,
+            bus_prefix: None,
             http: http_client()?,
             dir,
         };
@@ -179,18 +189,19 @@ level = "info"
                 let nats = std::env::var("E2E_NATS_URL")
                     .unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
                 let prefix = format!("rialto-e2e-{}", uuid::Uuid::new_v4().simple());
+                sandbox.bus_prefix = Some(prefix.clone());
                 let mut common = self.envs.clone();
                 common.push(("RIALTO_BUS__URL".to_owned(), nats));
                 common.push(("RIALTO_BUS__SUBJECT_PREFIX".to_owned(), prefix));
                 let mut envs = common.clone();
                 let backend = sandbox.spawn(
                     "backend",
-                    &["--services", "auth,billing,router"],
+                    &["--services", "auth,router"],
                     &common,
                     "grpc listening on ",
                 )?;
                 let backend = backend.split(' ').next().unwrap_or_default().to_owned();
-                for service in ["auth", "billing", "router"] {
+                for service in ["auth", "router"] {
                     sandbox
                         .grpc_addrs
                         .push((service.to_owned(), backend.clone()));
@@ -212,6 +223,19 @@ level = "info"
                     limiters.push(format!("http://{addr}"));
                 }
                 envs.push(("RIALTO_REMOTE__LIMITER".to_owned(), limiters.join(",")));
+                let mut billing = Vec::new();
+                for replica in ["billing-0", "billing-1"] {
+                    let addr = sandbox.spawn(
+                        replica,
+                        &["--services", "billing"],
+                        &common,
+                        "grpc listening on ",
+                    )?;
+                    let addr = addr.split(' ').next().unwrap_or_default().to_owned();
+                    sandbox.grpc_addrs.push((replica.to_owned(), addr.clone()));
+                    billing.push(format!("http://{addr}"));
+                }
+                envs.push(("RIALTO_REMOTE__BILLING".to_owned(), billing.join(",")));
                 for gateway in ["gateway-0", "gateway-1"] {
                     let url = sandbox.spawn(
                         gateway,
@@ -409,20 +433,35 @@ impl Sandbox {
         envs: &[(String, String)],
         announce: &str,
     ) -> anyhow::Result<String> {
+        let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+        self.start_process(name, args, envs.to_vec(), announce)
+    }
+
+    fn start_process(
+        &mut self,
+        name: &str,
+        args: Vec<String>,
+        envs: Vec<(String, String)>,
+        announce: &str,
+    ) -> anyhow::Result<String> {
         let log_path = self.log_path(name);
-        let log = std::fs::File::create(&log_path)?;
+        // Appends: a restarted process keeps the log of its first life.
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)?;
         let mut command = Command::new(rialto_binary()?);
         command
             .arg("--config")
             .arg(&self.config_path)
             .arg("serve")
-            .args(args)
+            .args(&args)
             .current_dir(self.dir.path())
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(log.try_clone()?);
-        for (key, value) in envs {
+        for (key, value) in &envs {
             command.env(key, value);
         }
         let mut child = command.spawn().context("cannot start the rialto binary")?;
@@ -438,9 +477,14 @@ impl Sandbox {
                 }
             }
         });
+        self.processes.retain(|p| p.name != name);
         self.processes.push(Process {
             name: name.to_owned(),
             child,
+            args,
+            envs,
+            announce: announce.to_owned(),
+            address: String::new(),
         });
         let deadline = std::time::Instant::now() + STARTUP;
         loop {
@@ -448,6 +492,9 @@ impl Sandbox {
             match lines_rx.recv_timeout(left) {
                 Ok(line) => {
                     if let Some(rest) = line.split_once(announce).map(|(_, rest)| rest) {
+                        if let Some(process) = self.processes.last_mut() {
+                            process.address = rest.to_owned();
+                        }
                         return Ok(rest.to_owned());
                     }
                 }
@@ -488,6 +535,28 @@ impl Sandbox {
         process.child.wait()?;
         Ok(())
     }
+
+    /// Starts a killed process again, as before and on the same address
+    /// (its peers were configured with it).
+    pub async fn restart(&mut self, name: &str) -> anyhow::Result<()> {
+        let process = self
+            .processes
+            .iter()
+            .find(|p| p.name == name)
+            .with_context(|| format!("no process named {name}"))?;
+        let (args, mut envs, announce) = (
+            process.args.clone(),
+            process.envs.clone(),
+            process.announce.clone(),
+        );
+        let address = process.address.split(' ').next().unwrap_or_default();
+        match address.strip_prefix("http://") {
+            Some(http) => envs.push(("RIALTO_GATEWAY__LISTEN".to_owned(), http.to_owned())),
+            None => envs.push(("RIALTO_GRPC__LISTEN".to_owned(), address.to_owned())),
+        }
+        self.start_process(name, args, envs, &announce)?;
+        self.wait_ready().await
+    }
 }
 
 impl Drop for Sandbox {
@@ -495,6 +564,18 @@ impl Drop for Sandbox {
         for process in &mut self.processes {
             let _ = process.child.kill();
             let _ = process.child.wait();
+        }
+        if let Some(prefix) = self.bus_prefix.take() {
+            // The JetStream streams the processes created.
+            let _ = std::thread::spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build();
+                if let Ok(runtime) = runtime {
+                    let _ = runtime.block_on(delete_streams(&prefix));
+                }
+            })
+            .join();
         }
         if let Some(name) = self.postgres_database.take() {
             // Drop runs outside any async context we can rely on: use a
@@ -541,6 +622,18 @@ pub fn http_client() -> anyhow::Result<reqwest::Client> {
     Ok(reqwest::Client::builder()
         .timeout(Duration::from_secs(60))
         .build()?)
+}
+
+async fn delete_streams(prefix: &str) -> anyhow::Result<()> {
+    let nats = std::env::var("E2E_NATS_URL").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
+    let bus = tokio::time::timeout(
+        Duration::from_secs(5),
+        rialto_core::bus::Bus::nats(&nats, prefix),
+    )
+    .await??;
+    bus.delete_queue(rialto_billing::usage_queue::USAGE_QUEUE)
+        .await?;
+    Ok(())
 }
 
 fn postgres_server_url() -> String {

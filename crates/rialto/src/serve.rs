@@ -161,10 +161,29 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
     let billing = if let Some(db) = db.clone().filter(|_| here.contains("billing")) {
         let billing = LocalBilling::new(&config, db);
         billing.spawn_sweeper();
-        BillingClient::new(billing)
+        let billing = BillingClient::new(billing);
+        rialto_billing::usage_queue::spawn_usage_consumer(billing.clone(), bus.clone());
+        billing
     } else {
-        let channel = channel(&remote.billing, "billing", UNARY_TIMEOUT)?;
-        BillingClient::new(RemoteBilling::new(channel, client_token.clone()))
+        // Every replica listed in remote.billing, each owning a share of
+        // ledger owners.
+        let mut replicas = Vec::new();
+        for address in remote
+            .billing
+            .split(',')
+            .map(str::trim)
+            .filter(|a| !a.is_empty())
+        {
+            let channel = channel(address, "billing", UNARY_TIMEOUT)?;
+            let client = BillingClient::new(RemoteBilling::new(channel, client_token.clone()));
+            replicas.push((address.to_owned(), client));
+        }
+        anyhow::ensure!(!replicas.is_empty(), "remote.billing lists no address");
+        if replicas.len() == 1 {
+            replicas.remove(0).1
+        } else {
+            BillingClient::new(rialto_billing::replicas::ReplicatedBilling::new(replicas)?)
+        }
     };
     let router = if here.contains("router") {
         RouterClient::new(LocalRouter::new(&config.models, &config.router)?)
@@ -177,6 +196,7 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
         limiter,
         billing,
         router,
+        usage_queue: (here.contains("billing") || bus.is_shared()).then(|| bus.clone()),
     };
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
