@@ -561,3 +561,109 @@ async fn settlements_survive_a_killed_billing_replica() {
     assert_eq!(response.status(), 200);
     db.close().await;
 }
+
+/// A key capped at $0.003 a day: of 50 concurrent requests that each hold
+/// $0.001003, two are served (a third would overrun the cap) though the
+/// account could pay for all; the key's record shows its cap and what it
+/// spent this period; bad caps are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_consumption_limit_caps_concurrent_spending() {
+    let world = world(Topology::Split, Storage::Sqlite).await;
+    let sandbox = &world.sandbox;
+    let (id, admin, _) = account(sandbox).await;
+    sandbox.credit(&id, "10", "seed").await.unwrap();
+    let create = |body: Value| {
+        let request = sandbox
+            .http()
+            .post(sandbox.api("/api_keys"))
+            .bearer_auth(&admin)
+            .json(&body);
+        async move { request.send().await.unwrap() }
+    };
+    for (bad, field) in [
+        (json!({"usd": -1}), "consumptionLimit.usd"),
+        (json!({"usd": 10_000_000_000u64}), "consumptionLimit.usd"),
+        (json!({"diem": "5"}), "consumptionLimit.diem"),
+        (json!({"vcu": 3}), "consumptionLimit.vcu"),
+    ] {
+        let response = create(json!({"apiKeyType": "INFERENCE", "description": "bad",
+            "consumptionLimit": bad}))
+        .await;
+        assert_eq!(response.status(), 400);
+        let body: Value = response.json().await.unwrap();
+        assert!(
+            body["details"]
+                .to_string()
+                .contains(field.split('.').next_back().unwrap()),
+            "{body}"
+        );
+    }
+    let response = create(json!({"apiKeyType": "INFERENCE", "description": "bad",
+        "limitPeriod": "WEEK"}))
+    .await;
+    assert_eq!(response.status(), 400);
+
+    let response = create(json!({"apiKeyType": "INFERENCE", "description": "capped",
+        "consumptionLimit": {"usd": 0.003, "diem": null, "vcu": null}, "limitPeriod": "EPOCH"}))
+    .await;
+    assert_eq!(response.status(), 200);
+    let created: Value = response.json().await.unwrap();
+    assert_eq!(
+        created["data"]["consumptionLimit"].to_string(),
+        r#"{"diem":null,"usd":0.003,"vcu":null}"#
+    );
+    let key_id = created["data"]["id"].as_str().unwrap().to_owned();
+    let key = created["data"]["apiKey"].as_str().unwrap().to_owned();
+
+    let body = thousand_words();
+    let responses = join_all((0..50).map(|_| chat(sandbox, &key, &body))).await;
+    let mut served = 0;
+    for response in responses {
+        match response.status().as_u16() {
+            200 => served += 1,
+            402 => {
+                let body: Value = response.json().await.unwrap();
+                let message = body["error"].as_str().unwrap();
+                assert!(message.contains("USD consumption limit"), "{message}");
+            }
+            429 => {}
+            other => panic!("unexpected {other}"),
+        }
+    }
+    assert_eq!(served, 2);
+    let response = sandbox
+        .call(Method::GET, &format!("/api_keys/{key_id}"), &admin, None)
+        .await
+        .unwrap();
+    let record: Value = response.json().await.unwrap();
+    assert_eq!(
+        record["data"]["currentPeriodUsage"],
+        json!({"usd": "0.002004", "diem": "0"})
+    );
+    assert_eq!(record["data"]["limitPeriod"], "EPOCH");
+    assert_eq!(
+        record["data"]["consumptionLimits"].to_string(),
+        r#"{"diem":null,"usd":0.003,"vcu":null}"#
+    );
+    // The account's other keys are not capped, and show no period usage.
+    let list: Value = sandbox
+        .call(Method::GET, "/api_keys", &admin, None)
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let uncapped: Vec<&Value> = list["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|k| k["id"] != key_id.as_str())
+        .collect();
+    assert!(
+        uncapped
+            .iter()
+            .all(|k| k.get("currentPeriodUsage").is_none())
+    );
+    let balance = balance(sandbox, &admin).await;
+    assert_eq!(balance["balances"]["usd"].to_string(), "9.997996");
+}

@@ -258,6 +258,26 @@ paid_cost = numbers(paid)["cost"]
 assert paid_cost["diem"] > 0 and paid_cost["usd"] == 0, paid_cost
 assert balance(unfunded_admin)["balances"] == {"diem": 1 - paid_cost["diem"], "usd": 0}
 
+# A key capped at one billionth of a DIEM a month: one cheap request is refused
+# by the cap (402 naming it), though the account could pay; its record shows
+# the cap, the period and what it spent in it.
+capped = check(
+    session.post(f"{api}/api_keys", json={"apiKeyType": "INFERENCE", "description": "capped",
+                                          "consumptionLimit": {"usd": 0, "diem": 0.000000001, "vcu": None},
+                                          "limitPeriod": "MONTH"}, headers=unfunded_admin),
+    200,
+).json()["data"]
+assert capped["consumptionLimit"] == {"usd": 0, "diem": 1e-9, "vcu": None}, capped
+assert capped["limitPeriod"] == "MONTH", capped
+refused = check(session.post(f"{api}/chat/completions", json={"model": model, "messages": hello},
+                             headers={"Authorization": f"Bearer {capped['apiKey']}"}), 402)
+assert "consumption limit for the current MONTH period" in refused.json()["error"], refused.text
+record = check(session.get(f"{api}/api_keys/{capped['id']}", headers=unfunded_admin), 200).json()["data"]
+assert record["currentPeriodUsage"] == {"usd": "0", "diem": "0"}, record
+check(session.post(f"{api}/api_keys", json={"apiKeyType": "INFERENCE", "description": "bad",
+                                            "limitPeriod": "WEEK"}, headers=unfunded_admin), 400,
+      valid_request=False)
+
 # A real refusal: the limited model's global window admits one request a minute.
 first = check(session.post(f"{api}/chat/completions", json={"model": limited_model, "messages": hello},
                            headers=inference), 200)

@@ -104,7 +104,15 @@ impl Inner {
         key_type: pb::KeyType,
         description: &str,
         expires_at_ms: Option<i64>,
+        limit: Option<pb::ConsumptionLimit>,
     ) -> Result<pb::CreatedKey> {
+        if let Some(limit) = &limit
+            && !matches!(limit.period.as_str(), "EPOCH" | "MONTH" | "LIFETIME")
+        {
+            return Err(Error::invalid(
+                "limitPeriod must be one of EPOCH, MONTH or LIFETIME",
+            ));
+        }
         let secret = self.new_secret(key_type)?;
         let record = pb::ApiKeyRecord {
             id: uuid::Uuid::new_v4().to_string(),
@@ -115,10 +123,13 @@ impl Inner {
             expires_at_ms,
             last_used_at_ms: None,
             last6_chars: secret[secret.len() - 6..].to_owned(),
+            limit,
         };
+        let limit = record.limit.clone().unwrap_or_default();
         sqlx::query(
             "INSERT INTO api_keys (id, account_id, key_type, description, secret_sha256, \
-             last6_chars, created_at_ms, expires_at_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8)",
+             last6_chars, created_at_ms, expires_at_ms, limit_usd_nanos, limit_diem_nanos, \
+             limit_period) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
         )
         .bind(&record.id)
         .bind(&record.account_id)
@@ -128,6 +139,13 @@ impl Inner {
         .bind(&record.last6_chars)
         .bind(record.created_at_ms)
         .bind(record.expires_at_ms)
+        .bind(limit.usd_nanos)
+        .bind(limit.diem_nanos)
+        .bind(if limit.period.is_empty() {
+            "EPOCH"
+        } else {
+            limit.period.as_str()
+        })
         .execute(&mut *tx)
         .await?;
         Ok(pb::CreatedKey {
@@ -142,7 +160,8 @@ impl Inner {
         let generation = self.generation.load(Ordering::Acquire);
         let row = sqlx::query(
             "SELECT k.id, k.account_id, k.key_type, k.expires_at_ms, k.secret_sha256, \
-             a.tier FROM api_keys k JOIN accounts a ON a.id = k.account_id \
+             a.tier, k.limit_usd_nanos, k.limit_diem_nanos, k.limit_period \
+             FROM api_keys k JOIN accounts a ON a.id = k.account_id \
              WHERE k.secret_sha256 = $1",
         )
         .bind(hex::encode(digest))
@@ -168,6 +187,7 @@ impl Inner {
                 key_id: row.try_get("id")?,
                 key_type: key_type_from_name(&key_type) as i32,
                 tier: row.try_get("tier")?,
+                key_limit: limit_from_row(&row)?,
             },
             expires_at_ms: row.try_get("expires_at_ms")?,
             checked_at: Instant::now(),
@@ -246,14 +266,28 @@ fn record_from_row(row: &sqlx::any::AnyRow) -> Result<pb::ApiKeyRecord> {
         expires_at_ms: row.try_get("expires_at_ms")?,
         last_used_at_ms: row.try_get("last_used_at_ms")?,
         last6_chars: row.try_get("last6_chars")?,
+        limit: limit_from_row(row)?,
     })
+}
+
+/// A key's spending cap from its row; None without caps or period.
+fn limit_from_row(row: &sqlx::any::AnyRow) -> Result<Option<pb::ConsumptionLimit>> {
+    let usd_nanos: Option<i64> = row.try_get("limit_usd_nanos")?;
+    let diem_nanos: Option<i64> = row.try_get("limit_diem_nanos")?;
+    let period: String = row.try_get("limit_period")?;
+    let any = usd_nanos.is_some() || diem_nanos.is_some() || period != "EPOCH";
+    Ok(any.then_some(pb::ConsumptionLimit {
+        usd_nanos,
+        diem_nanos,
+        period,
+    }))
 }
 
 /// The columns [`record_from_row`] reads, as a literal for `concat!`.
 macro_rules! record_columns {
     () => {
         "id, account_id, key_type, description, created_at_ms, expires_at_ms, \
-         last_used_at_ms, last6_chars"
+         last_used_at_ms, last6_chars, limit_usd_nanos, limit_diem_nanos, limit_period"
     };
 }
 
@@ -316,6 +350,7 @@ impl AuthService for LocalAuth {
                 pb::KeyType::Admin,
                 "Default admin key",
                 None,
+                None,
             )
             .await?;
         tx.commit().await?;
@@ -340,6 +375,7 @@ impl AuthService for LocalAuth {
                 key_type,
                 &request.description,
                 request.expires_at_ms,
+                request.limit,
             )
             .await?;
         if let Some(record) = &key.record {
@@ -508,6 +544,7 @@ mod tests {
             key_type: pb::KeyType::Inference as i32,
             description: "test".into(),
             expires_at_ms,
+            limit: None,
         })
         .await
         .unwrap()
@@ -610,6 +647,7 @@ mod tests {
                     key_type: pb::KeyType::Inference as i32,
                     description: format!("round {round}"),
                     expires_at_ms: None,
+                    limit: None,
                 })
                 .await
                 .unwrap();

@@ -76,6 +76,13 @@ impl Billing for BillingGrpc {
     ) -> Result<Response<pb::Balance>, Status> {
         Ok(Response::new(self.0.set_stake(request.into_inner()).await?))
     }
+
+    async fn key_spend(
+        &self,
+        request: Request<pb::KeySpendRequest>,
+    ) -> Result<Response<pb::KeySpendResponse>, Status> {
+        Ok(Response::new(self.0.key_spend(request.into_inner()).await?))
+    }
 }
 
 /// Billing in another process, reached over gRPC.
@@ -118,5 +125,9 @@ impl BillingService for RemoteBilling {
 
     async fn set_stake(&self, request: pb::SetStakeRequest) -> Result<pb::Balance> {
         Ok(self.0.clone().set_stake(request).await?.into_inner())
+    }
+
+    async fn key_spend(&self, request: pb::KeySpendRequest) -> Result<pb::KeySpendResponse> {
+        Ok(self.0.clone().key_spend(request).await?.into_inner())
     }
 }

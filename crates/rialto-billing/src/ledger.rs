@@ -19,6 +19,12 @@
 //! hold is the most a request can cost); a cost above it is recorded as
 //! written off, never taken from an unreserved balance.
 //!
+//! A key may carry a spending cap per period (the hosted API's
+//! `consumptionLimit`): its holds also reserve against what the key spent
+//! and holds in the period (`key_spend`), by the same kind of conditional
+//! update in the same transaction, so concurrent requests cannot overrun a
+//! key's cap either. DIEM the cap does not allow is taken in USD.
+//!
 //! A hold nobody settled in time (its gateway crashed, or billing was down)
 //! expires: its reservation is released. If the request's usage record
 //! arrives later (from the durable queue), the expired hold is settled
@@ -59,6 +65,11 @@ pub enum HoldOutcome {
     },
     /// The available balance cannot cover `amount`.
     Insufficient { before: Balance },
+    /// The key's cap in `currency` (`USD` or `DIEM`) for the period cannot.
+    KeyLimitReached {
+        before: Balance,
+        currency: &'static str,
+    },
     /// A hold with this request id exists already (a retry): nothing changed.
     Duplicate,
 }
@@ -93,6 +104,33 @@ pub struct UsageRecord {
     pub prompt_tokens: i64,
     pub completion_tokens: i64,
     pub at_ms: i64,
+}
+
+/// A key's spending cap, as a hold enforces it.
+#[derive(Debug, Clone)]
+pub struct KeyCap {
+    pub key_id: String,
+    /// The period it counts in now: `EPOCH:<UTC day>`, `MONTH:<YYYY-MM>`
+    /// or `LIFETIME` ([`period_key`]).
+    pub period: String,
+    /// None: that currency is not capped.
+    pub usd: Option<i64>,
+    pub diem: Option<i64>,
+}
+
+/// The period key of a limit period (`EPOCH`, `MONTH`, `LIFETIME`) at
+/// `now_ms`; None for an unknown period.
+pub fn period_key(period: &str, now_ms: i64) -> Option<String> {
+    let day = now_ms.div_euclid(86_400_000);
+    match period {
+        "EPOCH" | "" => Some(format!("EPOCH:{day}")),
+        "MONTH" => {
+            let date = chrono::DateTime::from_timestamp_millis(now_ms)?;
+            Some(format!("MONTH:{}", date.format("%Y-%m")))
+        }
+        "LIFETIME" => Some("LIFETIME".to_owned()),
+        _ => None,
+    }
 }
 
 /// Which usage records to read.
@@ -308,6 +346,19 @@ impl Ledger {
         amount: i64,
         expires_at_ms: i64,
     ) -> Result<HoldOutcome> {
+        self.hold_for_key(owner, request_id, amount, expires_at_ms, None)
+            .await
+    }
+
+    /// Like [`hold`](Self::hold), also within the calling key's cap.
+    pub async fn hold_for_key(
+        &self,
+        owner: &str,
+        request_id: &str,
+        amount: i64,
+        expires_at_ms: i64,
+        cap: Option<&KeyCap>,
+    ) -> Result<HoldOutcome> {
         let amount = amount.max(0);
         if amount == 0 {
             // A free request reserves nothing, and settles to nothing.
@@ -322,10 +373,28 @@ impl Ledger {
         // balance still allows it, else we read again.
         for _ in 0..5 {
             let before = self.balance(owner).await?;
-            let diem = amount.min(before.diem_available().max(0));
+            let (usd_room, diem_room) = match cap {
+                Some(cap) => self.key_room(cap).await?,
+                None => (i64::MAX, i64::MAX),
+            };
+            let diem_usable = before.diem_available().max(0);
+            let diem = amount.min(diem_usable).min(diem_room.max(0));
             let usd = amount - diem;
             if usd > before.usd_available() {
+                // DIEM the key may not spend would have paid: the cap refused.
+                if amount.min(diem_usable) > diem {
+                    return Ok(HoldOutcome::KeyLimitReached {
+                        before,
+                        currency: "DIEM",
+                    });
+                }
                 return Ok(HoldOutcome::Insufficient { before });
+            }
+            if usd > usd_room {
+                return Ok(HoldOutcome::KeyLimitReached {
+                    before,
+                    currency: "USD",
+                });
             }
             let now = now_ms();
             let mut tx = self.db.pool().begin().await?;
@@ -350,9 +419,17 @@ impl Ledger {
                 }
                 continue;
             }
+            if let Some(cap) = cap
+                && !reserve_key_room(&mut tx, cap, usd, diem).await?
+            {
+                // The key's other requests took the room meanwhile.
+                tx.rollback().await?;
+                continue;
+            }
             let inserted = sqlx::query(
                 "INSERT INTO holds (request_id, owner, usd_nanos, diem_nanos, state, \
-                 created_at_ms, expires_at_ms) VALUES ($1, $2, $3, $4, 'open', $5, $6)",
+                 created_at_ms, expires_at_ms, key_id, key_period) \
+                 VALUES ($1, $2, $3, $4, 'open', $5, $6, $7, $8)",
             )
             .bind(request_id)
             .bind(owner)
@@ -360,6 +437,8 @@ impl Ledger {
             .bind(diem)
             .bind(now)
             .bind(expires_at_ms)
+            .bind(cap.map(|c| c.key_id.as_str()))
+            .bind(cap.map(|c| c.period.as_str()))
             .execute(&mut *tx)
             .await;
             if let Err(error) = inserted {
@@ -451,7 +530,10 @@ impl Ledger {
                 return Ok(SettleOutcome::NotOpen);
             }
             let row = sqlx::query(
-                "SELECT h.owner, h.usd_nanos + h.diem_nanos,                  l.usd_nanos - l.usd_held_nanos, l.diem_nanos - l.diem_held_nanos                  FROM holds h JOIN ledgers l ON l.owner = h.owner WHERE h.request_id = $1",
+                "SELECT h.owner, h.usd_nanos + h.diem_nanos, \
+                 l.usd_nanos - l.usd_held_nanos, l.diem_nanos - l.diem_held_nanos, \
+                 h.key_id, h.key_period \
+                 FROM holds h JOIN ledgers l ON l.owner = h.owner WHERE h.request_id = $1",
             )
             .bind(request_id)
             .fetch_one(&mut *tx)
@@ -479,6 +561,9 @@ impl Ledger {
                 continue;
             }
             let written_off = cost - diem - usd;
+            if let Some((key_id, period)) = &key_of(&row, 4)? {
+                count_key_spend(&mut tx, key_id, period, [usd, diem, 0, 0]).await?;
+            }
             insert_journal(
                 &mut tx,
                 Entry {
@@ -611,17 +696,23 @@ impl Ledger {
             tx.rollback().await?;
             return Ok(SettleOutcome::NotOpen);
         }
-        let hold =
-            sqlx::query("SELECT owner, usd_nanos, diem_nanos FROM holds WHERE request_id = $1")
-                .bind(request_id)
-                .fetch_one(&mut *tx)
-                .await?;
+        let hold = sqlx::query(
+            "SELECT owner, usd_nanos, diem_nanos, key_id, key_period FROM holds \
+             WHERE request_id = $1",
+        )
+        .bind(request_id)
+        .fetch_one(&mut *tx)
+        .await?;
         let owner: String = hold.try_get(0)?;
         let held_usd: i64 = hold.try_get(1)?;
         let held_diem: i64 = hold.try_get(2)?;
+        let key = key_of(&hold, 3)?;
         let diem = cost.min(held_diem);
         let usd = (cost - diem).min(held_usd);
         let written_off = cost - diem - usd;
+        if let Some((key_id, period)) = &key {
+            count_key_spend(&mut tx, key_id, period, [usd, diem, held_usd, held_diem]).await?;
+        }
         sqlx::query(
             "UPDATE ledgers SET usd_nanos = usd_nanos - $2, diem_nanos = diem_nanos - $3, \
              usd_held_nanos = usd_held_nanos - $4, diem_held_nanos = diem_held_nanos - $5, \
@@ -660,6 +751,40 @@ impl Ledger {
             usd,
             diem,
             written_off,
+        })
+    }
+
+    /// Room left under a key's cap in its period: (usd, diem), `i64::MAX`
+    /// for a currency without a cap.
+    async fn key_room(&self, cap: &KeyCap) -> Result<(i64, i64)> {
+        let row = sqlx::query(
+            "SELECT usd_nanos + usd_held_nanos, diem_nanos + diem_held_nanos FROM key_spend \
+             WHERE key_id = $1 AND period = $2",
+        )
+        .bind(&cap.key_id)
+        .bind(&cap.period)
+        .fetch_optional(self.db.pool())
+        .await?;
+        let (usd_used, diem_used) = match row {
+            Some(row) => (row.try_get(0)?, row.try_get(1)?),
+            None => (0, 0),
+        };
+        let room = |cap: Option<i64>, used: i64| cap.map_or(i64::MAX, |c| c - used);
+        Ok((room(cap.usd, usd_used), room(cap.diem, diem_used)))
+    }
+
+    /// What a key was charged in `period` (settled requests): (usd, diem).
+    pub async fn key_spent(&self, key_id: &str, period: &str) -> Result<(i64, i64)> {
+        let row = sqlx::query(
+            "SELECT usd_nanos, diem_nanos FROM key_spend WHERE key_id = $1 AND period = $2",
+        )
+        .bind(key_id)
+        .bind(period)
+        .fetch_optional(self.db.pool())
+        .await?;
+        Ok(match row {
+            Some(row) => (row.try_get(0)?, row.try_get(1)?),
+            None => (0, 0),
         })
     }
 
@@ -740,6 +865,71 @@ async fn insert_journal(
     .bind(entry.request_id)
     .bind(entry.reference)
     .bind(entry.at_ms)
+    .execute(&mut **tx)
+    .await?;
+    Ok(())
+}
+
+/// The (key id, period) a hold row counts against, from columns `at` and
+/// `at + 1`.
+fn key_of(row: &sqlx::any::AnyRow, at: usize) -> Result<Option<(String, String)>> {
+    let key_id: Option<String> = row.try_get(at)?;
+    let period: Option<String> = row.try_get(at + 1)?;
+    Ok(key_id.zip(period))
+}
+
+/// Reserves `usd` and `diem` of a key's room in its period, if the cap
+/// still allows it (a conditional update: concurrent holds cannot overrun).
+async fn reserve_key_room(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    cap: &KeyCap,
+    usd: i64,
+    diem: i64,
+) -> std::result::Result<bool, sqlx::Error> {
+    sqlx::query(
+        "INSERT INTO key_spend (key_id, period) VALUES ($1, $2) \
+         ON CONFLICT (key_id, period) DO NOTHING",
+    )
+    .bind(&cap.key_id)
+    .bind(&cap.period)
+    .execute(&mut **tx)
+    .await?;
+    let reserved = sqlx::query(
+        "UPDATE key_spend SET usd_held_nanos = usd_held_nanos + $3, \
+         diem_held_nanos = diem_held_nanos + $4 WHERE key_id = $1 AND period = $2 \
+         AND ($5 < 0 OR usd_nanos + usd_held_nanos + $3 <= $5) \
+         AND ($6 < 0 OR diem_nanos + diem_held_nanos + $4 <= $6)",
+    )
+    .bind(&cap.key_id)
+    .bind(&cap.period)
+    .bind(usd)
+    .bind(diem)
+    .bind(cap.usd.unwrap_or(-1))
+    .bind(cap.diem.unwrap_or(-1))
+    .execute(&mut **tx)
+    .await?;
+    Ok(reserved.rows_affected() == 1)
+}
+
+/// A closed hold's effect on its key's period: `[usd, diem]` charged,
+/// `[held_usd, held_diem]` no longer reserved.
+async fn count_key_spend(
+    tx: &mut sqlx::Transaction<'_, sqlx::Any>,
+    key_id: &str,
+    period: &str,
+    [usd, diem, held_usd, held_diem]: [i64; 4],
+) -> std::result::Result<(), sqlx::Error> {
+    sqlx::query(
+        "UPDATE key_spend SET usd_nanos = usd_nanos + $3, diem_nanos = diem_nanos + $4, \
+         usd_held_nanos = usd_held_nanos - $5, diem_held_nanos = diem_held_nanos - $6 \
+         WHERE key_id = $1 AND period = $2",
+    )
+    .bind(key_id)
+    .bind(period)
+    .bind(usd)
+    .bind(diem)
+    .bind(held_usd)
+    .bind(held_diem)
     .execute(&mut **tx)
     .await?;
     Ok(())
@@ -1078,6 +1268,81 @@ mod tests {
         assert_eq!(page[0].amount_nanos, NANO);
         let (_, diem) = ledger.usage_history(&query(Some("DIEM"))).await.unwrap();
         assert_eq!(diem, 0);
+    }
+
+    /// A key capped at 1 DIEM and 3 USD a day, 100 concurrent requests of 1
+    /// each: 4 placed (DIEM first), the rest refused by the cap though the
+    /// balance could pay; settlements count in the period; the next period
+    /// starts afresh.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_key_cap_holds_under_concurrency_and_per_period() {
+        let (_dir, ledger) = sqlite().await;
+        ledger
+            .credit("account:k", 100 * NANO, 2 * NANO, "seed")
+            .await
+            .unwrap();
+        let cap = |period: &str| KeyCap {
+            key_id: "key-1".into(),
+            period: period.into(),
+            usd: Some(3 * NANO),
+            diem: Some(NANO),
+        };
+        let mut tasks = Vec::new();
+        for i in 0..100 {
+            let ledger = ledger.clone();
+            let cap = cap("EPOCH:1");
+            tasks.push(tokio::spawn(async move {
+                let id = format!("k{i}");
+                let outcome = ledger
+                    .hold_for_key("account:k", &id, NANO, i64::MAX, Some(&cap))
+                    .await
+                    .unwrap();
+                (id, outcome)
+            }));
+        }
+        let (mut placed, mut usd_refusals) = (Vec::new(), 0);
+        for task in tasks {
+            match task.await.unwrap() {
+                (id, HoldOutcome::Placed { usd, diem, .. }) => placed.push((id, usd, diem)),
+                (_, HoldOutcome::KeyLimitReached { currency, .. }) => {
+                    assert_eq!(currency, "USD");
+                    usd_refusals += 1;
+                }
+                (_, other) => panic!("unexpected {other:?}"),
+            }
+        }
+        assert_eq!((placed.len(), usd_refusals), (4, 96));
+        let diem_held: i64 = placed.iter().map(|(_, _, diem)| diem).sum();
+        assert_eq!(diem_held, NANO);
+        for (id, _, _) in &placed {
+            ledger.settle(id, NANO / 2).await.unwrap();
+        }
+        // Half of each hold charged: 0.5 DIEM and 1.5 USD this period.
+        assert_eq!(
+            ledger.key_spent("key-1", "EPOCH:1").await.unwrap(),
+            (3 * NANO / 2, NANO / 2)
+        );
+        // 1.5 USD of room left: a hold of 2 takes 0.5 DIEM and 1.5 USD.
+        let next = ledger
+            .hold_for_key("account:k", "n1", 2 * NANO, i64::MAX, Some(&cap("EPOCH:1")))
+            .await
+            .unwrap();
+        assert!(
+            matches!(next, HoldOutcome::Placed { usd, diem, .. } if usd == 3 * NANO / 2 && diem == NANO / 2),
+            "{next:?}"
+        );
+        ledger.release("n1").await.unwrap();
+        // A new period: the cap's whole room again.
+        let fresh = ledger
+            .hold_for_key("account:k", "n2", 4 * NANO, i64::MAX, Some(&cap("EPOCH:2")))
+            .await
+            .unwrap();
+        assert!(matches!(fresh, HoldOutcome::Placed { .. }), "{fresh:?}");
+        let balance = ledger.balance("account:k").await.unwrap();
+        assert_eq!(ledger.journal_sums("account:k").await.unwrap(), balance);
+        assert_eq!(period_key("MONTH", 0).unwrap(), "MONTH:1970-01");
+        assert_eq!(period_key("EPOCH", 86_400_000).unwrap(), "EPOCH:1");
+        assert!(period_key("WEEK", 0).is_none());
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -42,6 +42,8 @@ pub trait BillingService: Send + Sync + 'static {
     ) -> Result<pb::UsageHistoryResponse>;
     /// Sets the DIEM the owner's stake grants per UTC day.
     async fn set_stake(&self, request: pb::SetStakeRequest) -> Result<pb::Balance>;
+    /// What capped keys were charged in their current periods.
+    async fn key_spend(&self, request: pb::KeySpendRequest) -> Result<pb::KeySpendResponse>;
 }
 
 /// A cloneable handle on billing, local or remote.
@@ -191,6 +193,18 @@ pub fn parse_amount(field: &str, text: &str) -> Result<i64> {
     to_nanos(amount)
 }
 
+/// A key's limit as the ledger enforces it, in the period of `now_ms`.
+fn key_cap(limit: &pb::KeyLimit, now_ms: i64) -> Result<ledger::KeyCap> {
+    let period = ledger::period_key(&limit.period, now_ms)
+        .ok_or_else(|| Error::invalid("limitPeriod must be one of EPOCH, MONTH or LIFETIME"))?;
+    Ok(ledger::KeyCap {
+        key_id: limit.key_id.clone(),
+        period,
+        usd: limit.usd_nanos,
+        diem: limit.diem_nanos,
+    })
+}
+
 /// In-process billing over the configured price table and the ledger.
 #[derive(Debug)]
 pub struct LocalBilling {
@@ -255,14 +269,20 @@ impl BillingService for LocalBilling {
             completion_tokens: request.max_completion_tokens,
             ..Default::default()
         });
-        let expires = rialto_core::db::now_ms().saturating_add(self.hold_ttl_ms);
+        let now = rialto_core::db::now_ms();
+        let expires = now.saturating_add(self.hold_ttl_ms);
+        let cap = match &request.key_limit {
+            Some(limit) => Some(key_cap(limit, now)?),
+            None => None,
+        };
         let outcome = self
             .ledger
-            .hold(
+            .hold_for_key(
                 &request.owner,
                 &request.request_id,
                 to_nanos(most)?,
                 expires,
+                cap.as_ref(),
             )
             .await?;
         Ok(match outcome {
@@ -272,6 +292,13 @@ impl BillingService for LocalBilling {
                 reserved: usd > 0 || diem > 0,
                 held_usd: from_nanos(usd),
                 held_diem: from_nanos(diem),
+                key_limit_reached: String::new(),
+            },
+            ledger::HoldOutcome::KeyLimitReached { before, currency } => pb::HoldResponse {
+                placed: false,
+                before: Some(balance_pb(&before)),
+                key_limit_reached: currency.to_owned(),
+                ..Default::default()
             },
             ledger::HoldOutcome::Insufficient { before } => pb::HoldResponse {
                 placed: false,
@@ -347,6 +374,21 @@ impl BillingService for LocalBilling {
             owner: request.owner,
         })
         .await
+    }
+
+    async fn key_spend(&self, request: pb::KeySpendRequest) -> Result<pb::KeySpendResponse> {
+        let now = rialto_core::db::now_ms();
+        let mut keys = Vec::with_capacity(request.keys.len());
+        for limit in &request.keys {
+            let cap = key_cap(limit, now)?;
+            let (usd, diem) = self.ledger.key_spent(&cap.key_id, &cap.period).await?;
+            keys.push(pb::KeySpend {
+                key_id: cap.key_id,
+                usd: from_nanos(usd),
+                diem: from_nanos(diem),
+            });
+        }
+        Ok(pb::KeySpendResponse { keys })
     }
 
     async fn usage_history(
@@ -484,6 +526,7 @@ mod tests {
             model_id: "m".into(),
             prompt_tokens: 1000,
             max_completion_tokens: 1000,
+            key_limit: None,
         };
         // At most 1000 * $1/M + 1000 * $2/M = $0.003: fits in 0.001 DIEM + $0.003.
         let placed = billing.hold(hold("r1")).await.unwrap();

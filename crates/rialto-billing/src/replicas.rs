@@ -75,4 +75,8 @@ impl BillingService for ReplicatedBilling {
     async fn set_stake(&self, request: pb::SetStakeRequest) -> Result<pb::Balance> {
         self.owner(&request.owner).set_stake(request).await
     }
+
+    async fn key_spend(&self, request: pb::KeySpendRequest) -> Result<pb::KeySpendResponse> {
+        self.owner(&request.owner).key_spend(request).await
+    }
 }

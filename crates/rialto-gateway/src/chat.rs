@@ -255,6 +255,7 @@ async fn complete_or_stream(
             max_completion_tokens: chat
                 .estimated_tokens
                 .saturating_sub(chat.prompt_tokens_estimate),
+            key_limit: crate::key_limit(&principal.key_id, principal.key_limit.as_ref()),
         })
         .await;
     let hold = match hold {
@@ -269,6 +270,21 @@ async fn complete_or_stream(
             usd: before.usd.clone(),
             diem: before.diem.clone(),
         });
+    }
+    if !hold.placed && !hold.key_limit_reached.is_empty() {
+        settlement.refused();
+        let period = principal
+            .key_limit
+            .as_ref()
+            .map_or("EPOCH", |l| l.period.as_str());
+        return Err(ApiError::new(
+            ErrorCode::PaymentRequired,
+            format!(
+                "This API key has reached its {} consumption limit for the current {} period. \
+                 Raise the key's consumptionLimit or wait for the next period.",
+                hold.key_limit_reached, period
+            ),
+        ));
     }
     if !hold.placed {
         settlement.refused();

@@ -3,7 +3,10 @@
 
 use actix_web::{HttpRequest, HttpResponse, web};
 use chrono::{DateTime, NaiveDate, SecondsFormat, Utc};
+use std::collections::HashMap;
+
 use rialto_proto::auth::v1 as pb;
+use rialto_proto::billing::v1 as billing_pb;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -28,11 +31,12 @@ pub async fn list(
         .services
         .auth
         .list_api_keys(pb::ListApiKeysRequest {
-            account_id: principal.account_id,
+            account_id: principal.account_id.clone(),
         })
         .await?
         .keys;
-    let data: Vec<Value> = keys.iter().map(record_json).collect();
+    let spend = period_usage(&gateway, &principal.account_id, &keys).await?;
+    let data: Vec<Value> = keys.iter().map(|k| record_json(k, &spend)).collect();
     Ok(HttpResponse::Ok().json(json!({"object": "list", "data": data})))
 }
 
@@ -46,11 +50,46 @@ pub async fn get(
         .services
         .auth
         .get_api_key(pb::GetApiKeyRequest {
-            account_id: principal.account_id,
+            account_id: principal.account_id.clone(),
             id: id.into_inner(),
         })
         .await?;
-    Ok(HttpResponse::Ok().json(json!({"data": record_json(&record)})))
+    let spend = period_usage(
+        &gateway,
+        &principal.account_id,
+        std::slice::from_ref(&record),
+    )
+    .await?;
+    Ok(HttpResponse::Ok().json(json!({"data": record_json(&record, &spend)})))
+}
+
+/// What each capped key among `keys` was charged in its current period, by
+/// key id: one call to billing for all of them, none without caps.
+async fn period_usage(
+    gateway: &Gateway,
+    account_id: &str,
+    keys: &[pb::ApiKeyRecord],
+) -> Result<HashMap<String, billing_pb::KeySpend>, ApiError> {
+    let capped: Vec<billing_pb::KeyLimit> = keys
+        .iter()
+        .filter_map(|k| crate::key_limit(&k.id, k.limit.as_ref()))
+        .collect();
+    if capped.is_empty() {
+        return Ok(HashMap::new());
+    }
+    let spend = gateway
+        .services
+        .billing
+        .key_spend(billing_pb::KeySpendRequest {
+            owner: rialto_billing::account_owner(account_id),
+            keys: capped,
+        })
+        .await?;
+    Ok(spend
+        .keys
+        .into_iter()
+        .map(|s| (s.key_id.clone(), s))
+        .collect())
 }
 
 pub async fn create(
@@ -69,9 +108,11 @@ pub async fn create(
             key_type: create.key_type as i32,
             description: create.description,
             expires_at_ms: create.expires_at_ms,
+            limit: create.limit,
         })
         .await?;
     let record = created.record.unwrap_or_default();
+    let (limits, period) = limit_json(record.limit.as_ref());
     Ok(HttpResponse::Ok().json(json!({
         "success": true,
         "data": {
@@ -80,8 +121,8 @@ pub async fn create(
             "apiKeyType": key_type_name(record.key_type),
             "description": record.description,
             "expiresAt": record.expires_at_ms.map(iso),
-            "consumptionLimit": {"usd": null, "diem": null, "vcu": null},
-            "limitPeriod": "EPOCH",
+            "consumptionLimit": limits,
+            "limitPeriod": period,
             "modelPrivacy": "ALL",
         }
     })))
@@ -144,6 +185,7 @@ struct CreateKey {
     key_type: pb::KeyType,
     description: String,
     expires_at_ms: Option<i64>,
+    limit: Option<pb::ConsumptionLimit>,
 }
 
 fn validate_create(body: &Value) -> Result<CreateKey, ApiError> {
@@ -214,22 +256,58 @@ fn validate_create(body: &Value) -> Result<CreateKey, ApiError> {
             None
         }
     };
-    // Spending caps and privacy filters arrive with the billing issue; until
-    // then only their defaults are accepted, so no one believes a cap holds.
-    if let Some(limit) = object.get("consumptionLimit") {
-        let all_null = limit
-            .as_object()
-            .is_some_and(|l| l.values().all(Value::is_null));
-        if !limit.is_null() && !all_null {
-            details.push(
-                &["consumptionLimit"],
-                "Spending limits are not supported yet",
-            );
+    let (usd_nanos, diem_nanos) = match object.get("consumptionLimit") {
+        None | Some(Value::Null) => (None, None),
+        Some(Value::Object(limit)) => {
+            let unknown: Vec<&str> = limit
+                .keys()
+                .map(String::as_str)
+                .filter(|k| !["usd", "diem", "vcu"].contains(k))
+                .collect();
+            if !unknown.is_empty() {
+                details.push(
+                    &["consumptionLimit"],
+                    format!("Unrecognized key(s) in object: '{}'", unknown.join("', '")),
+                );
+            }
+            if limit.get("vcu").is_some_and(|v| !v.is_null()) {
+                details.push(
+                    &["consumptionLimit", "vcu"],
+                    "VCU is deprecated and not a currency here: set diem instead",
+                );
+            }
+            (
+                cap_amount(limit.get("usd"), "usd", &mut details),
+                cap_amount(limit.get("diem"), "diem", &mut details),
+            )
         }
-    }
-    if object.get("limitPeriod").is_some_and(|v| v != "EPOCH") {
-        details.push(&["limitPeriod"], "Only EPOCH is supported yet");
-    }
+        Some(_) => {
+            details.push(&["consumptionLimit"], "Expected object");
+            (None, None)
+        }
+    };
+    let period =
+        match object.get("limitPeriod") {
+            None | Some(Value::Null) => "EPOCH",
+            Some(Value::String(p)) if ["EPOCH", "MONTH", "LIFETIME"].contains(&p.as_str()) => p,
+            Some(other) => {
+                details.push(
+                &["limitPeriod"],
+                format!(
+                    "Invalid enum value. Expected 'EPOCH' | 'MONTH' | 'LIFETIME', received '{}'",
+                    other.as_str().map_or_else(|| other.to_string(), str::to_owned)
+                ),
+            );
+                "EPOCH"
+            }
+        };
+    let limit = (usd_nanos.is_some() || diem_nanos.is_some() || period != "EPOCH").then(|| {
+        pb::ConsumptionLimit {
+            usd_nanos,
+            diem_nanos,
+            period: period.to_owned(),
+        }
+    });
     if object.get("modelPrivacy").is_some_and(|v| v != "ALL") {
         details.push(&["modelPrivacy"], "Only ALL is supported yet");
     }
@@ -238,7 +316,76 @@ fn validate_create(body: &Value) -> Result<CreateKey, ApiError> {
         key_type,
         description,
         expires_at_ms,
+        limit,
     })
+}
+
+/// The most a key's cap may be in either currency (the hosted API's bound).
+const MAX_CAP: i64 = 9_999_999_999;
+
+/// One currency of `consumptionLimit`: null, or a number from 0 to
+/// 9,999,999,999 with at most 9 decimals, as nano-units.
+fn cap_amount(value: Option<&Value>, field: &str, details: &mut Details) -> Option<i64> {
+    let value = value.filter(|v| !v.is_null())?;
+    let path = ["consumptionLimit", field];
+    let Value::Number(number) = value else {
+        details.push(&path, "Expected number, received string");
+        return None;
+    };
+    // JSON clients write small numbers with exponents (Python: 1e-09).
+    let text = number.to_string();
+    let parsed = if text.contains(['e', 'E']) {
+        rust_decimal::Decimal::from_scientific(&text)
+    } else {
+        text.parse()
+    };
+    let amount = match parsed {
+        Ok(amount) => amount.normalize(),
+        Err(_) => {
+            details.push(&path, "Number must be less than or equal to 9999999999");
+            return None;
+        }
+    };
+    if amount.is_sign_negative() && !amount.is_zero() {
+        details.push(&path, "Number must be greater than or equal to 0");
+        return None;
+    }
+    if amount > rust_decimal::Decimal::from(MAX_CAP) {
+        details.push(&path, "Number must be less than or equal to 9999999999");
+        return None;
+    }
+    if amount.scale() > 9 {
+        details.push(&path, format!("{field} may have at most 9 decimals"));
+        return None;
+    }
+    match rialto_billing::to_nanos(amount) {
+        Ok(nanos) => Some(nanos),
+        Err(error) => {
+            details.push(&path, error.message);
+            None
+        }
+    }
+}
+
+/// `consumptionLimit(s)` and `limitPeriod` of a key, as the hosted API
+/// renders them.
+fn limit_json(limit: Option<&pb::ConsumptionLimit>) -> (Value, &str) {
+    let amount = |nanos: Option<i64>| {
+        nanos.map_or(Value::Null, |n| {
+            serde_json::from_str(&rialto_billing::from_nanos(n)).unwrap_or(Value::Null)
+        })
+    };
+    match limit {
+        Some(limit) => (
+            json!({"usd": amount(limit.usd_nanos), "diem": amount(limit.diem_nanos), "vcu": null}),
+            if limit.period.is_empty() {
+                "EPOCH"
+            } else {
+                limit.period.as_str()
+            },
+        ),
+        None => (json!({"usd": null, "diem": null, "vcu": null}), "EPOCH"),
+    }
 }
 
 /// `YYYY-MM-DD` (end of that day, UTC) or an RFC 3339 date-time.
@@ -267,8 +414,9 @@ fn key_type_name(key_type: i32) -> &'static str {
     }
 }
 
-fn record_json(record: &pb::ApiKeyRecord) -> Value {
-    json!({
+fn record_json(record: &pb::ApiKeyRecord, spend: &HashMap<String, billing_pb::KeySpend>) -> Value {
+    let (limits, period) = limit_json(record.limit.as_ref());
+    let mut json = json!({
         "id": record.id,
         "apiKeyType": key_type_name(record.key_type),
         "description": record.description,
@@ -276,10 +424,15 @@ fn record_json(record: &pb::ApiKeyRecord) -> Value {
         "expiresAt": record.expires_at_ms.map(iso),
         "lastUsedAt": record.last_used_at_ms.map(iso),
         "last6Chars": record.last6_chars,
-        "consumptionLimits": {"usd": null, "diem": null, "vcu": null},
-        "limitPeriod": "EPOCH",
+        "consumptionLimits": limits,
+        "limitPeriod": period,
         "modelPrivacy": "ALL",
-    })
+    });
+    // Only keys with a cap report their usage in the current period.
+    if let Some(spent) = spend.get(&record.id) {
+        json["currentPeriodUsage"] = json!({"usd": spent.usd, "diem": spent.diem});
+    }
+    json
 }
 
 #[cfg(test)]

@@ -369,6 +369,20 @@ fn ledger_owner(principal: &auth_pb::Principal) -> String {
     rialto_billing::account_owner(&principal.account_id)
 }
 
+/// A key's cap as billing enforces it; None when it caps no currency.
+fn key_limit(
+    key_id: &str,
+    limit: Option<&auth_pb::ConsumptionLimit>,
+) -> Option<rialto_proto::billing::v1::KeyLimit> {
+    let limit = limit.filter(|l| l.usd_nanos.is_some() || l.diem_nanos.is_some())?;
+    Some(rialto_proto::billing::v1::KeyLimit {
+        key_id: key_id.to_owned(),
+        usd_nanos: limit.usd_nanos,
+        diem_nanos: limit.diem_nanos,
+        period: limit.period.clone(),
+    })
+}
+
 /// The `x-ratelimit-*` values of a request (request extensions); the stamp
 /// middleware writes them on the response, whatever its status.
 #[derive(Debug, Clone)]
