@@ -54,6 +54,24 @@ impl Balance {
     }
 }
 
+/// An owner's ledger row as last read or written: what a ledger actor
+/// caches so that a hold needs no read first.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Snapshot {
+    pub balance: Balance,
+    /// UTC day of the last staking allocation.
+    pub diem_epoch: i64,
+    /// DIEM per day, when the owner stakes.
+    pub stake: Option<i64>,
+}
+
+impl Snapshot {
+    /// Whether no staking allocation is due on UTC day `day`.
+    pub fn is_current(&self, day: i64) -> bool {
+        self.stake.is_none() || self.diem_epoch >= day
+    }
+}
+
 /// What placing a hold did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HoldOutcome {
@@ -104,6 +122,18 @@ pub struct UsageRecord {
     pub prompt_tokens: i64,
     pub completion_tokens: i64,
     pub at_ms: i64,
+}
+
+/// One hold to place.
+#[derive(Debug, Clone, Copy)]
+pub struct HoldSpec<'a> {
+    pub owner: &'a str,
+    pub request_id: &'a str,
+    /// Nano-units: the most the request can cost.
+    pub amount: i64,
+    pub expires_at_ms: i64,
+    /// The calling key's cap, if it has one.
+    pub cap: Option<&'a KeyCap>,
 }
 
 /// A key's spending cap, as a hold enforces it.
@@ -165,14 +195,29 @@ impl Ledger {
     /// The balances as of UTC day `day` (days since 1970-01-01): a stake's
     /// allocation for that day is made first if it was not yet.
     pub async fn balance_on(&self, owner: &str, day: i64) -> Result<Balance> {
+        Ok(self.snapshot_on(owner, day).await?.balance)
+    }
+
+    /// The owner's row, after today's staking allocation if it is due.
+    pub async fn snapshot(&self, owner: &str) -> Result<Snapshot> {
+        self.snapshot_on(owner, today()).await
+    }
+
+    async fn snapshot_on(&self, owner: &str, day: i64) -> Result<Snapshot> {
         let (balance, epoch, stake) = self.read(owner).await?;
-        match stake {
+        let (balance, epoch) = match stake {
             Some(per_day) if epoch < day => {
                 self.allocate(owner, day, per_day).await?;
-                Ok(self.read(owner).await?.0)
+                let (balance, epoch, _) = self.read(owner).await?;
+                (balance, epoch)
             }
-            _ => Ok(balance),
-        }
+            _ => (balance, epoch),
+        };
+        Ok(Snapshot {
+            balance,
+            diem_epoch: epoch,
+            stake,
+        })
     }
 
     /// Balances, the day of the last allocation, and the stake per day.
@@ -359,20 +404,63 @@ impl Ledger {
         expires_at_ms: i64,
         cap: Option<&KeyCap>,
     ) -> Result<HoldOutcome> {
+        let hold = HoldSpec {
+            owner,
+            request_id,
+            amount,
+            expires_at_ms,
+            cap,
+        };
+        Ok(self.hold_from(&hold, None).await?.0)
+    }
+
+    /// Places `hold`, deciding the first time from `known` (a ledger actor's
+    /// snapshot) rather than a read: a stale snapshot costs a retry, never
+    /// money (the update is conditional), and a refusal is only made on a
+    /// fresh read. Also returns the balance after, when the hold wrote.
+    pub async fn hold_from(
+        &self,
+        hold: &HoldSpec<'_>,
+        known: Option<Snapshot>,
+    ) -> Result<(HoldOutcome, Option<Balance>)> {
+        let HoldSpec {
+            owner,
+            request_id,
+            amount,
+            expires_at_ms,
+            cap,
+        } = *hold;
+        let mut known = known.filter(|s| s.is_current(today()));
         let amount = amount.max(0);
         if amount == 0 {
             // A free request reserves nothing, and settles to nothing.
-            let before = self.balance(owner).await?;
-            return Ok(HoldOutcome::Placed {
+            let before = match known {
+                Some(snapshot) => snapshot.balance,
+                None => self.balance(owner).await?,
+            };
+            let placed = HoldOutcome::Placed {
                 usd: 0,
                 diem: 0,
                 before,
-            });
+            };
+            return Ok((placed, None));
         }
         // The split is computed from a read; the update only applies if the
         // balance still allows it, else we read again.
         for _ in 0..5 {
-            let before = self.balance(owner).await?;
+            let cached = known.take();
+            let before = match cached {
+                Some(snapshot) => snapshot.balance,
+                None => self.balance(owner).await?,
+            };
+            // Refusals are decided on a fresh read only.
+            let refuse = |outcome: HoldOutcome| {
+                if cached.is_some() {
+                    None
+                } else {
+                    Some((outcome, None))
+                }
+            };
             let (usd_room, diem_room) = match cap {
                 Some(cap) => self.key_room(cap).await?,
                 None => (i64::MAX, i64::MAX),
@@ -382,19 +470,28 @@ impl Ledger {
             let usd = amount - diem;
             if usd > before.usd_available() {
                 // DIEM the key may not spend would have paid: the cap refused.
-                if amount.min(diem_usable) > diem {
-                    return Ok(HoldOutcome::KeyLimitReached {
+                let outcome = if amount.min(diem_usable) > diem {
+                    HoldOutcome::KeyLimitReached {
                         before,
                         currency: "DIEM",
-                    });
+                    }
+                } else {
+                    HoldOutcome::Insufficient { before }
+                };
+                match refuse(outcome) {
+                    Some(refused) => return Ok(refused),
+                    None => continue,
                 }
-                return Ok(HoldOutcome::Insufficient { before });
             }
             if usd > usd_room {
-                return Ok(HoldOutcome::KeyLimitReached {
+                let outcome = HoldOutcome::KeyLimitReached {
                     before,
                     currency: "USD",
-                });
+                };
+                match refuse(outcome) {
+                    Some(refused) => return Ok(refused),
+                    None => continue,
+                }
             }
             let now = now_ms();
             let mut tx = self.db.pool().begin().await?;
@@ -402,23 +499,25 @@ impl Ledger {
                 "UPDATE ledgers SET usd_held_nanos = usd_held_nanos + $2, \
                  diem_held_nanos = diem_held_nanos + $3, updated_at_ms = $4 \
                  WHERE owner = $1 AND usd_nanos - usd_held_nanos >= $2 \
-                 AND diem_nanos - diem_held_nanos >= $3",
+                 AND diem_nanos - diem_held_nanos >= $3 \
+                 RETURNING usd_nanos, diem_nanos, usd_held_nanos, diem_held_nanos",
             )
             .bind(owner)
             .bind(usd)
             .bind(diem)
             .bind(now)
-            .execute(&mut *tx)
+            .fetch_optional(&mut *tx)
             .await?;
-            if reserved.rows_affected() != 1 {
+            let Some(after) = reserved else {
                 // Someone else took the balance meanwhile (or the owner has
                 // no ledger row yet): decide again on a fresh read.
                 tx.rollback().await?;
-                if before == Balance::default() && amount > 0 {
-                    return Ok(HoldOutcome::Insufficient { before });
+                if before == Balance::default() && cached.is_none() {
+                    return Ok((HoldOutcome::Insufficient { before }, None));
                 }
                 continue;
-            }
+            };
+            let after = balance_of(&after)?;
             if let Some(cap) = cap
                 && !reserve_key_room(&mut tx, cap, usd, diem).await?
             {
@@ -444,7 +543,7 @@ impl Ledger {
             if let Err(error) = inserted {
                 tx.rollback().await?;
                 return if is_unique_violation(&error) {
-                    Ok(HoldOutcome::Duplicate)
+                    Ok((HoldOutcome::Duplicate, None))
                 } else {
                     Err(error.into())
                 };
@@ -467,7 +566,7 @@ impl Ledger {
             )
             .await?;
             tx.commit().await?;
-            return Ok(HoldOutcome::Placed { usd, diem, before });
+            return Ok((HoldOutcome::Placed { usd, diem, before }, Some(after)));
         }
         Err(Error::new(
             rialto_core::ErrorCode::Unavailable,
@@ -683,26 +782,36 @@ impl Ledger {
         cost: i64,
         usage: Option<&UsageDetail<'_>>,
     ) -> Result<SettleOutcome> {
+        Ok(self
+            .close_tracked(request_id, state, kind, cost, usage)
+            .await?
+            .0)
+    }
+
+    /// Like `close`, also returning the owner's balance after, when it wrote.
+    async fn close_tracked(
+        &self,
+        request_id: &str,
+        state: &'static str,
+        kind: &'static str,
+        cost: i64,
+        usage: Option<&UsageDetail<'_>>,
+    ) -> Result<(SettleOutcome, Option<Balance>)> {
         let now = now_ms();
         let mut tx = self.db.pool().begin().await?;
         // Write first: claims the hold, and on SQLite the write lock.
-        let claimed =
-            sqlx::query("UPDATE holds SET state = $2 WHERE request_id = $1 AND state = 'open'")
-                .bind(request_id)
-                .bind(state)
-                .execute(&mut *tx)
-                .await?;
-        if claimed.rows_affected() != 1 {
-            tx.rollback().await?;
-            return Ok(SettleOutcome::NotOpen);
-        }
-        let hold = sqlx::query(
-            "SELECT owner, usd_nanos, diem_nanos, key_id, key_period FROM holds \
-             WHERE request_id = $1",
+        let claimed = sqlx::query(
+            "UPDATE holds SET state = $2 WHERE request_id = $1 AND state = 'open' \
+             RETURNING owner, usd_nanos, diem_nanos, key_id, key_period",
         )
         .bind(request_id)
-        .fetch_one(&mut *tx)
+        .bind(state)
+        .fetch_optional(&mut *tx)
         .await?;
+        let Some(hold) = claimed else {
+            tx.rollback().await?;
+            return Ok((SettleOutcome::NotOpen, None));
+        };
         let owner: String = hold.try_get(0)?;
         let held_usd: i64 = hold.try_get(1)?;
         let held_diem: i64 = hold.try_get(2)?;
@@ -713,10 +822,11 @@ impl Ledger {
         if let Some((key_id, period)) = &key {
             count_key_spend(&mut tx, key_id, period, [usd, diem, held_usd, held_diem]).await?;
         }
-        sqlx::query(
+        let after = sqlx::query(
             "UPDATE ledgers SET usd_nanos = usd_nanos - $2, diem_nanos = diem_nanos - $3, \
              usd_held_nanos = usd_held_nanos - $4, diem_held_nanos = diem_held_nanos - $5, \
-             updated_at_ms = $6 WHERE owner = $1",
+             updated_at_ms = $6 WHERE owner = $1 \
+             RETURNING usd_nanos, diem_nanos, usd_held_nanos, diem_held_nanos",
         )
         .bind(&owner)
         .bind(usd)
@@ -724,8 +834,9 @@ impl Ledger {
         .bind(held_usd)
         .bind(held_diem)
         .bind(now)
-        .execute(&mut *tx)
+        .fetch_one(&mut *tx)
         .await?;
+        let after = balance_of(&after)?;
         insert_journal(
             &mut tx,
             Entry {
@@ -747,11 +858,34 @@ impl Ledger {
             insert_usage_records(&mut tx, &owner, request_id, usage, usd, diem, now).await?;
         }
         tx.commit().await?;
-        Ok(SettleOutcome::Settled {
+        let settled = SettleOutcome::Settled {
             usd,
             diem,
             written_off,
-        })
+        };
+        Ok((settled, Some(after)))
+    }
+
+    /// Like [`settle_usage`](Self::settle_usage), also returning the
+    /// owner's balance after, when it changed (for a ledger actor's cache).
+    pub async fn settle_tracked(
+        &self,
+        request_id: &str,
+        cost: i64,
+        usage: &UsageDetail<'_>,
+    ) -> Result<(SettleOutcome, Option<Balance>)> {
+        match self
+            .close_tracked(request_id, "settled", "settle", cost.max(0), Some(usage))
+            .await?
+        {
+            (SettleOutcome::NotOpen, _) => {
+                let late = self
+                    .settle_expired(request_id, cost.max(0), Some(usage))
+                    .await?;
+                Ok((late, None))
+            }
+            settled => Ok(settled),
+        }
     }
 
     /// Room left under a key's cap in its period: (usd, diem), `i64::MAX`
@@ -868,6 +1002,16 @@ async fn insert_journal(
     .execute(&mut **tx)
     .await?;
     Ok(())
+}
+
+/// A `RETURNING usd_nanos, diem_nanos, usd_held_nanos, diem_held_nanos` row.
+fn balance_of(row: &sqlx::any::AnyRow) -> std::result::Result<Balance, sqlx::Error> {
+    Ok(Balance {
+        usd: row.try_get(0)?,
+        diem: row.try_get(1)?,
+        usd_held: row.try_get(2)?,
+        diem_held: row.try_get(3)?,
+    })
 }
 
 /// The (key id, period) a hold row counts against, from columns `at` and

@@ -159,7 +159,7 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
         }
     };
     let billing = if let Some(db) = db.clone().filter(|_| here.contains("billing")) {
-        let billing = LocalBilling::new(&config, db);
+        let billing = LocalBilling::new(&config, db).with_ledger_actors();
         billing.spawn_sweeper();
         let billing = BillingClient::new(billing);
         rialto_billing::usage_queue::spawn_usage_consumer(billing.clone(), bus.clone());
