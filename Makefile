@@ -6,7 +6,7 @@ SHELL := bash
 CARGO ?= cargo
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 VENV := .venv
-PYTHON_PACKAGES := openai==3.54.0 openapi-core==0.19.5 pyyaml==6.0.3 requests==2.34.2
+PYTHON_PACKAGES := openai==3.54.0 openapi-core==0.19.5 pyyaml==6.0.3 requests==2.34.2 'x402[evm]==2.25.0' eth-account==0.14.0
 BENCH_VENV := bench/.venv
 
 .PHONY: help run test lint fmt build services venv toolchain clean bench bench-smoke bench-venv

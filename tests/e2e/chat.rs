@@ -302,7 +302,9 @@ async fn bad_requests_are_4xx(world: &World) {
         .send()
         .await
         .unwrap();
-    assert_eq!(no_key.status(), 401);
+    // No credentials at all: how to get some (x402 discovery).
+    assert_eq!(no_key.status(), 402);
+    assert!(no_key.headers().contains_key("payment-required"));
     assert_common_headers(&no_key);
     let bad_key = post(
         world,

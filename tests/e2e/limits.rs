@@ -533,7 +533,7 @@ async fn abuse_protection_blocks_and_expires() {
     // A key that authenticated here before still works behind the same
     // address (a shared proxy or NAT); another address is not blocked.
     assert_eq!(from("10.0.0.1", Some(&bystander)).await, 200);
-    assert_eq!(from("10.0.0.2", None).await, 401);
+    assert_eq!(from("10.0.0.2", None).await, 402);
     // A key never seen here waits out the block, unless it proves itself
     // from elsewhere first: nothing behind a blocked address costs a lookup.
     let (_, fresh) = sandbox.create_key(&admin, "INFERENCE").await.unwrap();
@@ -554,5 +554,5 @@ async fn abuse_protection_blocks_and_expires() {
     assert_eq!(operator(sandbox.operator_token.clone()).await, 201);
     assert_eq!(operator("wrong".to_owned()).await, 429);
     tokio::time::sleep(Duration::from_millis(2100)).await;
-    assert_eq!(from("10.0.0.1", None).await, 401);
+    assert_eq!(from("10.0.0.1", None).await, 402);
 }

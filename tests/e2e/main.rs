@@ -12,3 +12,4 @@ mod keys;
 mod limits;
 mod python;
 mod support;
+mod wallet;

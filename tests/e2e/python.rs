@@ -113,6 +113,52 @@ backends = [{{ kind = "openai", url = "{}", model = "mock-model" }}]
     World { mock, sandbox }
 }
 
+/// An independent wallet (eth-account for the sign-in, the x402 Python SDK
+/// for the payment) against a facilitator double.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn x402_python_wallet() {
+    let mock = MockUpstream::start().await.unwrap();
+    let facilitator = rialto_test_kit::Facilitator::start().await.unwrap();
+    let config = format!(
+        r#"
+[[models]]
+id = "paid-chat"
+input_usd_per_mtok = 1.0
+output_usd_per_mtok = 1.0
+backends = [{{ kind = "openai", url = "{}", model = "mock-model" }}]
+
+[wallet]
+domains = ["127.0.0.1:8080", "localhost:8080"]
+
+[x402]
+facilitator_url = "{}"
+pay_to_evm = "0x2222222222222222222222222222222222222222"
+min_usd = "5"
+max_usd = "10000"
+"#,
+        mock.base_url(),
+        facilitator.url()
+    );
+    let sandbox = Sandbox::builder(Topology::OneProcess)
+        .config(&config)
+        .start()
+        .await
+        .unwrap();
+    let stdout = run_script(
+        "x402_wallet_check.py",
+        &[
+            ("RIALTO_E2E_BASE_URL", &sandbox.api("")),
+            ("RIALTO_E2E_MODEL", "paid-chat"),
+            ("RIALTO_E2E_DOMAIN", "localhost:8080"),
+        ],
+    )
+    .await;
+    for check in ["sign-in ok", "top-up ok", "chat ok"] {
+        assert!(stdout.contains(check), "{stdout}");
+    }
+    assert_eq!(facilitator.settlements().len(), 1);
+}
+
 async fn openapi_conformance(world: &World) {
     let stdout = run_script(
         "openapi_conformance.py",

@@ -4,11 +4,20 @@ Run by tests/e2e/python.rs against a sandbox (base URL, operator token, a
 model id, and the id of a model whose global window admits one request per
 minute, in the environment). Every exchange below is validated, request and
 response, with openapi-core against GET /openapi.yaml; exits non-zero on the
-first mismatch.
+first mismatch. A wallet signs in with eth-account (Sign-In-With-X); the
+sandbox has no [x402], so top-ups answer 503 (the x402 flows are in
+tests/e2e/wallet.rs and x402_wallet_check.py).
+
+The failed-requests guard blocks the client address after more than 20 4xx
+answers in 30 s that no API key authenticated (operator calls, requests
+without credentials, refused sign-ins, payment headers, wallet mismatches):
+this script makes 17 of them; keep it under the threshold.
 """
 
+import base64
 import json
 import os
+import secrets
 import sys
 import time
 from datetime import datetime, timedelta, timezone
@@ -16,6 +25,8 @@ from decimal import Decimal
 
 import requests
 import yaml
+from eth_account import Account
+from eth_account.messages import encode_defunct
 from openapi_core import OpenAPI
 from openapi_core.contrib.requests import RequestsOpenAPIRequest, RequestsOpenAPIResponse
 
@@ -65,6 +76,30 @@ operator_auth = {"Authorization": f"Bearer {operator}"}
 def numbers(response):
     """The JSON body with its numbers as exact Decimals (or ints)."""
     return response.json(parse_float=Decimal)
+
+
+def decoded(value):
+    """The JSON of an x402 header (base64, standard and padded)."""
+    return json.loads(base64.b64decode(value, validate=True))
+
+
+def discovery(response):
+    """Asserts that a 402 is the x402 discovery answer to a request without
+    credentials; this sandbox has no [x402], so nothing to pay with."""
+    body = response.json()
+    assert body["x402Version"] == 2, body
+    assert body["error"] == "Authentication required", body
+    assert body["resource"]["url"].endswith(response.request.path_url.split("?")[0]), body
+    assert body["accepts"] == [], body
+    assert set(body["authOptions"]) == {"apiKey", "x402Wallet"}, body
+    assert body["authOptions"]["x402Wallet"]["header"] == "SIGN-IN-WITH-X", body
+    challenge = body["extensions"]["sign-in-with-x"]
+    assert challenge["info"]["domain"] == "127.0.0.1:8080", challenge
+    assert {"chainId": "eip155:8453", "type": "eip191"} in challenge["supportedChains"], challenge
+    required = decoded(response.headers["PAYMENT-REQUIRED"])
+    assert required["x402Version"] == 2 and required["accepts"] == [], required
+    assert "sign-in-with-x" in required["extensions"], required
+    return body
 
 
 account = check(
@@ -166,7 +201,8 @@ assert balance(admin) == {"canConsume": True, "consumptionCurrency": "USD", "bal
                           "diemEpochAllocation": 0}
 refused = check(session.get(f"{api}/billing/balance", headers=inference), 401)
 assert refused.json() == {"error": "Admin API key required"}, refused.text
-check(session.get(f"{api}/billing/balance"), 401, valid_request=False)
+# No credentials at all: 402 with the x402 discovery body, not 401.
+discovery(check(session.get(f"{api}/billing/balance"), 402, valid_request=False))
 
 # The rate-limit log under both paths: ADMIN keys only.
 for path in ("api_keys/rate_limits/log", "api_keys/rate_limit_logs"):
@@ -218,8 +254,66 @@ assert balance(admin)["balances"] == {"diem": 0, "usd": 100 - spent}, spent
 check(session.post(f"{api}/chat/completions", json={"model": model, "messages": []}, headers=inference), 400,
       valid_request=False)
 check(session.post(f"{api}/chat/completions", json={"model": "nope", "messages": hello}, headers=inference), 404)
-check(session.post(f"{api}/chat/completions", json={"model": model, "messages": hello}), 401,
-      valid_request=False)
+discovery(check(session.post(f"{api}/chat/completions", json={"model": model, "messages": hello}), 402,
+                valid_request=False))
+# x402 payment headers belong to the top-up only.
+refused = check(session.post(f"{api}/chat/completions", json={"model": model, "messages": hello},
+                             headers={**inference, "PAYMENT-SIGNATURE": "e30="}), 400)
+assert refused.json()["error"] == "PAYMENT_HEADER_NOT_ACCEPTED", refused.text
+# This sandbox has no [x402]: top-ups are off, with or without a payment.
+for extra in ({}, {"PAYMENT-SIGNATURE": "e30="}):
+    off = check(session.post(f"{api}/x402/top-up", headers=extra), 503)
+    assert off.json()["error"] == "X402_NOT_CONFIGURED", off.text
+
+
+# A wallet signed in with Sign-In-With-X (eth-account, one nonce per
+# request): billed on its own empty ledger, it can use an unpriced model
+# only; its balance and movements are its own.
+wallet = Account.create()
+
+
+def sign_in(nonce=None):
+    """A fresh SIGN-IN-WITH-X header (the hosted API's signed-text shape)."""
+    issued = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.000Z")
+    message = (
+        f"localhost:8080 wants you to sign in with your Ethereum account:\n{wallet.address}\n\n"
+        f"Sign in to Rialto\n\nURI: http://localhost:8080\nVersion: 1\nChain ID: 8453\n"
+        f"Nonce: {nonce or secrets.token_hex(8)}\nIssued At: {issued}"
+    )
+    signature = Account.sign_message(encode_defunct(text=message), private_key=wallet.key).signature
+    payload = {"address": wallet.address, "message": message,
+               "signature": "0x" + signature.hex().removeprefix("0x"), "chainId": 8453}
+    return {"SIGN-IN-WITH-X": base64.b64encode(json.dumps(payload).encode()).decode()}
+
+
+wallet_broke = check(session.post(f"{api}/chat/completions", json={"model": model, "messages": hello},
+                                  headers=sign_in()), 402)
+assert wallet_broke.json()["reason"] == "insufficient_balance", wallet_broke.text
+assert numbers(wallet_broke)["currentBalanceUsd"] == 0, wallet_broke.text
+assert decoded(wallet_broke.headers["PAYMENT-REQUIRED"])["x402Version"] == 2, dict(wallet_broke.headers)
+# The sign-in wins over a key, and a nonce serves once.
+once = sign_in()
+free = check(session.post(f"{api}/chat/completions", json={"model": "old-chat", "messages": hello},
+                          headers={**inference, **once}), 200)
+assert free.headers["X-Balance-Remaining"] == "0", dict(free.headers)
+assert free.json()["cost"] == {"usd": 0, "diem": 0}, free.text
+wallet_stream = check(session.post(f"{api}/chat/completions",
+                                   json={"model": "old-chat", "messages": hello, "stream": True},
+                                   headers=sign_in()), 200)
+assert wallet_stream.headers["X-Balance-Remaining"] == "0", dict(wallet_stream.headers)
+assert "X-Balance-Remaining" not in plain.headers, dict(plain.headers)
+replayed = check(session.post(f"{api}/chat/completions", json={"model": "old-chat", "messages": hello},
+                              headers=once), 401)
+assert replayed.json()["code"] == "X402_SIGN_IN_NONCE_REUSED", replayed.text
+own = check(session.get(f"{api}/x402/balance/{wallet.address}", headers=sign_in()), 200).json()["data"]
+assert own["walletAddress"] == wallet.address and own["balanceUsd"] == 0 and own["canConsume"] is False, own
+moves = check(session.get(f"{api}/x402/transactions/{wallet.address}", headers=sign_in()), 200).json()["data"]
+assert moves["transactions"] == [] and moves["pagination"] == {"limit": 50, "offset": 0, "hasMore": False}, moves
+other = check(session.get(f"{api}/x402/balance/0x2222222222222222222222222222222222222222", headers=sign_in()),
+              403)
+assert other.json()["code"] == "X402_WALLET_MISMATCH", other.text
+discovery(check(session.get(f"{api}/x402/balance/{wallet.address}", headers=inference), 402,
+                valid_request=False))
 
 
 # An account without credit is refused (402) before the model is called; a

@@ -97,6 +97,13 @@ impl Auth for AuthGrpc {
             self.0.set_account_tier(request.into_inner()).await?,
         ))
     }
+
+    async fn sign_in(
+        &self,
+        request: Request<pb::SignInRequest>,
+    ) -> Result<Response<pb::SignInResponse>, Status> {
+        Ok(Response::new(self.0.sign_in(request.into_inner()).await?))
+    }
 }
 
 /// The auth service in another process, reached over gRPC.
@@ -149,5 +156,9 @@ impl AuthService for RemoteAuth {
 
     async fn set_account_tier(&self, request: pb::SetAccountTierRequest) -> Result<pb::Account> {
         Ok(self.0.clone().set_account_tier(request).await?.into_inner())
+    }
+
+    async fn sign_in(&self, request: pb::SignInRequest) -> Result<pb::SignInResponse> {
+        Ok(self.0.clone().sign_in(request).await?.into_inner())
     }
 }

@@ -18,6 +18,7 @@ use rialto_proto::auth::v1 as pb;
 
 pub mod grpc;
 mod local;
+pub mod siwx;
 
 pub use local::LocalAuth;
 pub use pb::KeyType;
@@ -46,6 +47,9 @@ pub trait AuthService: Send + Sync + 'static {
     /// Changes the account's rate-limit tier; its keys see it at once here
     /// and within the cache's re-check on other auth replicas.
     async fn set_account_tier(&self, request: pb::SetAccountTierRequest) -> Result<pb::Account>;
+    /// Verifies a Sign-In-With-X header and consumes its nonce; a refusal is
+    /// an answer (with its code), not an error.
+    async fn sign_in(&self, request: pb::SignInRequest) -> Result<pb::SignInResponse>;
 }
 
 /// A cloneable handle on the auth service, local or remote.

@@ -27,6 +27,9 @@ const KEY_RECHECK: Duration = Duration::from_secs(1);
 
 pub struct LocalAuth {
     inner: Arc<Inner>,
+    /// What wallet sign-ins must match, and their rate-limit tier.
+    wallets: crate::siwx::SiwxPolicy,
+    wallet_tier: String,
 }
 
 struct Inner {
@@ -76,11 +79,31 @@ impl LocalAuth {
                 tick.tick().await;
                 let Some(inner) = weak.upgrade() else { break };
                 inner.flush_last_used().await;
+                inner.sweep_nonces().await;
             }
         });
-        Self { inner }
+        Self {
+            inner,
+            wallets: crate::siwx::SiwxPolicy::default(),
+            wallet_tier: "standard".to_owned(),
+        }
+    }
+
+    /// Accepts wallet sign-ins under `[wallet]`.
+    pub fn with_wallets(mut self, config: &rialto_core::config::WalletConfig) -> Self {
+        self.wallets = crate::siwx::SiwxPolicy {
+            domains: config.domains.clone(),
+            evm_chains: config.evm_chain_ids.clone(),
+            solana_chains: config.solana_chains.clone(),
+        };
+        self.wallet_tier = config.tier.clone();
+        self
     }
 }
+
+/// Margin a used nonce is kept past the last moment its header could be
+/// accepted (clock skew between replicas).
+const NONCE_MARGIN_MS: i64 = 30_000;
 
 impl Inner {
     fn new_secret(&self, key_type: pb::KeyType) -> Result<String> {
@@ -188,6 +211,7 @@ impl Inner {
                 key_type: key_type_from_name(&key_type) as i32,
                 tier: row.try_get("tier")?,
                 key_limit: limit_from_row(&row)?,
+                wallet: String::new(),
             },
             expires_at_ms: row.try_get("expires_at_ms")?,
             checked_at: Instant::now(),
@@ -215,6 +239,17 @@ impl Inner {
             if let Err(error) = result {
                 tracing::warn!(%error, key_id, "could not record key use");
             }
+        }
+    }
+
+    /// Forgets nonces whose headers can no longer be accepted.
+    async fn sweep_nonces(&self) {
+        let result = sqlx::query("DELETE FROM wallet_nonces WHERE expires_at_ms < $1")
+            .bind(now_ms())
+            .execute(self.db.pool())
+            .await;
+        if let Err(error) = result {
+            tracing::warn!(%error, "could not sweep wallet nonces");
         }
     }
 
@@ -485,6 +520,54 @@ impl AuthService for LocalAuth {
             account_id: request.account_id,
         })
         .await
+    }
+
+    async fn sign_in(&self, request: pb::SignInRequest) -> Result<pb::SignInResponse> {
+        let refused = |code: &str, message: String| pb::SignInResponse {
+            principal: None,
+            refusal_code: code.to_owned(),
+            refusal: message,
+        };
+        let now = now_ms();
+        let signed = match crate::siwx::verify(&request.header, &self.wallets, now) {
+            Ok(signed) => signed,
+            Err(refusal) => return Ok(refused(refusal.code, refusal.message)),
+        };
+        // One request per header: the nonce is consumed here, atomically
+        // across replicas (the primary key), whatever happens next.
+        let consumed = sqlx::query(
+            "INSERT INTO wallet_nonces (wallet, nonce, expires_at_ms) VALUES ($1, $2, $3)",
+        )
+        .bind(&signed.address)
+        .bind(&signed.nonce)
+        .bind(signed.valid_until_ms.saturating_add(NONCE_MARGIN_MS))
+        .execute(self.inner.db.pool())
+        .await;
+        match consumed {
+            Ok(_) => {}
+            Err(sqlx::Error::Database(e)) if e.is_unique_violation() => {
+                return Ok(refused(
+                    "X402_SIGN_IN_NONCE_REUSED",
+                    "This sign-in nonce was used already: sign a new message with a fresh nonce \
+                     for every request"
+                        .to_owned(),
+                ));
+            }
+            Err(error) => return Err(error.into()),
+        }
+        let principal_id = format!("wallet:{}", signed.address);
+        Ok(pb::SignInResponse {
+            principal: Some(pb::Principal {
+                account_id: principal_id.clone(),
+                key_id: principal_id,
+                key_type: pb::KeyType::Inference as i32,
+                tier: self.wallet_tier.clone(),
+                key_limit: None,
+                wallet: signed.address,
+            }),
+            refusal_code: String::new(),
+            refusal: String::new(),
+        })
     }
 }
 

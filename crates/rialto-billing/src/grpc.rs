@@ -83,6 +83,22 @@ impl Billing for BillingGrpc {
     ) -> Result<Response<pb::KeySpendResponse>, Status> {
         Ok(Response::new(self.0.key_spend(request.into_inner()).await?))
     }
+
+    async fn top_up(
+        &self,
+        request: Request<pb::TopUpRequest>,
+    ) -> Result<Response<pb::TopUpResponse>, Status> {
+        Ok(Response::new(self.0.top_up(request.into_inner()).await?))
+    }
+
+    async fn transactions(
+        &self,
+        request: Request<pb::TransactionsRequest>,
+    ) -> Result<Response<pb::TransactionsResponse>, Status> {
+        Ok(Response::new(
+            self.0.transactions(request.into_inner()).await?,
+        ))
+    }
 }
 
 /// Billing in another process, reached over gRPC.
@@ -129,5 +145,16 @@ impl BillingService for RemoteBilling {
 
     async fn key_spend(&self, request: pb::KeySpendRequest) -> Result<pb::KeySpendResponse> {
         Ok(self.0.clone().key_spend(request).await?.into_inner())
+    }
+
+    async fn top_up(&self, request: pb::TopUpRequest) -> Result<pb::TopUpResponse> {
+        Ok(self.0.clone().top_up(request).await?.into_inner())
+    }
+
+    async fn transactions(
+        &self,
+        request: pb::TransactionsRequest,
+    ) -> Result<pb::TransactionsResponse> {
+        Ok(self.0.clone().transactions(request).await?.into_inner())
     }
 }

@@ -163,6 +163,20 @@ pub fn period_key(period: &str, now_ms: i64) -> Option<String> {
     }
 }
 
+/// One change of an owner's USD balance.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Movement {
+    pub id: String,
+    /// The journal kind: `credit`, `settle`, ...
+    pub kind: String,
+    /// Signed nano-units.
+    pub amount: i64,
+    pub balance_after: i64,
+    pub at_ms: i64,
+    pub request_id: Option<String>,
+    pub model_id: Option<String>,
+}
+
 /// Which usage records to read.
 #[derive(Debug, Clone, Copy)]
 pub struct HistoryQuery<'a> {
@@ -920,6 +934,57 @@ impl Ledger {
             Some(row) => (row.try_get(0)?, row.try_get(1)?),
             None => (0, 0),
         })
+    }
+
+    /// A page of an owner's USD movements, newest first: (entries, more
+    /// after them). Each entry's balance after it is the current balance
+    /// less every newer movement.
+    pub async fn usd_movements(
+        &self,
+        owner: &str,
+        limit: i64,
+        offset: i64,
+    ) -> Result<(Vec<Movement>, bool)> {
+        let current = self.balance(owner).await?.usd;
+        let newer: i64 = sqlx::query(
+            "SELECT CAST(COALESCE(SUM(usd_nanos), 0) AS BIGINT) FROM (SELECT usd_nanos FROM \
+             ledger_journal WHERE owner = $1 AND usd_nanos <> 0 \
+             ORDER BY at_ms DESC, id DESC LIMIT $2) newer",
+        )
+        .bind(owner)
+        .bind(offset)
+        .fetch_one(self.db.pool())
+        .await?
+        .try_get(0)?;
+        let rows = sqlx::query(
+            "SELECT j.id, j.kind, j.usd_nanos, j.at_ms, j.request_id, u.model_id \
+             FROM ledger_journal j LEFT JOIN usage_records u \
+             ON u.request_id = j.request_id AND u.currency = 'USD' AND j.kind = 'settle' \
+             WHERE j.owner = $1 AND j.usd_nanos <> 0 \
+             ORDER BY j.at_ms DESC, j.id DESC LIMIT $2 OFFSET $3",
+        )
+        .bind(owner)
+        .bind(limit + 1)
+        .bind(offset)
+        .fetch_all(self.db.pool())
+        .await?;
+        let more = rows.len() as i64 > limit;
+        let mut after = current - newer;
+        let mut movements = Vec::new();
+        for row in rows.iter().take(usize::try_from(limit).unwrap_or(0)) {
+            let amount: i64 = row.try_get(2)?;
+            movements.push(Movement {
+                id: row.try_get(0)?,
+                kind: row.try_get(1)?,
+                amount,
+                balance_after: after,
+                at_ms: row.try_get(3)?,
+                request_id: row.try_get(4)?,
+                model_id: row.try_get(5)?,
+            });
+            after -= amount;
+        }
+        Ok((movements, more))
     }
 
     /// What the settlement of `request_id` charged: (usd, diem), zeros when

@@ -22,7 +22,9 @@ pub mod actors;
 pub mod grpc;
 pub mod ledger;
 pub mod replicas;
+pub mod solana;
 pub mod usage_queue;
+pub mod x402;
 
 /// Billing in domain terms.
 #[async_trait]
@@ -45,6 +47,13 @@ pub trait BillingService: Send + Sync + 'static {
     async fn set_stake(&self, request: pb::SetStakeRequest) -> Result<pb::Balance>;
     /// What capped keys were charged in their current periods.
     async fn key_spend(&self, request: pb::KeySpendRequest) -> Result<pb::KeySpendResponse>;
+    /// An x402 top-up: verified, settled, credited once.
+    async fn top_up(&self, request: pb::TopUpRequest) -> Result<pb::TopUpResponse>;
+    /// A page of an owner's USD movements, newest first.
+    async fn transactions(
+        &self,
+        request: pb::TransactionsRequest,
+    ) -> Result<pb::TransactionsResponse>;
 }
 
 /// A cloneable handle on billing, local or remote.
@@ -128,6 +137,11 @@ pub fn expected_cost(
 /// The ledger owner of an account (wallets get `wallet:<address>`).
 pub fn account_owner(account_id: &str) -> String {
     format!("account:{account_id}")
+}
+
+/// The ledger owner of a signed-in wallet (EIP-55 or base58 address).
+pub fn wallet_owner(address: &str) -> String {
+    format!("wallet:{address}")
 }
 
 /// Nano-units per unit of USD or DIEM in the ledger.
@@ -215,6 +229,7 @@ pub struct LocalBilling {
     /// One actor per owner ([`actors`]) when started; without them (the
     /// CLI, tests) every operation goes to the ledger directly.
     actors: Option<Arc<actors::LedgerActors>>,
+    x402: x402::X402,
 }
 
 impl LocalBilling {
@@ -225,6 +240,7 @@ impl LocalBilling {
                 .iter()
                 .map(|m| (m.id.clone(), Prices::from_model(m)))
                 .collect(),
+            x402: x402::X402::new(&config.x402, db.clone()),
             ledger: ledger::Ledger::new(db),
             hold_ttl_ms: (config.billing.hold_ttl_secs as i64).saturating_mul(1000),
             actors: None,
@@ -422,6 +438,73 @@ impl BillingService for LocalBilling {
             owner: request.owner,
         })
         .await
+    }
+
+    async fn top_up(&self, request: pb::TopUpRequest) -> Result<pb::TopUpResponse> {
+        let now_secs = u64::try_from(rialto_core::db::now_ms() / 1000).unwrap_or(0);
+        match self
+            .x402
+            .top_up(&request.payment, &request.resource_url, now_secs)
+            .await
+        {
+            Ok(top_up) => {
+                if let Some(actors) = &self.actors {
+                    actors.forget_cache(&wallet_owner(&top_up.wallet));
+                }
+                Ok(pb::TopUpResponse {
+                    ok: true,
+                    wallet: top_up.wallet,
+                    amount_usd: top_up.amount_usd,
+                    new_balance_usd: top_up.new_balance_usd,
+                    payment_id: top_up.payment_id,
+                    settle_response_json: top_up.settle_response.to_string(),
+                    applied: top_up.applied,
+                    ..Default::default()
+                })
+            }
+            Err(refused) => Ok(pb::TopUpResponse {
+                ok: false,
+                status: u32::from(refused.status),
+                code: refused.code.to_owned(),
+                message: refused.message,
+                reason: refused.reason,
+                ..Default::default()
+            }),
+        }
+    }
+
+    async fn transactions(
+        &self,
+        request: pb::TransactionsRequest,
+    ) -> Result<pb::TransactionsResponse> {
+        let limit = i64::from(request.limit.clamp(1, 100));
+        let offset = i64::from(request.offset);
+        let (movements, has_more) = self
+            .ledger
+            .usd_movements(&request.owner, limit, offset)
+            .await?;
+        let current = self.ledger.balance(&request.owner).await?.usd;
+        Ok(pb::TransactionsResponse {
+            current_balance: from_nanos(current),
+            transactions: movements
+                .into_iter()
+                .map(|m| pb::Transaction {
+                    id: m.id,
+                    amount: from_nanos(m.amount),
+                    balance_after: from_nanos(m.balance_after),
+                    kind: if m.kind == "settle" {
+                        "CHARGE"
+                    } else {
+                        "TOP_UP"
+                    }
+                    .to_owned(),
+                    at_ms: m.at_ms,
+                    request_id: m.request_id.unwrap_or_default(),
+                    model_id: m.model_id.unwrap_or_default(),
+                })
+                .collect(),
+            has_more,
+        })
     }
 
     async fn key_spend(&self, request: pb::KeySpendRequest) -> Result<pb::KeySpendResponse> {

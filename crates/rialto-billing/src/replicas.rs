@@ -79,4 +79,21 @@ impl BillingService for ReplicatedBilling {
     async fn key_spend(&self, request: pb::KeySpendRequest) -> Result<pb::KeySpendResponse> {
         self.owner(&request.owner).key_spend(request).await
     }
+
+    async fn transactions(
+        &self,
+        request: pb::TransactionsRequest,
+    ) -> Result<pb::TransactionsResponse> {
+        self.owner(&request.owner).transactions(request).await
+    }
+
+    async fn top_up(&self, request: pb::TopUpRequest) -> Result<pb::TopUpResponse> {
+        // The payer is inside the signed payment; any replica can verify
+        // it, and the payment's key makes the credit happen once.
+        let first = self.replicas.first().map(|(_, client)| client);
+        match first {
+            Some(client) => client.top_up(request).await,
+            None => Err(Error::invalid("no billing replica configured")),
+        }
+    }
 }

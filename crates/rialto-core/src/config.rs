@@ -36,7 +36,91 @@ pub struct Config {
     pub limits: LimitsConfig,
     pub billing: BillingConfig,
     pub bus: BusConfig,
+    pub wallet: WalletConfig,
+    pub x402: X402Config,
     pub models: Vec<ModelConfig>,
+}
+
+/// Wallet sign-in (`[wallet]`, Sign-In-With-X).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WalletConfig {
+    /// Domains (`host` or `host:port`) sign-in messages must name, in
+    /// `domain` and in their `uri`.
+    pub domains: Vec<String>,
+    /// EVM chain ids a wallet may sign in on (`eip155:<id>`).
+    pub evm_chain_ids: Vec<u64>,
+    /// Solana chain references (genesis hashes) a wallet may sign in on.
+    pub solana_chains: Vec<String>,
+    /// The rate-limit tier of wallets.
+    pub tier: String,
+    /// The statement of the sign-in challenge in 402 answers.
+    pub statement: String,
+}
+
+impl Default for WalletConfig {
+    fn default() -> Self {
+        Self {
+            domains: vec!["127.0.0.1:8080".into(), "localhost:8080".into()],
+            evm_chain_ids: vec![8453],
+            solana_chains: vec!["5eykt4UsFv8P8NJdTREpY1vzqKqZKvdp".into()],
+            tier: "standard".into(),
+            statement: "Sign in to Rialto".into(),
+        }
+    }
+}
+
+/// x402 top-ups (`[x402]`): USDC paid to us, credited to the payer's
+/// wallet ledger once a facilitator settled it.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct X402Config {
+    /// The facilitator's base URL (`/verify`, `/settle`); empty: top-ups
+    /// are off (503).
+    pub facilitator_url: String,
+    /// Our USDC receiving address on Base; empty: no Base option.
+    pub pay_to_evm: String,
+    /// Our USDC receiving wallet on Solana; empty: no Solana option.
+    pub pay_to_solana: String,
+    /// The Solana fee payer to advertise (`extra.feePayer`), the
+    /// facilitator's; required for the Solana option.
+    pub solana_fee_payer: String,
+    /// Smallest and largest top-up, in USD.
+    pub min_usd: String,
+    pub max_usd: String,
+    /// How long a signed payment may take (`maxTimeoutSeconds`).
+    pub max_timeout_secs: u64,
+    /// Bound on each facilitator call.
+    pub facilitator_timeout_secs: u64,
+    /// The EVM network, its USDC contract and EIP-712 domain.
+    pub evm_network: String,
+    pub evm_asset: String,
+    pub evm_asset_name: String,
+    pub evm_asset_version: String,
+    /// The Solana network and its USDC mint.
+    pub solana_network: String,
+    pub solana_asset: String,
+}
+
+impl Default for X402Config {
+    fn default() -> Self {
+        Self {
+            facilitator_url: String::new(),
+            pay_to_evm: String::new(),
+            pay_to_solana: String::new(),
+            solana_fee_payer: String::new(),
+            min_usd: "5".into(),
+            max_usd: "10000".into(),
+            max_timeout_secs: 300,
+            facilitator_timeout_secs: 30,
+            evm_network: "eip155:8453".into(),
+            evm_asset: "0x833589fCD6eDb6E08f4c7C32D4f71b54bdA02913".into(),
+            evm_asset_name: "USD Coin".into(),
+            evm_asset_version: "2".into(),
+            solana_network: "solana:5eykt4UsFv8P8NJdTREpY1vzqKqZKvdp".into(),
+            solana_asset: "EPjFWdd5AufqSSqeM2qN1xzybapC8G4wEGGkZwyTDt1v".into(),
+        }
+    }
 }
 
 /// The prepaid ledger (`[billing]`).
@@ -298,9 +382,9 @@ fn default_tier() -> String {
 }
 
 /// Top-level keys of [`Config`], the only ones `RIALTO_*` variables may set.
-const TOP_LEVEL_KEYS: [&str; 13] = [
+const TOP_LEVEL_KEYS: [&str; 15] = [
     "brand", "services", "gateway", "grpc", "database", "operator", "remote", "router", "log",
-    "limits", "billing", "bus", "models",
+    "limits", "billing", "bus", "wallet", "x402", "models",
 ];
 
 /// The services a process can run, in start order.
@@ -321,6 +405,8 @@ impl Default for Config {
             limits: LimitsConfig::default(),
             billing: BillingConfig::default(),
             bus: BusConfig::default(),
+            wallet: WalletConfig::default(),
+            x402: X402Config::default(),
             models: Vec::new(),
         }
     }

@@ -49,7 +49,13 @@ struct Exchange {
     completion_id: String,
     chat: Chat,
     settlement: Settlement,
+    /// A signed-in wallet's USD balance before the request, for
+    /// `X-Balance-Remaining`.
+    wallet_usd_before: Option<rust_decimal::Decimal>,
 }
+
+/// `X-Balance-Remaining`: a wallet's USD balance after the request.
+const BALANCE_REMAINING: &str = "x-balance-remaining";
 
 /// Tells the limiter what an admitted request really used, at most once:
 /// the real usage when the response ends (a stream cut by the client
@@ -286,6 +292,11 @@ async fn complete_or_stream(
             ),
         ));
     }
+    if !hold.placed && !principal.wallet.is_empty() {
+        settlement.refused();
+        let usd = hold.before.as_ref().map_or("0", |b| b.usd.as_str());
+        return Err(crate::wallet::insufficient(gateway, request, usd));
+    }
     if !hold.placed {
         settlement.refused();
         return Err(ApiError::new(
@@ -303,11 +314,17 @@ async fn complete_or_stream(
         model_id: chat.model_id.clone(),
         body_json: serde_json::to_vec(&body).map_err(rialto_core::Error::internal)?,
     };
+    let wallet_usd_before = if principal.wallet.is_empty() {
+        None
+    } else {
+        hold.before.as_ref().and_then(|b| b.usd.parse().ok())
+    };
     let exchange = Exchange {
         completion_id: format!("chatcmpl-{request_id}"),
         request_id,
         chat,
         settlement,
+        wallet_usd_before,
     };
     if exchange.chat.stream {
         stream(gateway, model, router_request, exchange).await
@@ -369,6 +386,14 @@ async fn complete(
     );
     let mut response = HttpResponse::Ok();
     model_headers(&mut response, gateway, model, &answer.backend);
+    if let Some(before) = exchange.wallet_usd_before {
+        let charged: rust_decimal::Decimal =
+            body["cost"]["usd"].to_string().parse().unwrap_or_default();
+        response.insert_header((
+            BALANCE_REMAINING,
+            (before - charged).normalize().to_string(),
+        ));
+    }
     Ok(response.json(body))
 }
 
@@ -403,6 +428,12 @@ async fn stream(
         }
         None => String::new(),
     };
+    // A stream's headers leave before its cost is known: what remains
+    // after its hold (the most it can cost).
+    let remaining = exchange.wallet_usd_before.map(|before| {
+        let held: rust_decimal::Decimal = exchange.settlement.held_usd.parse().unwrap_or_default();
+        (before - held).normalize().to_string()
+    });
     let (sender, receiver) = mpsc::channel::<Bytes>(64);
     tokio::spawn(relay(events, sender, exchange));
     let body = futures_util::stream::unfold(receiver, |mut receiver| async move {
@@ -420,6 +451,9 @@ async fn stream(
         .insert_header(("cache-control", "no-cache"))
         .insert_header(("x-accel-buffering", "no"));
     model_headers(&mut response, gateway, model, &backend);
+    if let Some(remaining) = remaining {
+        response.insert_header((BALANCE_REMAINING, remaining));
+    }
     Ok(response.streaming(body))
 }
 

@@ -11,6 +11,19 @@ use serde_json::{Map, Value, json};
 pub struct ApiError {
     error: Error,
     details: Option<Details>,
+    /// Rare: boxed so that the common error stays small.
+    extra: Option<Box<Extra>>,
+}
+
+/// What an x402 or sign-in answer adds to an error.
+#[derive(Debug, Default)]
+struct Extra {
+    /// A body of another shape, replacing `{error}`.
+    body: Option<Value>,
+    /// A status other than the code's (the x402 answers' 409, 504, ...).
+    status: Option<StatusCode>,
+    /// Extra headers (`PAYMENT-REQUIRED`, ...).
+    headers: Vec<(&'static str, String)>,
 }
 
 impl ApiError {
@@ -21,9 +34,32 @@ impl ApiError {
     /// A 400 "Invalid request parameters" with per-field messages.
     pub fn validation(details: Details) -> Self {
         Self {
-            error: Error::invalid("Invalid request parameters"),
             details: Some(details),
+            ..Error::invalid("Invalid request parameters").into()
         }
+    }
+
+    /// An error answered with `body` as is (the x402 and sign-in shapes).
+    pub fn with_body(code: ErrorCode, message: impl Into<String>, body: Value) -> Self {
+        let mut error: Self = Error::new(code, message).into();
+        error.extra_mut().body = Some(body);
+        error
+    }
+
+    /// Answers with `status` instead of the code's.
+    pub fn with_status(mut self, status: u16) -> Self {
+        self.extra_mut().status = StatusCode::from_u16(status).ok();
+        self
+    }
+
+    /// Adds a response header.
+    pub fn with_header(mut self, name: &'static str, value: String) -> Self {
+        self.extra_mut().headers.push((name, value));
+        self
+    }
+
+    fn extra_mut(&mut self) -> &mut Extra {
+        self.extra.get_or_insert_with(Box::default)
     }
 
     pub fn code(&self) -> ErrorCode {
@@ -40,6 +76,7 @@ impl From<Error> for ApiError {
         Self {
             error,
             details: None,
+            extra: None,
         }
     }
 }
@@ -52,10 +89,25 @@ impl std::fmt::Display for ApiError {
 
 impl ResponseError for ApiError {
     fn status_code(&self) -> StatusCode {
-        StatusCode::from_u16(self.error.http_status()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+        self.extra
+            .as_ref()
+            .and_then(|extra| extra.status)
+            .unwrap_or_else(|| {
+                StatusCode::from_u16(self.error.http_status())
+                    .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+            })
     }
 
     fn error_response(&self) -> HttpResponse {
+        let mut response = HttpResponse::build(self.status_code());
+        if let Some(extra) = &self.extra {
+            for (name, value) in &extra.headers {
+                response.insert_header((*name, value.as_str()));
+            }
+            if let Some(body) = &extra.body {
+                return response.json(body);
+            }
+        }
         let mut body = Map::new();
         body.insert("error".into(), Value::String(self.error.message.clone()));
         if let Some(details) = &self.details {
@@ -64,7 +116,7 @@ impl ResponseError for ApiError {
         if self.error.code == ErrorCode::PayloadTooLarge {
             body.insert("code".into(), json!("PAYLOAD_TOO_LARGE"));
         }
-        HttpResponse::build(self.status_code()).json(Value::Object(body))
+        response.json(Value::Object(body))
     }
 }
 

@@ -40,6 +40,7 @@ mod models;
 mod openapi;
 pub mod operator;
 mod usage;
+mod wallet;
 
 pub use error::{ApiError, Details};
 
@@ -74,6 +75,9 @@ pub struct Gateway {
     abuse: AbuseGuard,
     /// Where the client's address comes from, when a proxy sets it.
     client_address_header: Option<HeaderName>,
+    /// Wallet sign-in and x402 top-ups (`[wallet]`, `[x402]`).
+    wallet: rialto_core::config::WalletConfig,
+    x402: rialto_core::config::X402Config,
 }
 
 impl std::fmt::Debug for Gateway {
@@ -114,6 +118,8 @@ impl Gateway {
             stamp,
             brand,
             abuse: AbuseGuard::new(&config.limits.abuse),
+            wallet: config.wallet.clone(),
+            x402: config.x402.clone(),
             client_address_header: match config.gateway.client_address_header.as_str() {
                 "" => None,
                 name => Some(
@@ -202,6 +208,12 @@ pub fn configure(gateway: web::Data<Gateway>) -> impl FnOnce(&mut web::ServiceCo
                     .route("/api_keys/rate_limit_logs", web::get().to(limits::log))
                     .route("/billing/balance", web::get().to(limits::billing_balance))
                     .route("/billing/usage", web::get().to(usage::history))
+                    .route("/x402/top-up", web::post().to(wallet::top_up))
+                    .route("/x402/balance/{wallet}", web::get().to(wallet::balance))
+                    .route(
+                        "/x402/transactions/{wallet}",
+                        web::get().to(wallet::transactions),
+                    )
                     .route("/api_keys/{id}", web::get().to(keys::get)),
             )
             .service(
@@ -301,14 +313,43 @@ async fn authenticate(
     gateway: &Gateway,
     request: &HttpRequest,
 ) -> Result<auth_pb::Principal, ApiError> {
+    authenticate_caller(gateway, request, true).await
+}
+
+/// Authenticates a key, or where `wallets` (inference routes) a signed-in
+/// wallet, whose sign-in then wins over a key. Key-only routes ignore a
+/// sign-in beside a key, and refuse one alone without consuming its nonce.
+async fn authenticate_caller(
+    gateway: &Gateway,
+    request: &HttpRequest,
+    wallets: bool,
+) -> Result<auth_pb::Principal, ApiError> {
+    wallet::refuse_payment_header(request.headers())?;
+    let has_key = request
+        .headers()
+        .contains_key(actix_web::http::header::AUTHORIZATION);
+    if !wallets && !has_key && wallet::sign_in_header(request.headers()).is_some() {
+        return Err(ApiError::new(
+            ErrorCode::Unauthenticated,
+            "This route takes an API key (Authorization: Bearer <API_KEY>); a signed-in wallet \
+             can use the inference routes and /api/v1/x402",
+        ));
+    }
+    if let Some(header) = wallet::sign_in_header(request.headers()).filter(|_| wallets) {
+        let principal = wallet::sign_in(gateway, header).await?;
+        request.extensions_mut().insert(Authenticated {
+            account_id: principal.account_id.clone(),
+            key_id: principal.key_id.clone(),
+            tier: principal.tier.clone(),
+        });
+        return Ok(principal);
+    }
     if !request
         .headers()
         .contains_key(actix_web::http::header::AUTHORIZATION)
     {
-        return Err(ApiError::new(
-            ErrorCode::Unauthenticated,
-            "Authentication failed: send your API key as `Authorization: Bearer <API_KEY>`",
-        ));
+        // No credentials at all: how to get some (a key, or a wallet).
+        return Err(wallet::discovery(gateway, request));
     }
     let key = bearer_token(request.headers()).ok_or_else(|| {
         ApiError::new(
@@ -366,7 +407,11 @@ pub(crate) struct BalanceHeaders {
 
 /// The ledger owner of a principal: its account.
 fn ledger_owner(principal: &auth_pb::Principal) -> String {
-    rialto_billing::account_owner(&principal.account_id)
+    if principal.wallet.is_empty() {
+        rialto_billing::account_owner(&principal.account_id)
+    } else {
+        rialto_billing::wallet_owner(&principal.wallet)
+    }
 }
 
 /// A key's cap as billing enforces it; None when it caps no currency.
@@ -406,7 +451,7 @@ async fn authenticate_endpoint(
     let principal = if admin {
         authenticate_admin(gateway, request).await?
     } else {
-        authenticate(gateway, request).await?
+        authenticate_caller(gateway, request, false).await?
     };
     let window = format!(
         "endpoint:{}",
@@ -447,7 +492,7 @@ async fn authenticate_admin(
     gateway: &Gateway,
     request: &HttpRequest,
 ) -> Result<auth_pb::Principal, ApiError> {
-    let principal = authenticate(gateway, request).await?;
+    let principal = authenticate_caller(gateway, request, false).await?;
     if principal.key_type != auth_pb::KeyType::Admin as i32 {
         return Err(ApiError::new(
             ErrorCode::AdminRequired,

@@ -7,10 +7,15 @@
 //!   split topology on ephemeral ports, with a fresh SQLite file or a fresh
 //!   PostgreSQL database, and cleans up after itself.
 //!
+//! - [`Facilitator`]: an x402 facilitator double (`/verify`, `/settle`)
+//!   with answers the test chooses.
+//!
 //! Nothing here is used in production code.
 
+pub mod facilitator;
 pub mod mock_upstream;
 pub mod sandbox;
 
+pub use facilitator::{Behaviour, Facilitator};
 pub use mock_upstream::MockUpstream;
 pub use sandbox::{Account, GRPC_TOKEN, Sandbox, SandboxBuilder, Storage, Topology};

@@ -113,7 +113,7 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
         None
     };
     let auth = if let Some(db) = db.clone().filter(|_| here.contains("auth")) {
-        AuthClient::new(LocalAuth::new(db, &brand.key_prefix))
+        AuthClient::new(LocalAuth::new(db, &brand.key_prefix).with_wallets(&config.wallet))
     } else {
         let channel = channel(&remote.auth, "auth", UNARY_TIMEOUT)?;
         AuthClient::new(RemoteAuth::new(channel, client_token.clone()))
