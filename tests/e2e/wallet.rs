@@ -395,11 +395,18 @@ async fn sign_in_refusals() {
         .await
         .unwrap();
     assert_eq!(keys.status(), 401);
-    assert_eq!(chat_as(sandbox, Some(&header)).await.status(), 402, "the nonce is still fresh");
+    assert_eq!(
+        chat_as(sandbox, Some(&header)).await.status(),
+        402,
+        "the nonce is still fresh"
+    );
     let malformed = sandbox
         .http()
         .get(sandbox.api("/x402/balance/not-a-wallet"))
-        .header("SIGN-IN-WITH-X", sign_in(wallet, &fresh_nonce(), 0, "127.0.0.1:8080"))
+        .header(
+            "SIGN-IN-WITH-X",
+            sign_in(wallet, &fresh_nonce(), 0, "127.0.0.1:8080"),
+        )
         .send()
         .await
         .unwrap();
@@ -516,7 +523,33 @@ async fn top_up_refusals_and_races() {
         code(top_up(sandbox, Some("%%%")).await).await,
         (400, "INVALID_PAYMENT_FORMAT".into())
     );
-    assert!(world.facilitator.verifications().is_empty());
+    // A v1-shaped payload (network "base", top-level scheme) in the legacy
+    // X-PAYMENT header is understood, and answered in v2.
+    let v2: Value = serde_json::from_slice(
+        &STANDARD
+            .decode(payment(wallet, PAY_TO, 5_000_000, 300, "USD Coin", nonce()))
+            .unwrap(),
+    )
+    .unwrap();
+    let v1 =
+        json!({"x402Version": 1, "scheme": "exact", "network": "base", "payload": v2["payload"]});
+    let response = sandbox
+        .http()
+        .post(sandbox.api("/x402/top-up"))
+        .header("X-PAYMENT", STANDARD.encode(v1.to_string()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(
+        world.facilitator.settlements()[0]["paymentPayload"]["x402Version"],
+        2
+    );
+    assert_eq!(
+        world.facilitator.verifications().len(),
+        1,
+        "only the valid v1 payment reached the facilitator"
+    );
 
     // The facilitator refuses, then is down: nothing credited.
     world
@@ -580,11 +613,11 @@ async fn top_up_refusals_and_races() {
             body["data"]["balanceUsd"].to_string()
         }
     };
-    assert_eq!(balance(sandbox).await, "0");
+    assert_eq!(balance(sandbox).await, "5");
     // Back up: the same payment now goes through (its claim was freed).
     world.facilitator.set(Behaviour::Accept);
     assert_eq!(top_up(sandbox, Some(&retried)).await.status(), 200);
-    assert_eq!(balance(sandbox).await, "5");
+    assert_eq!(balance(sandbox).await, "10");
 
     // Ten copies of one payment at once: credited once.
     let paid = payment(wallet, PAY_TO, 7_000_000, 300, "USD Coin", nonce());
@@ -598,7 +631,7 @@ async fn top_up_refusals_and_races() {
         }
     }
     assert!(ok >= 1);
-    assert_eq!(balance(sandbox).await, "12");
+    assert_eq!(balance(sandbox).await, "17");
     let settled = world.facilitator.settlements().len();
     assert_eq!(
         world

@@ -122,6 +122,12 @@ impl Handler<Hold> for LedgerActor {
         self.last_active = Instant::now();
         let (ledger, owner, known) = (self.ledger.clone(), self.owner.clone(), self.fresh());
         let work = async move {
+            // No fresh row: read it once, and the next holds of the next
+            // second need no read.
+            let read = match known {
+                Some(_) => None,
+                None => Some(ledger.snapshot(&owner).await?),
+            };
             let spec = HoldSpec {
                 owner: &owner,
                 request_id: &hold.request_id,
@@ -129,17 +135,23 @@ impl Handler<Hold> for LedgerActor {
                 expires_at_ms: hold.expires_at_ms,
                 cap: hold.cap.as_ref(),
             };
-            ledger.hold_from(&spec, known).await
+            let (outcome, after) = ledger.hold_from(&spec, known.or(read)).await?;
+            Ok((outcome, after, read))
         };
         AtomicResponse::new(Box::pin(work.into_actor(self).map(
-            |result, actor, _| match result {
-                Ok((outcome, after)) => {
-                    actor.remember(after);
-                    Ok(outcome)
-                }
-                Err(error) => {
-                    actor.cached = None;
-                    Err(error)
+            |result: Result<(HoldOutcome, Option<Balance>, Option<Snapshot>)>, actor, _| {
+                match result {
+                    Ok((outcome, after, read)) => {
+                        if let Some(read) = read {
+                            actor.cached = Some((read, Instant::now()));
+                        }
+                        actor.remember(after);
+                        Ok(outcome)
+                    }
+                    Err(error) => {
+                        actor.cached = None;
+                        Err(error)
+                    }
                 }
             },
         )))
