@@ -576,23 +576,30 @@ async fn top_up_refusals_and_races() {
     world
         .facilitator
         .set(Behaviour::FailSettle("invalid_transaction_state".into()));
+    let failed = payment(wallet, PAY_TO, 5_000_000, 300, "USD Coin", nonce());
     assert_eq!(
-        code(
-            top_up(
-                sandbox,
-                Some(&payment(
-                    wallet,
-                    PAY_TO,
-                    5_000_000,
-                    300,
-                    "USD Coin",
-                    nonce()
-                ))
-            )
-            .await
-        )
-        .await,
+        code(top_up(sandbox, Some(&failed)).await).await,
         (402, "SETTLEMENT_FAILED".into())
+    );
+    // Sent again, it is refused as it was, without asking the facilitator.
+    let asked = world.facilitator.settlements().len();
+    assert_eq!(
+        code(top_up(sandbox, Some(&failed)).await).await,
+        (402, "SETTLEMENT_FAILED".into())
+    );
+    assert_eq!(world.facilitator.settlements().len(), asked);
+    // A settlement that may have been broadcast but was not confirmed: the
+    // claim stays, never freed for a second credit.
+    world.facilitator.set(Behaviour::SettleUnavailable);
+    let unconfirmed = payment(wallet, PAY_TO, 5_000_000, 300, "USD Coin", nonce());
+    assert_eq!(
+        code(top_up(sandbox, Some(&unconfirmed)).await).await,
+        (504, "SETTLEMENT_TIMEOUT".into())
+    );
+    world.facilitator.set(Behaviour::Accept);
+    assert_eq!(
+        code(top_up(sandbox, Some(&unconfirmed)).await).await,
+        (409, "PAYMENT_IN_PROGRESS".into())
     );
     world.facilitator.set(Behaviour::Unavailable);
     let retried = payment(wallet, PAY_TO, 5_000_000, 300, "USD Coin", nonce());
@@ -784,8 +791,20 @@ solana_fee_payer = "{}"
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["data"]["walletAddress"], address.as_str());
     assert_eq!(body["data"]["newBalance"].to_string(), "6");
-    // Replayed: credited once.
+    // Replayed: credited once. The same message with other bytes in the
+    // fee payer's slot is the same payment.
     assert_eq!(top_up(&sandbox, Some(&paid)).await.status(), 200);
+    let payload: Value = serde_json::from_slice(&STANDARD.decode(&paid).unwrap()).unwrap();
+    let mut transaction = STANDARD
+        .decode(payload["payload"]["transaction"].as_str().unwrap())
+        .unwrap();
+    transaction[1] ^= 0xff;
+    let copy = json!({"x402Version": 2, "accepted": payload["accepted"],
+        "payload": {"transaction": STANDARD.encode(transaction)}});
+    let again = top_up(&sandbox, Some(&STANDARD.encode(copy.to_string()))).await;
+    assert_eq!(again.status(), 200);
+    let again: Value = again.json().await.unwrap();
+    assert_eq!(again["data"]["newBalance"].to_string(), "6");
     assert_eq!(facilitator.settlements().len(), 1);
     assert_eq!(
         facilitator.settlements()[0]["paymentRequirements"]["network"],

@@ -458,7 +458,8 @@ pub fn verify(header: &str, policy: &SiwxPolicy, now_ms: i64) -> Result<SignedIn
         let issued = parse_time("issuedAt", &fields.issued_at)?;
         let within = timestamp
             .as_i64()
-            .is_some_and(|ms| (ms - issued).abs() <= FUTURE_SKEW_MS);
+            .and_then(|ms| ms.checked_sub(issued))
+            .is_some_and(|gap| gap.unsigned_abs() <= FUTURE_SKEW_MS.unsigned_abs());
         if !within {
             return refuse(
                 "X402_SIGN_IN_TIMESTAMP_MISMATCH",
@@ -497,6 +498,30 @@ fn authority(uri: &str) -> Option<&str> {
 }
 
 fn check_fields(fields: &Fields, policy: &SiwxPolicy, now_ms: i64) -> Result<(), Refusal> {
+    // One line each: a field with a line break could forge others.
+    let texts = [
+        &fields.domain,
+        &fields.address,
+        &fields.uri,
+        &fields.version,
+        &fields.chain_ref,
+        &fields.nonce,
+        &fields.issued_at,
+    ]
+    .into_iter()
+    .chain(&fields.statement)
+    .chain(&fields.expiration_time)
+    .chain(&fields.not_before)
+    .chain(&fields.request_id)
+    .chain(&fields.resources);
+    for text in texts {
+        if text.chars().any(char::is_control) {
+            return refuse(
+                "X402_SIGN_IN_INVALID_MESSAGE",
+                "Sign-in fields must not contain line breaks or other control characters",
+            );
+        }
+    }
     let accepted = |name: &str| policy.domains.iter().any(|d| d.eq_ignore_ascii_case(name));
     if !accepted(&fields.domain) {
         return refuse(
@@ -842,6 +867,21 @@ mod tests {
             code(&with(&|f| f["nonce"] = json!("short"))),
             "X402_SIGN_IN_MISSING_NONCE"
         );
+        assert_eq!(
+            code(&with(&|f| f["requestId"] = json!("a\nNonce: other"))),
+            "X402_SIGN_IN_INVALID_MESSAGE"
+        );
+        // A timestamp far from issuedAt, even one that would overflow.
+        for timestamp in [i64::MIN, NOW - 120_000] {
+            let header = sign_evm(&signer, evm_fields(&signer));
+            let mut payload: Value =
+                serde_json::from_slice(&STANDARD.decode(&header).unwrap()).unwrap();
+            payload["timestamp"] = json!(timestamp);
+            assert_eq!(
+                code(&STANDARD.encode(payload.to_string())),
+                "X402_SIGN_IN_TIMESTAMP_MISMATCH"
+            );
+        }
         // Signed by another key than the address says.
         let other: PrivateKeySigner =
             "0x59c6995e998f97a5a0044966f0945389dc9e86dae88c7a8412f4603b6b78690d"

@@ -349,6 +349,32 @@ impl Ledger {
     /// Adds credit, once per `reference` of this owner: a repeated
     /// reference changes nothing and answers `false`.
     pub async fn credit(&self, owner: &str, usd: i64, diem: i64, reference: &str) -> Result<bool> {
+        self.credit_inner(owner, usd, diem, reference, None).await
+    }
+
+    /// Credits a settled x402 payment and marks its claim settled (with the
+    /// chain's `transaction`) in the same transaction: a crash leaves either
+    /// both or neither. Once per `reference`.
+    pub async fn credit_payment(
+        &self,
+        owner: &str,
+        usd: i64,
+        reference: &str,
+        payment_key: &str,
+        transaction: &str,
+    ) -> Result<bool> {
+        self.credit_inner(owner, usd, 0, reference, Some((payment_key, transaction)))
+            .await
+    }
+
+    async fn credit_inner(
+        &self,
+        owner: &str,
+        usd: i64,
+        diem: i64,
+        reference: &str,
+        payment: Option<(&str, &str)>,
+    ) -> Result<bool> {
         if usd < 0 || diem < 0 {
             return Err(Error::invalid("credits must not be negative"));
         }
@@ -392,6 +418,17 @@ impl Ledger {
         .bind(now)
         .execute(&mut *tx)
         .await?;
+        if let Some((payment_key, transaction)) = payment {
+            sqlx::query(
+                "UPDATE x402_payments SET state = 'settled', transaction_ref = $2, \
+                 settled_at_ms = $3 WHERE payment_key = $1",
+            )
+            .bind(payment_key)
+            .bind(transaction)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+        }
         tx.commit().await?;
         Ok(true)
     }

@@ -26,6 +26,11 @@ const MEMO_PROGRAM: &str = "MemoSq4gqABAXKb96qnH8TysNcWxMyWCqXgDLGmfcHr";
 const LIGHTHOUSE_PROGRAM: &str = "L2TExMFKdjpN9kozasaurPirfHy9P8sbXoAN1qA3S95";
 /// The most a payment may bid per compute unit (5 lamports).
 const MAX_MICROLAMPORTS_PER_CU: u64 = 5_000_000;
+/// The most compute units a payment may ask for (a transfer needs ~20k):
+/// the fee payer pays for them.
+const MAX_COMPUTE_UNITS: u32 = 200_000;
+/// Compute budget, transfer, memos or Lighthouse assertions: x402 allows 3 to 6.
+const MAX_INSTRUCTIONS: usize = 6;
 /// SPL Token's `TransferChecked` instruction.
 const TRANSFER_CHECKED: u8 = 12;
 const USDC_DECIMALS: u8 = 6;
@@ -46,8 +51,9 @@ pub struct Transfer {
     pub payer: String,
     /// Atomic units of USDC.
     pub amount: u64,
-    /// The payer's signature, base58: unique per transaction.
-    pub signature: String,
+    /// SHA-256 of the message, hex: the payment's identity (a payer can
+    /// sign one message in many ways).
+    pub message_hash: String,
 }
 
 /// Why a Solana payment was refused (the message; the caller maps it to
@@ -75,17 +81,29 @@ impl<'a> Reader<'a> {
         Ok(self.take(1)?[0])
     }
 
-    /// Solana's compact-u16 length.
-    fn length(&mut self) -> Result<usize, Refusal> {
+    /// Solana's compact-u16 length, canonical only, and no larger than
+    /// what `each`-byte items could fill of the rest.
+    fn length(&mut self, each: usize) -> Result<usize, Refusal> {
+        let malformed = || "a length in the transaction is malformed".to_owned();
         let mut value = 0usize;
-        for shift in [0, 7, 14] {
+        for (index, shift) in [0, 7, 14].into_iter().enumerate() {
             let byte = self.byte()?;
+            // A continuation byte of zero is a non-canonical encoding.
+            if index > 0 && byte == 0 {
+                return Err(malformed());
+            }
             value |= usize::from(byte & 0x7f) << shift;
             if byte & 0x80 == 0 {
+                if value > usize::from(u16::MAX) {
+                    return Err(malformed());
+                }
+                if value.saturating_mul(each) > self.bytes.len() - self.at {
+                    return Err("the transaction is truncated".to_owned());
+                }
                 return Ok(value);
             }
         }
-        Err("a length in the transaction is malformed".to_owned())
+        Err(malformed())
     }
 }
 
@@ -137,7 +155,7 @@ pub fn check(transaction: &[u8], rail: &Rail<'_>, min: u64, max: u64) -> Result<
         bytes: transaction,
         at: 0,
     };
-    let signature_count = reader.length()?;
+    let signature_count = reader.length(64)?;
     let mut signatures = Vec::with_capacity(signature_count);
     for _ in 0..signature_count {
         let bytes: [u8; 64] = reader
@@ -161,7 +179,7 @@ pub fn check(transaction: &[u8], rail: &Rail<'_>, min: u64, max: u64) -> Result<
     let required_signatures = usize::from(first);
     let _readonly_signed = reader.byte()?;
     let _readonly_unsigned = reader.byte()?;
-    let key_count = reader.length()?;
+    let key_count = reader.length(32)?;
     let mut keys = Vec::with_capacity(key_count);
     for _ in 0..key_count {
         let key: [u8; 32] = reader
@@ -171,17 +189,22 @@ pub fn check(transaction: &[u8], rail: &Rail<'_>, min: u64, max: u64) -> Result<
         keys.push(key);
     }
     let _blockhash = reader.take(32)?;
-    let instruction_count = reader.length()?;
+    let instruction_count = reader.length(1)?;
+    if instruction_count > MAX_INSTRUCTIONS {
+        return Err(format!(
+            "a payment holds at most {MAX_INSTRUCTIONS} instructions"
+        ));
+    }
     let mut instructions = Vec::with_capacity(instruction_count);
     for _ in 0..instruction_count {
         let program = usize::from(reader.byte()?);
-        let account_count = reader.length()?;
+        let account_count = reader.length(1)?;
         let accounts = reader
             .take(account_count)?
             .iter()
             .map(|i| usize::from(*i))
             .collect();
-        let data_len = reader.length()?;
+        let data_len = reader.length(1)?;
         let data = reader.take(data_len)?.to_vec();
         instructions.push(Instruction {
             program,
@@ -189,7 +212,7 @@ pub fn check(transaction: &[u8], rail: &Rail<'_>, min: u64, max: u64) -> Result<
             data,
         });
     }
-    if versioned && reader.length()? != 0 {
+    if versioned && reader.length(1)? != 0 {
         return Err(
             "address lookup tables are not accepted: name every account in the transaction"
                 .to_owned(),
@@ -226,8 +249,24 @@ pub fn check(transaction: &[u8], rail: &Rail<'_>, min: u64, max: u64) -> Result<
         let program = program_of(instruction)?;
         match program.as_str() {
             COMPUTE_BUDGET_PROGRAM => match instruction.data.first() {
-                Some(2) => {}
+                Some(2) => {
+                    let units = instruction
+                        .data
+                        .get(1..5)
+                        .filter(|_| instruction.data.len() == 5)
+                        .and_then(|b| <[u8; 4]>::try_from(b).ok())
+                        .map(u32::from_le_bytes)
+                        .ok_or_else(|| "a compute unit limit is malformed".to_owned())?;
+                    if units > MAX_COMPUTE_UNITS {
+                        return Err(format!(
+                            "the compute unit limit {units} is above {MAX_COMPUTE_UNITS}"
+                        ));
+                    }
+                }
                 Some(3) => {
+                    if instruction.data.len() != 9 {
+                        return Err("a compute unit price is malformed".to_owned());
+                    }
                     let price = instruction
                         .data
                         .get(1..9)
@@ -317,7 +356,7 @@ pub fn check(transaction: &[u8], rail: &Rail<'_>, min: u64, max: u64) -> Result<
     Ok(Transfer {
         payer: bs58::encode(keys[authority]).into_string(),
         amount,
-        signature: bs58::encode(signatures[authority]).into_string(),
+        message_hash: hex::encode(Sha256::digest(message)),
     })
 }
 

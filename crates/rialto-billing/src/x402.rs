@@ -510,12 +510,17 @@ impl X402 {
             .into_iter()
             .find(|a| a["network"] == self.config.evm_network.as_str())
             .unwrap_or_default();
+        // Forwarded normalized (low s, v 27/28, 65 bytes): USDC's
+        // (v, r, s) recovery refuses the other forms alloy accepts.
+        let normalized = signature
+            .map(|s| hex::encode(s.normalized_s().as_bytes()))
+            .unwrap_or_default();
         let payload = json!({
             "x402Version": 2,
             "resource": {"url": resource_url, "mimeType": "application/json"},
             "accepted": requirements,
             "payload": {
-                "signature": format!("0x{}", hex::encode(&authorization.signature)),
+                "signature": format!("0x{normalized}"),
                 "authorization": authorization.raw,
             },
         });
@@ -582,7 +587,7 @@ impl X402 {
             self.config.solana_network,
             self.config.solana_asset,
             transfer.payer,
-            transfer.signature
+            transfer.message_hash
         );
         let requirements = accepts(&self.config, transfer.amount)
             .into_iter()
@@ -664,13 +669,24 @@ impl X402 {
         }
         let settled = match self.facilitator("settle", &body).await {
             Ok(settled) => settled,
-            Err(error) => {
-                self.unclaim(payment_key).await;
-                return Err(error);
+            Err(_) => {
+                // The settlement may have been broadcast: the claim stays
+                // (retries get 409) until an operator reconciles it, so the
+                // payment can never be credited twice nor freed while it
+                // may still land.
+                tracing::error!(payment_key, "x402 settlement unconfirmed; the claim stays");
+                return fail(
+                    504,
+                    "SETTLEMENT_TIMEOUT",
+                    "The facilitator did not confirm the settlement; it may still land. It will \
+                     be credited at most once: do not sign another payment for it, contact the \
+                     operator if it is not credited",
+                    "settlement_timeout",
+                );
             }
         };
         if settled["success"] != true {
-            self.unclaim(payment_key).await;
+            self.mark_failed(payment_key).await;
             let reason = settled["errorReason"]
                 .as_str()
                 .unwrap_or("settlement_failed");
@@ -685,25 +701,22 @@ impl X402 {
             .as_str()
             .unwrap_or_default()
             .to_owned();
-        // Credit once (the reference is the payment's key), then record it.
+        // Credit once (the reference is the payment's key), and record the
+        // claim settled, in one transaction.
         let usd_nanos = i64::try_from(value)
             .unwrap_or(i64::MAX)
             .saturating_mul(NANOS_PER_ATOMIC);
         let applied = self
             .ledger
-            .credit(&owner, usd_nanos, 0, &format!("x402:{payment_key}"))
+            .credit_payment(
+                &owner,
+                usd_nanos,
+                &format!("x402:{payment_key}"),
+                payment_key,
+                &transaction,
+            )
             .await
             .map_err(|e| internal(e.message))?;
-        sqlx::query(
-            "UPDATE x402_payments SET state = 'settled', transaction_ref = $2, settled_at_ms = $3 \
-             WHERE payment_key = $1",
-        )
-        .bind(payment_key)
-        .bind(&transaction)
-        .bind(now_ms())
-        .execute(self.db.pool())
-        .await
-        .map_err(internal)?;
         let balance = self
             .ledger
             .balance(&owner)
@@ -746,6 +759,14 @@ impl X402 {
             );
         };
         let state: String = row.try_get("state").map_err(internal)?;
+        if state == "failed" {
+            return fail(
+                402,
+                "SETTLEMENT_FAILED",
+                "This payment failed to settle before: sign a new payment",
+                "settlement_failed",
+            );
+        }
         if state != "settled" {
             return fail(
                 409,
@@ -774,6 +795,20 @@ impl X402 {
         })
     }
 
+    /// Records that the facilitator refused to settle a claimed payment: a
+    /// replay of it answers so, without asking again.
+    async fn mark_failed(&self, payment_key: &str) {
+        let result = sqlx::query(
+            "UPDATE x402_payments SET state = 'failed' WHERE payment_key = $1 AND state = 'settling'",
+        )
+        .bind(payment_key)
+        .execute(self.db.pool())
+        .await;
+        if let Err(error) = result {
+            tracing::warn!(%error, "could not record a failed payment");
+        }
+    }
+
     /// Frees a claim whose payment was not settled (so it may be retried).
     async fn unclaim(&self, payment_key: &str) {
         let result =
@@ -792,13 +827,18 @@ impl X402 {
             "{}/{action}",
             self.config.facilitator_url.trim_end_matches('/')
         );
-        let unavailable = |why: String| TopUpError {
-            status: 503,
-            code: "FACILITATOR_UNAVAILABLE",
-            message: format!(
-                "The payment facilitator could not be reached ({why}); nothing was charged or credited, retry later"
-            ),
-            reason: "facilitator_unavailable".to_owned(),
+        // The detail is logged, never answered: the facilitator's URL may
+        // carry credentials.
+        let unavailable = |why: String| {
+            tracing::warn!(action, why, "x402 facilitator unavailable");
+            TopUpError {
+                status: 503,
+                code: "FACILITATOR_UNAVAILABLE",
+                message: "The payment facilitator could not be reached; nothing was charged or \
+                          credited, retry later"
+                    .to_owned(),
+                reason: "facilitator_unavailable".to_owned(),
+            }
         };
         let response = self
             .http
@@ -806,16 +846,15 @@ impl X402 {
             .json(body)
             .send()
             .await
-            .map_err(|e| unavailable(e.to_string()))?;
+            .map_err(|e| unavailable(e.without_url().to_string()))?;
         let status = response.status();
-        let answer: Value = response
-            .json()
-            .await
-            .map_err(|e| unavailable(e.to_string()))?;
         if status.is_server_error() {
             return Err(unavailable(format!("{action} answered {status}")));
         }
-        Ok(answer)
+        response
+            .json()
+            .await
+            .map_err(|e| unavailable(e.without_url().to_string()))
     }
 }
 

@@ -24,6 +24,9 @@ pub enum Behaviour {
     FailSettle(String),
     /// Both answer 503 (as if down behind a proxy).
     Unavailable,
+    /// `/verify` accepts, `/settle` answers 503: the settlement may or may
+    /// not have been broadcast.
+    SettleUnavailable,
 }
 
 #[derive(Default)]
@@ -154,7 +157,9 @@ async fn settle(state: web::Data<State>, body: web::Json<Value>) -> HttpResponse
     };
     let network = body["paymentRequirements"]["network"].clone();
     match lock(&state.behaviour).clone().unwrap_or(Behaviour::Accept) {
-        Behaviour::Unavailable => HttpResponse::ServiceUnavailable().json(json!({"error": "down"})),
+        Behaviour::Unavailable | Behaviour::SettleUnavailable => {
+            HttpResponse::ServiceUnavailable().json(json!({"error": "down"}))
+        }
         Behaviour::FailSettle(reason) => HttpResponse::Ok().json(json!({"success": false,
             "errorReason": reason, "transaction": "", "network": network, "payer": payer(&body)})),
         _ => HttpResponse::Ok().json(json!({"success": true,
