@@ -11,5 +11,6 @@ mod chat;
 mod keys;
 mod limits;
 mod python;
+mod semantics;
 mod support;
 mod wallet;

@@ -200,6 +200,10 @@ pub struct RouterConfig {
     pub connect_timeout_secs: u64,
     /// Seconds a whole non-streamed upstream call may take.
     pub request_timeout_secs: u64,
+    /// The service's system prompt, put before the caller's system prompts
+    /// unless the request turns it off; a model's `system_prompt` replaces
+    /// it. Empty: none.
+    pub system_prompt: String,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -351,6 +355,15 @@ pub struct ModelConfig {
     /// Tokens per window for all callers together.
     #[serde(default)]
     pub global_tpm: Option<u64>,
+    /// This model's system prompt, instead of `router.system_prompt`
+    /// (empty: none for this model).
+    #[serde(default)]
+    pub system_prompt: Option<String>,
+    /// How `disable_thinking` reaches the backend: `chat_template_kwargs`
+    /// (vLLM, SGLang: `enable_thinking = false`; the default) or `none`
+    /// (the answer is only stripped).
+    #[serde(default)]
+    pub thinking_control: Option<String>,
     #[serde(default)]
     pub backends: Vec<BackendConfig>,
 }
@@ -459,6 +472,7 @@ impl Default for RouterConfig {
         Self {
             connect_timeout_secs: 5,
             request_timeout_secs: 600,
+            system_prompt: String::new(),
         }
     }
 }

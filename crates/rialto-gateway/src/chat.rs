@@ -39,6 +39,8 @@ struct Chat {
     stream: bool,
     /// The effective `<brand>_parameters`, echoed in the response.
     parameters: Map<String, Value>,
+    /// What of them the router applies.
+    service: router_pb::ServiceParameters,
     prompt_tokens_estimate: u64,
     estimated_tokens: u64,
 }
@@ -313,6 +315,7 @@ async fn complete_or_stream(
         request_id: request_id.clone(),
         model_id: chat.model_id.clone(),
         body_json: serde_json::to_vec(&body).map_err(rialto_core::Error::internal)?,
+        parameters: Some(chat.service),
     };
     let wallet_usd_before = if principal.wallet.is_empty() {
         None
@@ -693,8 +696,24 @@ fn validate(gateway: &Gateway, body: &mut Value) -> Result<Chat, ApiError> {
         details.push(&[], "Expected a JSON object");
         return Err(ApiError::validation(details));
     };
+    // `<model>:<param>=<value>&...`: the suffix sets service parameters and
+    // wins over the body's.
+    let mut suffix = Map::new();
     let model_id = match object.get("model") {
-        Some(Value::String(model)) if !model.is_empty() => model.clone(),
+        Some(Value::String(model)) if !model.is_empty() => match model.split_once(':') {
+            Some((id, settings)) if settings.contains('=') && !id.is_empty() => {
+                for (key, value) in form_urlencoded::parse(settings.as_bytes()) {
+                    let value = match value.as_ref() {
+                        "true" => Value::Bool(true),
+                        "false" => Value::Bool(false),
+                        text => Value::String(text.to_owned()),
+                    };
+                    suffix.insert(key.into_owned(), value);
+                }
+                id.to_owned()
+            }
+            _ => model.clone(),
+        },
         Some(Value::String(_)) => {
             details.push(&["model"], "String must contain at least 1 character(s)");
             String::new()
@@ -755,12 +774,28 @@ fn validate(gateway: &Gateway, body: &mut Value) -> Result<Chat, ApiError> {
     {
         details.push(&["prompt_cache_key"], "Expected string");
     }
-    let parameters = effective_parameters(
-        gateway,
-        object.remove(&gateway.brand.parameters_field),
-        &mut details,
-    )?;
+    let mut requested = object.remove(&gateway.brand.parameters_field);
+    if !suffix.is_empty() {
+        match &mut requested {
+            Some(Value::Object(map)) => map.extend(suffix),
+            // A malformed body member is still reported as such.
+            Some(other) if !other.is_null() => {}
+            _ => requested = Some(Value::Object(suffix)),
+        }
+    }
+    let parameters = effective_parameters(gateway, requested, &mut details)?;
     details.into_result()?;
+    let flag = |name: &str| {
+        parameters
+            .get(name)
+            .and_then(Value::as_bool)
+            .unwrap_or(false)
+    };
+    let service = router_pb::ServiceParameters {
+        strip_thinking: flag("strip_thinking_response"),
+        disable_thinking: flag("disable_thinking"),
+        include_system_prompt: flag(&gateway.brand.include_system_prompt_field),
+    };
 
     let completion_budget = max_tokens
         .or_else(|| {
@@ -774,6 +809,7 @@ fn validate(gateway: &Gateway, body: &mut Value) -> Result<Chat, ApiError> {
         model_id,
         stream,
         parameters,
+        service,
         prompt_tokens_estimate,
         estimated_tokens: prompt_tokens_estimate
             .saturating_add(completion_budget.saturating_mul(n)),
@@ -843,8 +879,9 @@ fn validate_message(details: &mut Details, index: &str, message: &Value) -> usiz
 }
 
 /// The `<brand>_parameters` echo: every required member, with what this
-/// server really applies. Features that arrive in later issues (web search,
-/// scraping, citations, thinking control, e2ee) are reported as off.
+/// server really applies (the router applies the system prompt and the
+/// thinking flags). Features that arrive in later issues (web search,
+/// scraping, citations, e2ee) are reported as off.
 fn effective_parameters(
     gateway: &Gateway,
     requested: Option<Value>,
@@ -913,7 +950,16 @@ fn effective_parameters(
     );
     echo.insert("include_search_results_in_stream".into(), json!(false));
     echo.insert("return_search_results_as_documents".into(), json!(false));
-    echo.insert("strip_thinking_response".into(), json!(false));
-    echo.insert("disable_thinking".into(), json!(false));
+    let flag = |name: &str| {
+        requested
+            .get(name)
+            .and_then(Value::as_bool)
+            .unwrap_or(false)
+    };
+    echo.insert(
+        "strip_thinking_response".into(),
+        json!(flag("strip_thinking_response")),
+    );
+    echo.insert("disable_thinking".into(), json!(flag("disable_thinking")));
     Ok(echo)
 }

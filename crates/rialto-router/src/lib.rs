@@ -20,6 +20,7 @@ use rialto_proto::router::v1 as pb;
 
 pub mod grpc;
 mod local;
+pub mod thinking;
 
 pub use local::LocalRouter;
 

@@ -15,6 +15,7 @@ use rialto_proto::router::v1 as pb;
 use secrecy::{ExposeSecret, SecretString};
 use serde_json::Value;
 
+use crate::thinking::ThinkStripper;
 use crate::{ChatStream, RouterService};
 
 pub struct LocalRouter {
@@ -25,6 +26,10 @@ pub struct LocalRouter {
 
 struct ModelRoute {
     backends: Vec<Backend>,
+    /// The system prompt put first (the model's, else the service's).
+    system_prompt: Option<Value>,
+    /// Whether `disable_thinking` sets `chat_template_kwargs.enable_thinking`.
+    thinking_kwargs: bool,
     /// Round-robin cursor: each request starts at the next backend.
     next: AtomicUsize,
 }
@@ -93,7 +98,13 @@ impl LocalRouter {
         let models = models
             .iter()
             .map(|model| {
+                let prompt = model
+                    .system_prompt
+                    .clone()
+                    .unwrap_or_else(|| config.system_prompt.clone());
                 let route = ModelRoute {
+                    system_prompt: (!prompt.is_empty()).then_some(Value::String(prompt)),
+                    thinking_kwargs: model.thinking_control.as_deref() != Some("none"),
                     backends: model
                         .backends
                         .iter()
@@ -137,6 +148,21 @@ impl LocalRouter {
         let mut body: serde_json::Map<String, Value> =
             serde_json::from_slice(&request.body_json)
                 .map_err(|e| Error::invalid(format!("request body is not a JSON object: {e}")))?;
+        let parameters = request.parameters.unwrap_or_default();
+        if let (true, Some(prompt)) = (parameters.include_system_prompt, &route.system_prompt)
+            && let Some(Value::Array(messages)) = body.get_mut("messages")
+        {
+            // Before the caller's own system prompts.
+            messages.insert(0, serde_json::json!({"role": "system", "content": prompt}));
+        }
+        if parameters.disable_thinking && route.thinking_kwargs {
+            let kwargs = body
+                .entry("chat_template_kwargs")
+                .or_insert_with(|| Value::Object(Default::default()));
+            if let Value::Object(kwargs) = kwargs {
+                kwargs.insert("enable_thinking".into(), Value::Bool(false));
+            }
+        }
         if stream {
             // Ask for the usage chunk: the final chunk must carry usage and cost.
             let options = body
@@ -276,6 +302,7 @@ async fn upstream_message(response: reqwest::Response) -> String {
 #[async_trait]
 impl RouterService for LocalRouter {
     async fn chat(&self, request: pb::ChatRequest) -> Result<pb::ChatResponse> {
+        let strip = stripping(&request);
         let (response, backend) = self.send(&request, false).await?;
         let body = response.bytes().await.map_err(|e| {
             if e.is_timeout() {
@@ -287,14 +314,22 @@ impl RouterService for LocalRouter {
                 )
             }
         })?;
+        let body_json = if strip {
+            strip_answer(&body).unwrap_or_else(|| body.to_vec())
+        } else {
+            body.to_vec()
+        };
         Ok(pb::ChatResponse {
-            body_json: body.to_vec(),
+            body_json,
             backend: backend.name.clone(),
         })
     }
 
     async fn chat_stream(&self, request: pb::ChatRequest) -> Result<ChatStream> {
+        let strip = stripping(&request);
         let (response, backend) = self.send(&request, true).await?;
+        // One stripper per choice: with n > 1 the choices interleave.
+        let mut strippers: HashMap<u64, ThinkStripper> = HashMap::new();
         let first = futures_util::stream::once(std::future::ready(Ok(pb::ChatStreamEvent {
             event: Some(pb::chat_stream_event::Event::Backend(backend.name.clone())),
         })));
@@ -309,11 +344,17 @@ impl RouterService for LocalRouter {
             .filter_map(move |event| {
                 let item = match event {
                     Ok(event) if event.data.trim().is_empty() => None,
-                    Ok(event) => Some(Ok(pb::ChatStreamEvent {
-                        event: Some(pb::chat_stream_event::Event::ChunkJson(
-                            event.data.into_bytes(),
-                        )),
-                    })),
+                    Ok(event) => {
+                        let data = if strip {
+                            strip_chunk(&event.data, &mut strippers)
+                                .unwrap_or_else(|| event.data.into_bytes())
+                        } else {
+                            event.data.into_bytes()
+                        };
+                        Some(Ok(pb::ChatStreamEvent {
+                            event: Some(pb::chat_stream_event::Event::ChunkJson(data)),
+                        }))
+                    }
                     Err(error) => {
                         tracing::warn!(request_id = %request_id, %error, "upstream stream broke");
                         Some(Err(Error::new(
@@ -333,6 +374,57 @@ impl RouterService for LocalRouter {
         });
         Ok(Box::pin(first.chain(chunks)))
     }
+}
+
+/// Whether the answer loses its think blocks.
+fn stripping(request: &pb::ChatRequest) -> bool {
+    request
+        .parameters
+        .is_some_and(|p| p.strip_thinking || p.disable_thinking)
+}
+
+/// A whole answer without think blocks in any choice's content; None when
+/// it is not JSON (then relayed as is, for the gateway to refuse).
+fn strip_answer(body: &[u8]) -> Option<Vec<u8>> {
+    let mut answer: Value = serde_json::from_slice(body).ok()?;
+    if let Some(Value::Array(choices)) = answer.get_mut("choices") {
+        for choice in choices {
+            if let Some(Value::String(content)) = choice.pointer_mut("/message/content") {
+                *content = crate::thinking::strip(content);
+            }
+        }
+    }
+    serde_json::to_vec(&answer).ok()
+}
+
+/// One stream chunk with each choice's content passed through its
+/// stripper; what a stripper still holds is released with the choice's
+/// `finish_reason`. `reasoning_content` is left as received.
+fn strip_chunk(data: &str, strippers: &mut HashMap<u64, ThinkStripper>) -> Option<Vec<u8>> {
+    let mut chunk: Value = serde_json::from_str(data).ok()?;
+    if let Some(Value::Array(choices)) = chunk.get_mut("choices") {
+        for choice in choices {
+            let index = choice.get("index").and_then(Value::as_u64).unwrap_or(0);
+            let finished = choice
+                .get("finish_reason")
+                .is_some_and(|reason| !reason.is_null());
+            let stripper = strippers.entry(index).or_default();
+            let Some(delta) = choice.get_mut("delta").and_then(Value::as_object_mut) else {
+                continue;
+            };
+            let mut visible = match delta.get("content") {
+                Some(Value::String(content)) => stripper.push(content),
+                _ => String::new(),
+            };
+            if finished {
+                visible.push_str(&stripper.finish());
+            }
+            if delta.contains_key("content") || !visible.is_empty() {
+                delta.insert("content".into(), Value::String(visible));
+            }
+        }
+    }
+    serde_json::to_vec(&chunk).ok()
 }
 
 #[cfg(test)]
@@ -357,6 +449,7 @@ mod tests {
             request_id: "r1".into(),
             model_id: "m".into(),
             body_json: serde_json::to_vec(&body).unwrap(),
+            parameters: None,
         }
     }
 
