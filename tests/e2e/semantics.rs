@@ -147,3 +147,137 @@ async fn service_parameters_one_process() {
 async fn service_parameters_split() {
     service_parameters(Topology::Split).await;
 }
+
+/// Inputs a model's capabilities allow or refuse, `cache_control` kept or
+/// dropped, the tool and logprob members validated, and `prompt_cache_key`
+/// pinning a conversation to one backend.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inputs_caching_and_tools() {
+    let first = MockUpstream::start().await.unwrap();
+    let second = MockUpstream::start().await.unwrap();
+    let config = format!(
+        r#"
+[[models]]
+id = "text-only"
+backends = [{{ kind = "openai", url = "{a}", model = "mock-model" }}]
+
+[[models]]
+id = "vision-cache"
+capabilities = ["vision", "caching"]
+backends = [{{ kind = "openai", url = "{a}", model = "mock-model" }}]
+
+[[models]]
+id = "pinned"
+backends = [
+  {{ kind = "openai", url = "{a}", model = "mock-model", name = "b0" }},
+  {{ kind = "openai", url = "{b}", model = "mock-model", name = "b1" }},
+]
+"#,
+        a = first.base_url(),
+        b = second.base_url()
+    );
+    let sandbox = Sandbox::builder(Topology::OneProcess)
+        .config(&config)
+        .start()
+        .await
+        .unwrap();
+    let account = sandbox.create_account("inputs").await.unwrap();
+    let (_, key) = sandbox
+        .create_key(&account.admin_key, "INFERENCE")
+        .await
+        .unwrap();
+    let send = |body: Value| {
+        let request = sandbox
+            .http()
+            .post(sandbox.api("/chat/completions"))
+            .bearer_auth(&key)
+            .json(&body);
+        async move {
+            let response = request.send().await.unwrap();
+            let status = response.status().as_u16();
+            (status, response.json::<Value>().await.unwrap())
+        }
+    };
+    let picture = |model: &str| {
+        json!({"model": model, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "what is this?", "cache_control": {"type": "ephemeral"}},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
+    };
+    let (status, body) = send(picture("text-only")).await;
+    assert_eq!(status, 400);
+    assert_eq!(
+        body["details"]["messages"]["0"]["content"]["1"]["type"]["_errors"][0],
+        "The model text-only does not accept image input"
+    );
+    let (status, _) = send(picture("vision-cache")).await;
+    assert_eq!(status, 200);
+    let kept = first.requests().last().unwrap().clone();
+    assert_eq!(
+        kept["messages"][0]["content"][0]["cache_control"],
+        json!({"type": "ephemeral"})
+    );
+    // Without the caching capability, cache_control is dropped.
+    let text = json!({"model": "text-only", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi", "cache_control": {"type": "ephemeral", "ttl": "1h"}}]}]});
+    assert_eq!(send(text).await.0, 200);
+    let dropped = first.requests().last().unwrap().clone();
+    assert!(
+        dropped["messages"][0]["content"][0]
+            .get("cache_control")
+            .is_none()
+    );
+    let bad_cache = json!({"model": "text-only", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi", "cache_control": {"type": "persistent"}}]}]});
+    let (status, body) = send(bad_cache).await;
+    assert_eq!(status, 400);
+    assert!(body["details"].to_string().contains("ephemeral"), "{body}");
+
+    // Tools: a call and its answer pass; a tool message needs its call id,
+    // an assistant message content or tool calls.
+    let call = json!({"id": "call_1", "type": "function",
+        "function": {"name": "weather", "arguments": "{\"city\":\"Paris\"}"}});
+    let round_trip = json!({"model": "text-only", "messages": [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": null, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]});
+    assert_eq!(send(round_trip).await.0, 200);
+    let orphan = json!({"model": "text-only", "messages": [
+        {"role": "tool", "content": "sunny"}]});
+    let (status, body) = send(orphan).await;
+    assert_eq!(status, 400);
+    assert_eq!(
+        body["details"]["messages"]["0"]["tool_call_id"]["_errors"][0],
+        "Required"
+    );
+    let empty = json!({"model": "text-only", "messages": [
+        {"role": "user", "content": "hi"}, {"role": "assistant", "content": null}]});
+    assert_eq!(send(empty).await.0, 400);
+    let top = json!({"model": "text-only", "top_logprobs": 3,
+        "messages": [{"role": "user", "content": "hi"}]});
+    assert_eq!(send(top).await.0, 400);
+
+    // One conversation key, one backend; without a key, rotation.
+    let before = (first.request_count(), second.request_count());
+    for _ in 0..6 {
+        let pinned = json!({"model": "pinned", "prompt_cache_key": "conversation-1",
+            "messages": [{"role": "user", "content": "hi"}]});
+        assert_eq!(send(pinned).await.0, 200);
+    }
+    let pinned = (
+        first.request_count() - before.0,
+        second.request_count() - before.1,
+    );
+    assert!(pinned == (6, 0) || pinned == (0, 6), "{pinned:?}");
+    let before = (first.request_count(), second.request_count());
+    for _ in 0..6 {
+        let rotated = json!({"model": "pinned", "messages": [{"role": "user", "content": "hi"}]});
+        assert_eq!(send(rotated).await.0, 200);
+    }
+    assert_eq!(
+        (
+            first.request_count() - before.0,
+            second.request_count() - before.1
+        ),
+        (3, 3)
+    );
+}

@@ -355,6 +355,11 @@ pub struct ModelConfig {
     /// Tokens per window for all callers together.
     #[serde(default)]
     pub global_tpm: Option<u64>,
+    /// What the model accepts beyond text: `vision` (`image_url` parts),
+    /// `audio` (`input_audio`), `video` (`video_url`), `files` (`file`),
+    /// `caching` (`cache_control` is passed on; otherwise it is dropped).
+    #[serde(default)]
+    pub capabilities: Vec<String>,
     /// This model's system prompt, instead of `router.system_prompt`
     /// (empty: none for this model).
     #[serde(default)]

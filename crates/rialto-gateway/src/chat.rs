@@ -728,13 +728,23 @@ fn validate(gateway: &Gateway, body: &mut Value) -> Result<Chat, ApiError> {
         }
     };
     let mut prompt_chars = 0usize;
+    // An unknown model is a 404 later; its inputs are not judged.
+    let capabilities = gateway
+        .model(&model_id)
+        .map(|m| m.config.capabilities.as_slice());
     match object.get("messages") {
         Some(Value::Array(messages)) if messages.is_empty() => {
             details.push(&["messages"], "Array must contain at least 1 element(s)");
         }
         Some(Value::Array(messages)) => {
             for (i, message) in messages.iter().enumerate() {
-                prompt_chars += validate_message(&mut details, &i.to_string(), message);
+                prompt_chars += validate_message(
+                    &mut details,
+                    &i.to_string(),
+                    message,
+                    &model_id,
+                    capabilities,
+                );
             }
         }
         Some(_) => details.push(&["messages"], "Expected array"),
@@ -773,6 +783,37 @@ fn validate(gateway: &Gateway, body: &mut Value) -> Result<Chat, ApiError> {
         .is_some_and(|v| !v.is_string() && !v.is_null())
     {
         details.push(&["prompt_cache_key"], "Expected string");
+    }
+    let logprobs = match object.get("logprobs") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(on)) => *on,
+        Some(_) => {
+            details.push(&["logprobs"], "Expected boolean");
+            false
+        }
+    };
+    match object.get("top_logprobs") {
+        None | Some(Value::Null) => {}
+        Some(value) => match value.as_u64() {
+            Some(n) if n <= 20 && logprobs => {}
+            Some(n) if n <= 20 => details.push(
+                &["top_logprobs"],
+                "top_logprobs requires logprobs to be true",
+            ),
+            _ => details.push(&["top_logprobs"], "Expected an integer from 0 to 20"),
+        },
+    }
+    // Backends without prompt caching would refuse `cache_control`: drop it.
+    if capabilities.is_some_and(|caps| !caps.iter().any(|c| c == "caching"))
+        && let Some(Value::Array(messages)) = object.get_mut("messages")
+    {
+        for message in messages.iter_mut() {
+            if let Some(Value::Array(parts)) = message.get_mut("content") {
+                for part in parts.iter_mut().filter_map(Value::as_object_mut) {
+                    part.remove("cache_control");
+                }
+            }
+        }
     }
     let mut requested = object.remove(&gateway.brand.parameters_field);
     if !suffix.is_empty() {
@@ -816,8 +857,23 @@ fn validate(gateway: &Gateway, body: &mut Value) -> Result<Chat, ApiError> {
     })
 }
 
+/// Content part types beyond text, and the capability each needs.
+const MEDIA_PARTS: [(&str, &str, &str); 4] = [
+    ("image_url", "vision", "image"),
+    ("input_audio", "audio", "audio"),
+    ("video_url", "video", "video"),
+    ("file", "files", "file"),
+];
+
 /// Validates one message; returns the characters of text it carries.
-fn validate_message(details: &mut Details, index: &str, message: &Value) -> usize {
+/// `capabilities` are the model's (None: the model is unknown).
+fn validate_message(
+    details: &mut Details,
+    index: &str,
+    message: &Value,
+    model_id: &str,
+    capabilities: Option<&[String]>,
+) -> usize {
     let Some(message) = message.as_object() else {
         details.push(&["messages", index], "Expected object");
         return 0;
@@ -834,6 +890,47 @@ fn validate_message(details: &mut Details, index: &str, message: &Value) -> usiz
         ),
         None => details.push(&["messages", index, "role"], "Required"),
     }
+    if role == Some("tool") {
+        match message.get("tool_call_id") {
+            Some(Value::String(id)) if !id.is_empty() => {}
+            Some(Value::String(_)) => details.push(
+                &["messages", index, "tool_call_id"],
+                "String must contain at least 1 character(s)",
+            ),
+            Some(_) => details.push(&["messages", index, "tool_call_id"], "Expected string"),
+            None => details.push(&["messages", index, "tool_call_id"], "Required"),
+        }
+    }
+    let mut has_tool_calls = false;
+    match message.get("tool_calls") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(calls)) => {
+            has_tool_calls = !calls.is_empty();
+            for (c, call) in calls.iter().enumerate() {
+                let c = c.to_string();
+                let text = |field: &str| call.pointer(field).and_then(Value::as_str).is_some();
+                if !text("/id") {
+                    details.push(
+                        &["messages", index, "tool_calls", &c, "id"],
+                        "Required string",
+                    );
+                }
+                if call.get("type").and_then(Value::as_str) != Some("function") {
+                    details.push(
+                        &["messages", index, "tool_calls", &c, "type"],
+                        "Invalid literal value, expected \"function\"",
+                    );
+                }
+                if !text("/function/name") || !text("/function/arguments") {
+                    details.push(
+                        &["messages", index, "tool_calls", &c, "function"],
+                        "Expected an object with string name and arguments",
+                    );
+                }
+            }
+        }
+        Some(_) => details.push(&["messages", index, "tool_calls"], "Expected array"),
+    }
     match message.get("content") {
         Some(Value::String(text)) => text.len(),
         Some(Value::Array(parts)) => {
@@ -846,7 +943,10 @@ fn validate_message(details: &mut Details, index: &str, message: &Value) -> usiz
                 };
                 match part.get("type").and_then(Value::as_str) {
                     Some("text") => match part.get("text") {
-                        Some(Value::String(text)) if !text.is_empty() => chars += text.len(),
+                        Some(Value::String(text)) if !text.is_empty() => {
+                            chars += text.len();
+                            check_cache_control(details, index, &p, part.get("cache_control"));
+                        }
                         Some(Value::String(_)) => details.push(
                             &["messages", index, "content", &p, "text"],
                             "String must contain at least 1 character(s)",
@@ -859,14 +959,44 @@ fn validate_message(details: &mut Details, index: &str, message: &Value) -> usiz
                             details.push(&["messages", index, "content", &p, "text"], "Required")
                         }
                     },
-                    Some(_) => {}
+                    Some(kind) => match MEDIA_PARTS.iter().find(|(name, _, _)| *name == kind) {
+                        Some((name, capability, noun)) => {
+                            if !part.get(*name).is_some_and(Value::is_object) {
+                                details.push(
+                                    &["messages", index, "content", &p, name],
+                                    "Required object",
+                                );
+                            } else if capabilities
+                                .is_some_and(|caps| !caps.iter().any(|c| c == capability))
+                            {
+                                details.push(
+                                    &["messages", index, "content", &p, "type"],
+                                    format!("The model {model_id} does not accept {noun} input"),
+                                );
+                            }
+                        }
+                        None => details.push(
+                            &["messages", index, "content", &p, "type"],
+                            format!(
+                                "Invalid enum value. Expected 'text' | 'image_url' | 'input_audio' | 'video_url' | 'file', received '{kind}'"
+                            ),
+                        ),
+                    },
                     None => details.push(&["messages", index, "content", &p, "type"], "Required"),
                 }
             }
             chars
         }
         // An assistant turn may carry only tool calls.
-        Some(Value::Null) | None if role == Some("assistant") => 0,
+        Some(Value::Null) | None if role == Some("assistant") => {
+            if !has_tool_calls {
+                details.push(
+                    &["messages", index, "content"],
+                    "An assistant message must have content or tool_calls",
+                );
+            }
+            0
+        }
         Some(Value::Null) | None => {
             details.push(&["messages", index, "content"], "Required");
             0
@@ -875,6 +1005,29 @@ fn validate_message(details: &mut Details, index: &str, message: &Value) -> usiz
             details.push(&["messages", index, "content"], "Expected string or array");
             0
         }
+    }
+}
+
+/// `cache_control` on a text part: `{type: "ephemeral", ttl?: string}`.
+fn check_cache_control(details: &mut Details, index: &str, part: &str, value: Option<&Value>) {
+    let path = ["messages", index, "content", part, "cache_control"];
+    match value {
+        None | Some(Value::Null) => {}
+        Some(Value::Object(control)) => {
+            if control.get("type").and_then(Value::as_str) != Some("ephemeral") {
+                details.push(
+                    &[&path[..], &["type"]].concat(),
+                    "Invalid literal value, expected \"ephemeral\"",
+                );
+            }
+            if control
+                .get("ttl")
+                .is_some_and(|t| !t.is_string() && !t.is_null())
+            {
+                details.push(&[&path[..], &["ttl"]].concat(), "Expected string");
+            }
+        }
+        Some(_) => details.push(&path, "Expected object"),
     }
 }
 

@@ -172,8 +172,20 @@ impl LocalRouter {
                 options.insert("include_usage".into(), Value::Bool(true));
             }
         }
-        let start = route.next.fetch_add(1, Ordering::Relaxed);
         let count = route.backends.len();
+        // Requests with one `prompt_cache_key` start at the same backend
+        // (rendezvous hash of the key over the backends' names), so its
+        // prefix cache hits; the others rotate.
+        let start = match body.get("prompt_cache_key").and_then(Value::as_str) {
+            Some(key) if count > 1 => rialto_core::placement::owner_index(
+                key,
+                route
+                    .backends
+                    .iter()
+                    .map(|b| rialto_core::placement::replica_seed(&b.name)),
+            ),
+            _ => route.next.fetch_add(1, Ordering::Relaxed),
+        };
         let mut last_error = None;
         for offset in 0..count {
             let backend = &route.backends[(start + offset) % count];
