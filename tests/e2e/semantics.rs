@@ -25,6 +25,20 @@ id = "own-prompt"
 system_prompt = "Model prompt."
 thinking_control = "none"
 backends = [{{ kind = "openai", url = "{url}", model = "mock-model" }}]
+
+[[characters]]
+slug = "philosopher"
+name = "The Philosopher"
+description = "Answers with questions."
+system_prompt = "You are a philosopher."
+model_id = "think-chat"
+tags = ["philosophy"]
+
+[[characters]]
+slug = "secret"
+name = "Secret"
+system_prompt = "Hidden."
+public = false
 "#,
         url = mock.base_url()
     );
@@ -111,6 +125,81 @@ async fn service_parameters(topology: Topology) {
     let sent = mock.requests().last().unwrap().clone();
     assert!(sent.get("chat_template_kwargs").is_none());
     assert_eq!(sent["messages"][0]["content"], "Model prompt.");
+
+    // A character: its prompt after the service's, before the caller's.
+    let with_character = chat(
+        &sandbox,
+        &key,
+        hello("think-chat:character_slug=philosopher"),
+    )
+    .await;
+    assert_eq!(
+        with_character["rialto_parameters"]["character_slug"],
+        "philosopher"
+    );
+    let sent = mock.requests().last().unwrap().clone();
+    let prompts: Vec<&str> = sent["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] == "system")
+        .map(|m| m["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        prompts,
+        [
+            "You are Rialto.",
+            "You are a philosopher.",
+            "Caller prompt."
+        ]
+    );
+    for slug in ["secret", "nobody"] {
+        let response = sandbox
+            .call(
+                Method::POST,
+                "/chat/completions",
+                &key,
+                Some(&hello(&format!("think-chat:character_slug={slug}"))),
+            )
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 404, "{slug}");
+    }
+    let list: Value = sandbox
+        .call(Method::GET, "/characters", &key, None)
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(list["object"], "list");
+    assert_eq!(
+        list["data"].as_array().unwrap().len(),
+        1,
+        "private ones are not listed"
+    );
+    assert_eq!(list["data"][0]["slug"], "philosopher");
+    assert_eq!(list["data"][0]["modelId"], "think-chat");
+    let one = sandbox
+        .call(Method::GET, "/characters/philosopher", &key, None)
+        .await
+        .unwrap();
+    assert_eq!(one.status(), 200);
+    let one: Value = one.json().await.unwrap();
+    assert_eq!(one["object"], "character");
+    assert_eq!(one["data"]["id"], list["data"][0]["id"]);
+    let hidden = sandbox
+        .call(Method::GET, "/characters/secret", &key, None)
+        .await
+        .unwrap();
+    assert_eq!(hidden.status(), 404);
+    let anonymous = sandbox
+        .http()
+        .get(sandbox.api("/characters"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(anonymous.status(), 402);
 
     // A stream of two choices, the block spread over several chunks.
     let mut body = hello("think-chat:strip_thinking_response=true");

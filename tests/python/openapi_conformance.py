@@ -148,6 +148,8 @@ created = check(
 ).json()["data"]
 inference = {"Authorization": f"Bearer {created['apiKey']}"}
 check(session.get(f"{api}/api_keys", headers=admin), 200)
+assert check(session.get(f"{api}/characters", headers=admin), 200).json() == {"object": "list", "data": []}
+check(session.get(f"{api}/characters/nobody", headers=admin), 404)
 check(session.get(f"{api}/api_keys/{created['id']}", headers=admin), 200)
 check(session.get(f"{api}/api_keys", headers=inference), 401)
 

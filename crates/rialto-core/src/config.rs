@@ -39,6 +39,48 @@ pub struct Config {
     pub wallet: WalletConfig,
     pub x402: X402Config,
     pub models: Vec<ModelConfig>,
+    pub characters: Vec<CharacterConfig>,
+}
+
+/// A character (`[[characters]]`): a persona whose system prompt a chat
+/// request applies with `character_slug`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct CharacterConfig {
+    /// Public id, in `character_slug` and `/characters/{slug}`.
+    pub slug: String,
+    pub name: String,
+    #[serde(default)]
+    pub description: String,
+    /// Put before the caller's system prompts (after the service's).
+    pub system_prompt: String,
+    /// The model the character is meant for (informational).
+    #[serde(default)]
+    pub model_id: Option<String>,
+    /// Listed and usable by everyone; a private character is neither.
+    #[serde(default = "default_true")]
+    pub public: bool,
+    #[serde(default)]
+    pub tags: Vec<String>,
+    #[serde(default)]
+    pub adult: bool,
+    #[serde(default)]
+    pub featured: bool,
+    #[serde(default)]
+    pub web_enabled: bool,
+    #[serde(default)]
+    pub author: String,
+    #[serde(default)]
+    pub photo_url: String,
+    #[serde(default)]
+    pub share_url: String,
+    /// RFC 3339; the Unix epoch when unset.
+    #[serde(default)]
+    pub created_at: Option<String>,
+}
+
+fn default_true() -> bool {
+    true
 }
 
 /// Wallet sign-in (`[wallet]`, Sign-In-With-X).
@@ -400,9 +442,23 @@ fn default_tier() -> String {
 }
 
 /// Top-level keys of [`Config`], the only ones `RIALTO_*` variables may set.
-const TOP_LEVEL_KEYS: [&str; 15] = [
-    "brand", "services", "gateway", "grpc", "database", "operator", "remote", "router", "log",
-    "limits", "billing", "bus", "wallet", "x402", "models",
+const TOP_LEVEL_KEYS: [&str; 16] = [
+    "brand",
+    "services",
+    "gateway",
+    "grpc",
+    "database",
+    "operator",
+    "remote",
+    "router",
+    "log",
+    "limits",
+    "billing",
+    "bus",
+    "wallet",
+    "x402",
+    "models",
+    "characters",
 ];
 
 /// The services a process can run, in start order.
@@ -426,6 +482,7 @@ impl Default for Config {
             wallet: WalletConfig::default(),
             x402: X402Config::default(),
             models: Vec::new(),
+            characters: Vec::new(),
         }
     }
 }

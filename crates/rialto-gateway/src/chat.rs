@@ -212,7 +212,7 @@ async fn complete_or_stream(
     if let Some(model) = body.get("model").and_then(Value::as_str) {
         *requested_model = Some(model.to_owned());
     }
-    let chat = validate(gateway, &mut body)?;
+    let mut chat = validate(gateway, &mut body)?;
     let model = gateway
         .model(&chat.model_id)
         .ok_or_else(|| ApiError::new(ErrorCode::ModelNotFound, "Specified model not found"))?;
@@ -315,7 +315,7 @@ async fn complete_or_stream(
         request_id: request_id.clone(),
         model_id: chat.model_id.clone(),
         body_json: serde_json::to_vec(&body).map_err(rialto_core::Error::internal)?,
-        parameters: Some(chat.service),
+        parameters: Some(std::mem::take(&mut chat.service)),
     };
     let wallet_usd_before = if principal.wallet.is_empty() {
         None
@@ -832,10 +832,17 @@ fn validate(gateway: &Gateway, body: &mut Value) -> Result<Chat, ApiError> {
             .and_then(Value::as_bool)
             .unwrap_or(false)
     };
+    let character_prompt = parameters
+        .get("character_slug")
+        .and_then(Value::as_str)
+        .and_then(|slug| gateway.character(slug))
+        .map(|c| c.system_prompt.clone())
+        .unwrap_or_default();
     let service = router_pb::ServiceParameters {
         strip_thinking: flag("strip_thinking_response"),
         disable_thinking: flag("disable_thinking"),
         include_system_prompt: flag(&gateway.brand.include_system_prompt_field),
+        character_prompt,
     };
 
     let completion_budget = max_tokens
@@ -1077,17 +1084,26 @@ fn effective_parameters(
             "Invalid enum value. Expected 'auto' | 'off' | 'on'",
         );
     }
+    let mut character = None;
     if let Some(slug) = requested.get("character_slug").filter(|v| !v.is_null()) {
-        if slug.is_string() {
-            // No characters exist on this server yet.
-            return Err(ApiError::new(
-                ErrorCode::NotFound,
-                "No character could be found from the provided character_slug",
-            ));
+        match slug.as_str() {
+            // Private characters are as unknown as missing ones.
+            Some(slug) => match gateway.character(slug).filter(|c| c.public) {
+                Some(found) => character = Some(found.slug.clone()),
+                None => {
+                    return Err(ApiError::new(
+                        ErrorCode::NotFound,
+                        "No character could be found from the provided character_slug",
+                    ));
+                }
+            },
+            None => details.push(&[field, "character_slug"], "Expected string"),
         }
-        details.push(&[field, "character_slug"], "Expected string");
     }
     let mut echo = Map::new();
+    if let Some(slug) = character {
+        echo.insert("character_slug".into(), json!(slug));
+    }
     echo.insert("enable_e2ee".into(), json!(false));
     echo.insert("enable_web_search".into(), json!("off"));
     echo.insert("enable_web_citations".into(), json!(false));

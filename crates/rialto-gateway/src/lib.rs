@@ -31,6 +31,7 @@ use rialto_proto::auth::v1 as auth_pb;
 use rialto_router::RouterClient;
 use secrecy::SecretString;
 
+mod characters;
 mod chat;
 pub mod error;
 mod headers;
@@ -78,6 +79,10 @@ pub struct Gateway {
     /// Wallet sign-in and x402 top-ups (`[wallet]`, `[x402]`).
     wallet: rialto_core::config::WalletConfig,
     x402: rialto_core::config::X402Config,
+    /// The characters of the configuration, by slug.
+    characters: HashMap<String, rialto_core::config::CharacterConfig>,
+    /// Their slugs in configuration order (the list's order).
+    character_order: Vec<String>,
 }
 
 impl std::fmt::Debug for Gateway {
@@ -120,6 +125,12 @@ impl Gateway {
             abuse: AbuseGuard::new(&config.limits.abuse),
             wallet: config.wallet.clone(),
             x402: config.x402.clone(),
+            characters: config
+                .characters
+                .iter()
+                .map(|c| (c.slug.clone(), c.clone()))
+                .collect(),
+            character_order: config.characters.iter().map(|c| c.slug.clone()).collect(),
             client_address_header: match config.gateway.client_address_header.as_str() {
                 "" => None,
                 name => Some(
@@ -139,6 +150,10 @@ impl Gateway {
 
     fn model(&self, id: &str) -> Option<&ModelEntry> {
         self.model_index.get(id).map(|&i| &self.models[i])
+    }
+
+    fn character(&self, slug: &str) -> Option<&rialto_core::config::CharacterConfig> {
+        self.characters.get(slug)
     }
 }
 
@@ -208,6 +223,8 @@ pub fn configure(gateway: web::Data<Gateway>) -> impl FnOnce(&mut web::ServiceCo
                     .route("/api_keys/rate_limit_logs", web::get().to(limits::log))
                     .route("/billing/balance", web::get().to(limits::billing_balance))
                     .route("/billing/usage", web::get().to(usage::history))
+                    .route("/characters", web::get().to(characters::list))
+                    .route("/characters/{slug}", web::get().to(characters::get))
                     .route("/x402/top-up", web::post().to(wallet::top_up))
                     .route("/x402/balance/{wallet}", web::get().to(wallet::balance))
                     .route(

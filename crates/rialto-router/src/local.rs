@@ -148,12 +148,18 @@ impl LocalRouter {
         let mut body: serde_json::Map<String, Value> =
             serde_json::from_slice(&request.body_json)
                 .map_err(|e| Error::invalid(format!("request body is not a JSON object: {e}")))?;
-        let parameters = request.parameters.unwrap_or_default();
-        if let (true, Some(prompt)) = (parameters.include_system_prompt, &route.system_prompt)
-            && let Some(Value::Array(messages)) = body.get_mut("messages")
-        {
-            // Before the caller's own system prompts.
-            messages.insert(0, serde_json::json!({"role": "system", "content": prompt}));
+        let parameters = request.parameters.clone().unwrap_or_default();
+        if let Some(Value::Array(messages)) = body.get_mut("messages") {
+            // Before the caller's own system prompts: the service's, then
+            // the character's.
+            if !parameters.character_prompt.is_empty() {
+                let prompt = serde_json::json!({"role": "system",
+                    "content": parameters.character_prompt});
+                messages.insert(0, prompt);
+            }
+            if let (true, Some(prompt)) = (parameters.include_system_prompt, &route.system_prompt) {
+                messages.insert(0, serde_json::json!({"role": "system", "content": prompt}));
+            }
         }
         if parameters.disable_thinking && route.thinking_kwargs {
             let kwargs = body
@@ -392,6 +398,7 @@ impl RouterService for LocalRouter {
 fn stripping(request: &pb::ChatRequest) -> bool {
     request
         .parameters
+        .as_ref()
         .is_some_and(|p| p.strip_thinking || p.disable_thinking)
 }
 
