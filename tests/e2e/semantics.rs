@@ -252,7 +252,7 @@ backends = [{{ kind = "openai", url = "{a}", model = "mock-model" }}]
 
 [[models]]
 id = "vision-cache"
-capabilities = ["vision", "caching"]
+capabilities = ["vision", "caching", "files"]
 backends = [{{ kind = "openai", url = "{a}", model = "mock-model" }}]
 
 [[models]]
@@ -320,6 +320,56 @@ backends = [
     let (status, body) = send(bad_cache).await;
     assert_eq!(status, 400);
     assert!(body["details"].to_string().contains("ephemeral"), "{body}");
+
+    // A DOCX file becomes text before the model sees it; a model without
+    // the files capability refuses it; a broken file is a 400 naming it.
+    let docx = {
+        use std::io::Write;
+        let mut writer = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
+        writer
+            .start_file(
+                "word/document.xml",
+                zip::write::SimpleFileOptions::default(),
+            )
+            .unwrap();
+        writer
+            .write_all(br#"<w:document xmlns:w="w"><w:body><w:p><w:r><w:t>Quarterly revenue grew.</w:t></w:r></w:p></w:body></w:document>"#)
+            .unwrap();
+        writer.finish().unwrap().into_inner()
+    };
+    use base64::Engine;
+    let encoded = base64::engine::general_purpose::STANDARD.encode(&docx);
+    let with_file = |model: &str, data: &str| {
+        json!({"model": model, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "summarize"},
+            {"type": "file", "file": {"filename": "report.docx", "file_data": data}}]}]})
+    };
+    assert_eq!(send(with_file("vision-cache", &encoded)).await.0, 200);
+    let seen = first.requests().last().unwrap().clone();
+    assert_eq!(seen["messages"][0]["content"][1]["type"], "text");
+    assert!(
+        seen["messages"][0]["content"][1]["text"]
+            .as_str()
+            .unwrap()
+            .contains("Quarterly revenue grew."),
+        "{seen}"
+    );
+    let (status, body) = send(with_file("text-only", &encoded)).await;
+    assert_eq!(status, 400);
+    assert!(
+        body.to_string().contains("does not accept file input"),
+        "{body}"
+    );
+    let broken = base64::engine::general_purpose::STANDARD.encode(b"PK not a zip");
+    let (status, body) = send(with_file("vision-cache", &broken)).await;
+    assert_eq!(status, 400);
+    assert!(
+        body["details"]["messages"]["0"]["content"]["1"]["file"]["_errors"][0]
+            .as_str()
+            .unwrap()
+            .contains("could not be read as a DOCX file"),
+        "{body}"
+    );
 
     // Tools: a call and its answer pass; a tool message needs its call id,
     // an assistant message content or tool calls.

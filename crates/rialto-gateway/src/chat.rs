@@ -216,6 +216,7 @@ async fn complete_or_stream(
     let model = gateway
         .model(&chat.model_id)
         .ok_or_else(|| ApiError::new(ErrorCode::ModelNotFound, "Specified model not found"))?;
+    convert_files(&mut body, &mut chat).await?;
     let request_id = request
         .extensions()
         .get::<RequestId>()
@@ -685,6 +686,46 @@ fn delta_chars(choices: Option<&Value>) -> usize {
                 .sum()
         })
         .unwrap_or_default()
+}
+
+/// Turns `file` parts into text parts (on the blocking pool), counting
+/// their text in the request's estimates.
+async fn convert_files(body: &mut Value, chat: &mut Chat) -> Result<(), ApiError> {
+    let Some(Value::Array(messages)) = body.get_mut("messages") else {
+        return Ok(());
+    };
+    if !crate::files::any(messages) {
+        return Ok(());
+    }
+    let before: usize = messages.iter().map(|m| m.to_string().len()).sum();
+    let mut taken = std::mem::take(messages);
+    let (result, converted) = tokio::task::spawn_blocking(move || {
+        let result = crate::files::convert(&mut taken);
+        (result, taken)
+    })
+    .await
+    .map_err(rialto_core::Error::internal)?;
+    *messages = converted;
+    if let Err((m, p, why)) = result {
+        let mut details = Details::new();
+        details.push(
+            &[
+                "messages",
+                &m.to_string(),
+                "content",
+                &p.to_string(),
+                "file",
+            ],
+            why,
+        );
+        return Err(ApiError::validation(details));
+    }
+    // The files' text is prompt too (four characters a token, as above).
+    let after: usize = messages.iter().map(|m| m.to_string().len()).sum();
+    let added = (after.saturating_sub(before) as u64).div_ceil(4);
+    chat.prompt_tokens_estimate = chat.prompt_tokens_estimate.saturating_add(added);
+    chat.estimated_tokens = chat.estimated_tokens.saturating_add(added);
+    Ok(())
 }
 
 /// Checks the members the spec lists, takes `<brand>_parameters` out of the

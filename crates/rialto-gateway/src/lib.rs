@@ -34,6 +34,7 @@ use secrecy::SecretString;
 mod characters;
 mod chat;
 pub mod error;
+mod files;
 mod headers;
 mod keys;
 mod limits;
