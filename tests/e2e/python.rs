@@ -66,7 +66,13 @@ async fn openai_python_sdk(world: &World) {
         ],
     )
     .await;
-    for check in ["plain ok", "stream ok", "n=2 ok", "auth error ok"] {
+    for check in [
+        "plain ok",
+        "stream ok",
+        "n=2 ok",
+        "thinking ok",
+        "auth error ok",
+    ] {
         assert!(stdout.contains(check), "{stdout}");
     }
 }

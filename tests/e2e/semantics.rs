@@ -267,6 +267,8 @@ backends = [
     );
     let sandbox = Sandbox::builder(Topology::OneProcess)
         .config(&config)
+        // The file server below is on loopback.
+        .env("RIALTO_GATEWAY__FILE_URLS_ALLOW_PRIVATE", "true")
         .start()
         .await
         .unwrap();
@@ -369,6 +371,33 @@ backends = [
             .unwrap()
             .contains("could not be read as a DOCX file"),
         "{body}"
+    );
+
+    // A file by URL: fetched, then converted.
+    let files = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let file_url = format!("http://{}/sales.csv", files.local_addr().unwrap());
+    tokio::spawn(async move {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        while let Ok((mut socket, _)) = files.accept().await {
+            let mut request = [0u8; 2048];
+            let _ = socket.read(&mut request).await;
+            let body = "region,revenue\nnorth,42\n";
+            let answer = format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: text/csv\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = socket.write_all(answer.as_bytes()).await;
+        }
+    });
+    let by_url = json!({"model": "vision-cache", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "summarize"},
+        {"type": "file", "file": {"file_url": file_url}}]}]});
+    assert_eq!(send(by_url).await.0, 200);
+    let seen = first.requests().last().unwrap().clone();
+    let text = seen["messages"][0]["content"][1]["text"].as_str().unwrap();
+    assert!(
+        text.contains("File sales.csv") && text.contains("north,42"),
+        "{text}"
     );
 
     // Tools: a call and its answer pass; a tool message needs its call id,

@@ -48,6 +48,24 @@ assert [c.index for c in both.choices] == [0, 1], both.choices
 assert both.choices[0].message.content != both.choices[1].message.content
 print("n=2 ok")
 
+# A model suffix strips the thinking, whole and streamed; the SDK parses both.
+thinking = {"mock": {"reply": "<think>first, plan</think> Paris is the capital."}}
+stripped = client.chat.completions.create(
+    model=f"{model}:strip_thinking_response=true", messages=messages, extra_body=thinking
+)
+assert stripped.choices[0].message.content == "Paris is the capital.", stripped
+assert stripped.model == model, stripped.model
+assert stripped.model_extra["rialto_parameters"]["strip_thinking_response"] is True
+streamed = "".join(
+    choice.delta.content or ""
+    for chunk in client.chat.completions.create(
+        model=f"{model}:strip_thinking_response=true", messages=messages, stream=True, extra_body=thinking
+    )
+    for choice in chunk.choices
+)
+assert streamed == "Paris is the capital.", streamed
+print("thinking ok")
+
 # A deleted or wrong key is an authentication error the SDK understands.
 bad = openai.OpenAI(base_url=base_url, api_key="RIALTO_INFERENCE_KEY_nope", max_retries=0)
 try:

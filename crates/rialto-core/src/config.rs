@@ -195,6 +195,10 @@ pub struct GatewayConfig {
     /// (`x-forwarded-for`, `x-real-ip`); the rightmost address in it is
     /// used. Empty: the TCP peer address.
     pub client_address_header: String,
+    /// Whether `file` parts given by URL may point at loopback, private or
+    /// link-local addresses (off: the gateway must not be a way into the
+    /// operator's network; tests turn it on).
+    pub file_urls_allow_private: bool,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -495,6 +499,7 @@ impl Default for GatewayConfig {
             host_name: String::new(),
             workers: 0,
             client_address_header: String::new(),
+            file_urls_allow_private: false,
         }
     }
 }

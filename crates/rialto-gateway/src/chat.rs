@@ -216,7 +216,7 @@ async fn complete_or_stream(
     let model = gateway
         .model(&chat.model_id)
         .ok_or_else(|| ApiError::new(ErrorCode::ModelNotFound, "Specified model not found"))?;
-    convert_files(&mut body, &mut chat).await?;
+    convert_files(&mut body, &mut chat, gateway.file_urls_allow_private).await?;
     let request_id = request
         .extensions()
         .get::<RequestId>()
@@ -690,7 +690,11 @@ fn delta_chars(choices: Option<&Value>) -> usize {
 
 /// Turns `file` parts into text parts (on the blocking pool), counting
 /// their text in the request's estimates.
-async fn convert_files(body: &mut Value, chat: &mut Chat) -> Result<(), ApiError> {
+async fn convert_files(
+    body: &mut Value,
+    chat: &mut Chat,
+    allow_private: bool,
+) -> Result<(), ApiError> {
     let Some(Value::Array(messages)) = body.get_mut("messages") else {
         return Ok(());
     };
@@ -698,6 +702,20 @@ async fn convert_files(body: &mut Value, chat: &mut Chat) -> Result<(), ApiError
         return Ok(());
     }
     let before: usize = messages.iter().map(|m| m.to_string().len()).sum();
+    if let Err((m, p, why)) = crate::files::fetch_urls(messages, allow_private).await {
+        let mut details = Details::new();
+        details.push(
+            &[
+                "messages",
+                &m.to_string(),
+                "content",
+                &p.to_string(),
+                "file",
+            ],
+            why,
+        );
+        return Err(ApiError::validation(details));
+    }
     let mut taken = std::mem::take(messages);
     let (result, converted) = tokio::task::spawn_blocking(move || {
         let result = crate::files::convert(&mut taken);

@@ -5,7 +5,12 @@
 //! text part holding the file's name and text. Formats, by extension or
 //! media type: PDF (pdf-extract), DOCX and PPTX (their XML read with zip and
 //! quick-xml), XLSX (calamine, one tab-separated line per row), and TXT, CSV
-//! and Markdown (UTF-8). Limits: [`MAX_FILE_BYTES`] per file decoded and
+//! and Markdown (UTF-8). A part may instead give `file_url` (or `url`): the
+//! gateway fetches it over HTTP(S), refusing addresses inside the
+//! operator's network (loopback, private, link-local, ...) unless
+//! `gateway.file_urls_allow_private`, pinning the address it checked (no
+//! DNS rebinding), following no redirects, within 15 s and the size limit.
+//! Limits: [`MAX_FILE_BYTES`] per file decoded and
 //! [`MAX_TEXT_CHARS`] of text per file. A file that cannot be read is a 400
 //! naming its part, never a 500. Conversion runs on the blocking pool: a
 //! large PDF must not stall the gateway's workers.
@@ -179,12 +184,6 @@ fn decode_part(file: &Value) -> Result<(String, String, Vec<u8>), String> {
         .and_then(Value::as_str)
         .unwrap_or("file")
         .to_owned();
-    if file.get("file_url").or_else(|| file.get("url")).is_some() && file.get("file_data").is_none()
-    {
-        return Err(
-            "file URLs are not fetched: send the file itself as file_data (base64)".to_owned(),
-        );
-    }
     let data = file
         .get("file_data")
         .and_then(Value::as_str)
@@ -209,6 +208,142 @@ fn decode_part(file: &Value) -> Result<(String, String, Vec<u8>), String> {
         return Err(format!("the file is larger than {MAX_FILE_BYTES} bytes"));
     }
     Ok((name, media_type, bytes))
+}
+
+/// Fetches the `file_url` parts' files into `file_data` (data: URLs), so
+/// that [`convert`] finds every file inline; the location and reason of
+/// the first that fails.
+pub async fn fetch_urls(
+    messages: &mut [Value],
+    allow_private: bool,
+) -> Result<(), (usize, usize, String)> {
+    for (m, message) in messages.iter_mut().enumerate() {
+        let Some(Value::Array(parts)) = message.get_mut("content") else {
+            continue;
+        };
+        for (p, part) in parts.iter_mut().enumerate() {
+            if part.get("type").and_then(Value::as_str) != Some("file") {
+                continue;
+            }
+            let file = &mut part["file"];
+            if file.get("file_data").is_some() {
+                continue;
+            }
+            let Some(url) = file
+                .get("file_url")
+                .or_else(|| file.get("url"))
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+            else {
+                continue;
+            };
+            let (media_type, bytes) = fetch(&url, allow_private)
+                .await
+                .map_err(|why| (m, p, why))?;
+            if file.get("filename").is_none() {
+                let name = url
+                    .split(['?', '#'])
+                    .next()
+                    .and_then(|u| u.rsplit('/').next())
+                    .filter(|n| !n.is_empty())
+                    .unwrap_or("file")
+                    .to_owned();
+                file["filename"] = json!(name);
+            }
+            let encoded = base64::engine::general_purpose::STANDARD.encode(bytes);
+            file["file_data"] = json!(format!("data:{media_type};base64,{encoded}"));
+        }
+    }
+    Ok(())
+}
+
+/// Whether an address is outside the operator's own networks.
+fn public(ip: std::net::IpAddr) -> bool {
+    use std::net::IpAddr;
+    match ip {
+        IpAddr::V4(v4) => {
+            !(v4.is_loopback()
+                || v4.is_private()
+                || v4.is_link_local()
+                || v4.is_unspecified()
+                || v4.is_broadcast()
+                || v4.is_multicast()
+                || v4.is_documentation()
+                // 100.64.0.0/10, carrier-grade NAT.
+                || (v4.octets()[0] == 100 && (v4.octets()[1] & 0xc0) == 64))
+        }
+        IpAddr::V6(v6) => {
+            if let Some(v4) = v6.to_ipv4_mapped() {
+                return public(IpAddr::V4(v4));
+            }
+            let first = v6.segments()[0];
+            !(v6.is_loopback()
+                || v6.is_unspecified()
+                || v6.is_multicast()
+                // fc00::/7 unique local, fe80::/10 link local.
+                || (first & 0xfe00) == 0xfc00
+                || (first & 0xffc0) == 0xfe80)
+        }
+    }
+}
+
+/// Downloads `url`: (media type, bytes).
+async fn fetch(url: &str, allow_private: bool) -> Result<(String, Vec<u8>), String> {
+    let parsed = reqwest::Url::parse(url).map_err(|_| format!("{url:?} is not a URL"))?;
+    if !matches!(parsed.scheme(), "http" | "https") {
+        return Err("file URLs must be http or https".to_owned());
+    }
+    let host = parsed
+        .host_str()
+        .ok_or_else(|| "the file URL has no host".to_owned())?
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .to_owned();
+    let port = parsed.port_or_known_default().unwrap_or(443);
+    let address = tokio::net::lookup_host((host.as_str(), port))
+        .await
+        .map_err(|_| format!("the file URL's host {host} cannot be resolved"))?
+        .find(|a| allow_private || public(a.ip()))
+        .ok_or_else(|| {
+            format!(
+                "the file URL's host {host} is not a public address; send the file as file_data"
+            )
+        })?;
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    // The checked address, and no other: a second lookup could answer
+    // differently (DNS rebinding); a redirect could go anywhere.
+    let client = reqwest::Client::builder()
+        .resolve(&host, address)
+        .redirect(reqwest::redirect::Policy::none())
+        .timeout(std::time::Duration::from_secs(15))
+        .build()
+        .map_err(|e| format!("cannot fetch files: {e}"))?;
+    let mut response = client
+        .get(parsed)
+        .send()
+        .await
+        .map_err(|e| format!("the file could not be fetched ({})", e.without_url()))?;
+    if !response.status().is_success() {
+        return Err(format!("fetching the file answered {}", response.status()));
+    }
+    let media_type = response
+        .headers()
+        .get(reqwest::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .map(|v| v.split(';').next().unwrap_or("").trim().to_owned())
+        .unwrap_or_default();
+    let mut bytes = Vec::new();
+    while let Some(chunk) = response
+        .chunk()
+        .await
+        .map_err(|e| format!("the file could not be fetched ({})", e.without_url()))?
+    {
+        if bytes.len() + chunk.len() > MAX_FILE_BYTES {
+            return Err(format!("the file is larger than {MAX_FILE_BYTES} bytes"));
+        }
+        bytes.extend_from_slice(&chunk);
+    }
+    Ok((media_type, bytes))
 }
 
 /// Replaces every `file` part of the messages with a text part; the
@@ -397,8 +532,27 @@ pub(crate) mod tests {
         let (m, p, why) = convert(&mut bad).unwrap_err();
         assert_eq!((m, p), (0, 0));
         assert!(why.contains("base64"), "{why}");
-        let mut url = vec![json!({"role": "user", "content": [
-            {"type": "file", "file": {"file_url": "http://10.0.0.1/secret.pdf"}}]})];
-        assert!(convert(&mut url).unwrap_err().2.contains("not fetched"));
+    }
+
+    #[tokio::test]
+    async fn urls_inside_the_network_are_refused() {
+        for url in [
+            "http://127.0.0.1:9/a.pdf",
+            "http://10.0.0.1/a.pdf",
+            "http://[::1]/a.pdf",
+            "http://169.254.169.254/latest/meta-data",
+            "file:///etc/passwd",
+        ] {
+            let mut messages = vec![json!({"role": "user", "content": [
+                {"type": "file", "file": {"file_url": url}}]})];
+            let (_, _, why) = fetch_urls(&mut messages, false).await.unwrap_err();
+            assert!(
+                why.contains("not a public address") || why.contains("http or https"),
+                "{url}: {why}"
+            );
+        }
+        assert!(!public("100.64.1.1".parse().unwrap()));
+        assert!(!public("::ffff:192.168.1.1".parse().unwrap()));
+        assert!(public("93.184.216.34".parse().unwrap()));
     }
 }

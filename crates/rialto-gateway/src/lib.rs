@@ -84,6 +84,8 @@ pub struct Gateway {
     characters: HashMap<String, rialto_core::config::CharacterConfig>,
     /// Their slugs in configuration order (the list's order).
     character_order: Vec<String>,
+    /// Whether `file` URLs may point inside the operator's network.
+    file_urls_allow_private: bool,
 }
 
 impl std::fmt::Debug for Gateway {
@@ -132,6 +134,7 @@ impl Gateway {
                 .map(|c| (c.slug.clone(), c.clone()))
                 .collect(),
             character_order: config.characters.iter().map(|c| c.slug.clone()).collect(),
+            file_urls_allow_private: config.gateway.file_urls_allow_private,
             client_address_header: match config.gateway.client_address_header.as_str() {
                 "" => None,
                 name => Some(
