@@ -201,6 +201,70 @@ async fn service_parameters(topology: Topology) {
         .unwrap();
     assert_eq!(anonymous.status(), 402);
 
+    // A character stored through the operator API: usable at once, listed,
+    // gone once deleted.
+    let operator = |method: Method, slug: &str, body: Option<Value>| {
+        let mut request = sandbox
+            .http()
+            .request(
+                method,
+                format!("{}/admin/v1/characters/{slug}", sandbox.url),
+            )
+            .bearer_auth(&sandbox.operator_token);
+        if let Some(body) = body {
+            request = request.json(&body);
+        }
+        async move { request.send().await.unwrap() }
+    };
+    let stored = operator(
+        Method::PUT,
+        "sage",
+        Some(json!({"name": "The Sage", "system_prompt": "You are a sage.", "tags": ["wisdom"]})),
+    )
+    .await;
+    assert_eq!(stored.status(), 200);
+    let stored: Value = stored.json().await.unwrap();
+    assert_eq!(stored["data"]["slug"], "sage");
+    chat(&sandbox, &key, hello("think-chat:character_slug=sage")).await;
+    let sent = mock.requests().last().unwrap().clone();
+    assert_eq!(sent["messages"][1]["content"], "You are a sage.");
+    let listed: Value = sandbox
+        .call(Method::GET, "/characters", &key, None)
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(listed["data"].as_array().unwrap().len(), 2);
+    assert_eq!(
+        operator(
+            Method::PUT,
+            "Bad Slug",
+            Some(json!({"name": "x", "system_prompt": "y"}))
+        )
+        .await
+        .status(),
+        400
+    );
+    assert_eq!(
+        operator(Method::PUT, "empty", Some(json!({"name": "x"})))
+            .await
+            .status(),
+        400
+    );
+    assert_eq!(operator(Method::DELETE, "sage", None).await.status(), 200);
+    assert_eq!(operator(Method::DELETE, "sage", None).await.status(), 404);
+    let gone = sandbox
+        .call(
+            Method::POST,
+            "/chat/completions",
+            &key,
+            Some(&hello("think-chat:character_slug=sage")),
+        )
+        .await
+        .unwrap();
+    assert_eq!(gone.status(), 404);
+
     // A stream of two choices, the block spread over several chunks.
     let mut body = hello("think-chat:strip_thinking_response=true");
     body["stream"] = json!(true);

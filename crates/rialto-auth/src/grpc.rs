@@ -104,6 +104,33 @@ impl Auth for AuthGrpc {
     ) -> Result<Response<pb::SignInResponse>, Status> {
         Ok(Response::new(self.0.sign_in(request.into_inner()).await?))
     }
+
+    async fn put_character(
+        &self,
+        request: Request<pb::Character>,
+    ) -> Result<Response<pb::Character>, Status> {
+        Ok(Response::new(
+            self.0.put_character(request.into_inner()).await?,
+        ))
+    }
+
+    async fn delete_character(
+        &self,
+        request: Request<pb::DeleteCharacterRequest>,
+    ) -> Result<Response<pb::DeleteCharacterResponse>, Status> {
+        Ok(Response::new(
+            self.0.delete_character(request.into_inner()).await?,
+        ))
+    }
+
+    async fn list_characters(
+        &self,
+        request: Request<pb::ListCharactersRequest>,
+    ) -> Result<Response<pb::ListCharactersResponse>, Status> {
+        Ok(Response::new(
+            self.0.list_characters(request.into_inner()).await?,
+        ))
+    }
 }
 
 /// The auth service in another process, reached over gRPC.
@@ -160,5 +187,23 @@ impl AuthService for RemoteAuth {
 
     async fn sign_in(&self, request: pb::SignInRequest) -> Result<pb::SignInResponse> {
         Ok(self.0.clone().sign_in(request).await?.into_inner())
+    }
+
+    async fn put_character(&self, request: pb::Character) -> Result<pb::Character> {
+        Ok(self.0.clone().put_character(request).await?.into_inner())
+    }
+
+    async fn delete_character(
+        &self,
+        request: pb::DeleteCharacterRequest,
+    ) -> Result<pb::DeleteCharacterResponse> {
+        Ok(self.0.clone().delete_character(request).await?.into_inner())
+    }
+
+    async fn list_characters(
+        &self,
+        request: pb::ListCharactersRequest,
+    ) -> Result<pb::ListCharactersResponse> {
+        Ok(self.0.clone().list_characters(request).await?.into_inner())
     }
 }

@@ -50,6 +50,17 @@ pub trait AuthService: Send + Sync + 'static {
     /// Verifies a Sign-In-With-X header and consumes its nonce; a refusal is
     /// an answer (with its code), not an error.
     async fn sign_in(&self, request: pb::SignInRequest) -> Result<pb::SignInResponse>;
+    /// Creates or replaces a stored character.
+    async fn put_character(&self, request: pb::Character) -> Result<pb::Character>;
+    /// Deletes a stored character; NotFound when there is none.
+    async fn delete_character(
+        &self,
+        request: pb::DeleteCharacterRequest,
+    ) -> Result<pb::DeleteCharacterResponse>;
+    async fn list_characters(
+        &self,
+        request: pb::ListCharactersRequest,
+    ) -> Result<pb::ListCharactersResponse>;
 }
 
 /// A cloneable handle on the auth service, local or remote.

@@ -522,6 +522,112 @@ impl AuthService for LocalAuth {
         .await
     }
 
+    async fn put_character(&self, request: pb::Character) -> Result<pb::Character> {
+        let slug = request.slug.trim();
+        let valid_slug = (1..=64).contains(&slug.len())
+            && slug
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+        if !valid_slug {
+            return Err(Error::invalid(
+                "slug must be 1 to 64 lowercase letters, digits or dashes",
+            ));
+        }
+        if request.name.trim().is_empty() || request.system_prompt.trim().is_empty() {
+            return Err(Error::invalid("name and system_prompt are required"));
+        }
+        let now = now_ms();
+        let tags = serde_json::to_string(&request.tags).map_err(Error::internal)?;
+        sqlx::query(
+            "INSERT INTO characters (slug, name, description, system_prompt, model_id, public, \
+             tags, adult, featured, web_enabled, author, photo_url, share_url, created_at_ms, \
+             updated_at_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, \
+             $14) ON CONFLICT (slug) DO UPDATE SET name = excluded.name, \
+             description = excluded.description, system_prompt = excluded.system_prompt, \
+             model_id = excluded.model_id, public = excluded.public, tags = excluded.tags, \
+             adult = excluded.adult, featured = excluded.featured, \
+             web_enabled = excluded.web_enabled, author = excluded.author, \
+             photo_url = excluded.photo_url, share_url = excluded.share_url, \
+             updated_at_ms = excluded.updated_at_ms",
+        )
+        .bind(slug)
+        .bind(&request.name)
+        .bind(&request.description)
+        .bind(&request.system_prompt)
+        .bind(&request.model_id)
+        .bind(i64::from(request.public))
+        .bind(tags)
+        .bind(i64::from(request.adult))
+        .bind(i64::from(request.featured))
+        .bind(i64::from(request.web_enabled))
+        .bind(&request.author)
+        .bind(&request.photo_url)
+        .bind(&request.share_url)
+        .bind(now)
+        .execute(self.inner.db.pool())
+        .await?;
+        let characters = self
+            .list_characters(pb::ListCharactersRequest {})
+            .await?
+            .characters;
+        characters
+            .into_iter()
+            .find(|c| c.slug == slug)
+            .ok_or_else(|| Error::internal("a stored character vanished"))
+    }
+
+    async fn delete_character(
+        &self,
+        request: pb::DeleteCharacterRequest,
+    ) -> Result<pb::DeleteCharacterResponse> {
+        let deleted = sqlx::query("DELETE FROM characters WHERE slug = $1")
+            .bind(&request.slug)
+            .execute(self.inner.db.pool())
+            .await?
+            .rows_affected();
+        if deleted == 0 {
+            return Err(Error::new(ErrorCode::NotFound, "Character not found"));
+        }
+        Ok(pb::DeleteCharacterResponse {})
+    }
+
+    async fn list_characters(
+        &self,
+        _: pb::ListCharactersRequest,
+    ) -> Result<pb::ListCharactersResponse> {
+        let rows = sqlx::query(
+            "SELECT slug, name, description, system_prompt, model_id, public, tags, adult, \
+             featured, web_enabled, author, photo_url, share_url, created_at_ms, updated_at_ms \
+             FROM characters ORDER BY created_at_ms, slug",
+        )
+        .fetch_all(self.inner.db.pool())
+        .await?;
+        let characters = rows
+            .iter()
+            .map(|row| {
+                let tags: String = row.try_get("tags")?;
+                Ok(pb::Character {
+                    slug: row.try_get("slug")?,
+                    name: row.try_get("name")?,
+                    description: row.try_get("description")?,
+                    system_prompt: row.try_get("system_prompt")?,
+                    model_id: row.try_get("model_id")?,
+                    public: row.try_get::<i64, _>("public")? != 0,
+                    tags: serde_json::from_str(&tags).unwrap_or_default(),
+                    adult: row.try_get::<i64, _>("adult")? != 0,
+                    featured: row.try_get::<i64, _>("featured")? != 0,
+                    web_enabled: row.try_get::<i64, _>("web_enabled")? != 0,
+                    author: row.try_get("author")?,
+                    photo_url: row.try_get("photo_url")?,
+                    share_url: row.try_get("share_url")?,
+                    created_at_ms: row.try_get("created_at_ms")?,
+                    updated_at_ms: row.try_get("updated_at_ms")?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(pb::ListCharactersResponse { characters })
+    }
+
     async fn sign_in(&self, request: pb::SignInRequest) -> Result<pb::SignInResponse> {
         let refused = |code: &str, message: String| pb::SignInResponse {
             principal: None,

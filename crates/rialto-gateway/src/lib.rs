@@ -80,10 +80,10 @@ pub struct Gateway {
     /// Wallet sign-in and x402 top-ups (`[wallet]`, `[x402]`).
     wallet: rialto_core::config::WalletConfig,
     x402: rialto_core::config::X402Config,
-    /// The characters of the configuration, by slug.
-    characters: HashMap<String, rialto_core::config::CharacterConfig>,
-    /// Their slugs in configuration order (the list's order).
-    character_order: Vec<String>,
+    /// The characters of the configuration and of the database (refreshed
+    /// every few seconds and after each change through this gateway).
+    characters: std::sync::RwLock<Arc<characters::CharacterSet>>,
+    configured_characters: Vec<rialto_core::config::CharacterConfig>,
     /// Whether `file` URLs may point inside the operator's network.
     file_urls_allow_private: bool,
 }
@@ -128,12 +128,11 @@ impl Gateway {
             abuse: AbuseGuard::new(&config.limits.abuse),
             wallet: config.wallet.clone(),
             x402: config.x402.clone(),
-            characters: config
-                .characters
-                .iter()
-                .map(|c| (c.slug.clone(), c.clone()))
-                .collect(),
-            character_order: config.characters.iter().map(|c| c.slug.clone()).collect(),
+            characters: std::sync::RwLock::new(Arc::new(characters::CharacterSet::new(
+                config.characters.clone(),
+                Vec::new(),
+            ))),
+            configured_characters: config.characters.clone(),
             file_urls_allow_private: config.gateway.file_urls_allow_private,
             client_address_header: match config.gateway.client_address_header.as_str() {
                 "" => None,
@@ -156,8 +155,29 @@ impl Gateway {
         self.model_index.get(id).map(|&i| &self.models[i])
     }
 
-    fn character(&self, slug: &str) -> Option<&rialto_core::config::CharacterConfig> {
-        self.characters.get(slug)
+    /// The characters now (a cheap snapshot).
+    fn characters(&self) -> Arc<characters::CharacterSet> {
+        self.characters
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn character(&self, slug: &str) -> Option<rialto_core::config::CharacterConfig> {
+        self.characters().get(slug).cloned()
+    }
+
+    /// Reads the stored characters again (configuration ones first).
+    async fn refresh_characters(&self) -> Result<(), ApiError> {
+        let stored = self
+            .services
+            .auth
+            .list_characters(auth_pb::ListCharactersRequest {})
+            .await?
+            .characters;
+        let set = characters::CharacterSet::new(self.configured_characters.clone(), stored);
+        *self.characters.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(set);
+        Ok(())
     }
 }
 
@@ -245,7 +265,15 @@ pub fn configure(gateway: web::Data<Gateway>) -> impl FnOnce(&mut web::ServiceCo
                         web::post().to(operator::credit_account),
                     )
                     .route("/accounts/{id}/tier", web::put().to(operator::set_tier))
-                    .route("/accounts/{id}/stake", web::put().to(operator::set_stake)),
+                    .route("/accounts/{id}/stake", web::put().to(operator::set_stake))
+                    .route(
+                        "/characters/{slug}",
+                        web::put().to(characters::put_character),
+                    )
+                    .route(
+                        "/characters/{slug}",
+                        web::delete().to(characters::delete_character),
+                    ),
             )
             .default_service(web::to(not_found));
     }
@@ -258,6 +286,20 @@ pub fn serve(
     gateway: Arc<Gateway>,
     workers: usize,
 ) -> std::io::Result<Server> {
+    // Characters stored through any gateway reach this one within seconds.
+    let refresher = Arc::downgrade(&gateway);
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(std::time::Duration::from_secs(5));
+        loop {
+            every.tick().await;
+            let Some(gateway) = refresher.upgrade() else {
+                break;
+            };
+            if let Err(error) = gateway.refresh_characters().await {
+                tracing::debug!(%error, "cannot refresh characters");
+            }
+        }
+    });
     let gateway = web::Data::from(gateway);
     let mut server = HttpServer::new(move || {
         App::new()

@@ -11,7 +11,7 @@ use subtle::ConstantTimeEq;
 
 use crate::{ApiError, Details, Gateway, parse_json, read_body};
 
-fn check_operator(gateway: &Gateway, request: &HttpRequest) -> Result<(), ApiError> {
+pub(crate) fn check_operator(gateway: &Gateway, request: &HttpRequest) -> Result<(), ApiError> {
     if gateway.operator_token.is_none() {
         return Err(ApiError::new(
             ErrorCode::Unauthenticated,
