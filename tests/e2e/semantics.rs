@@ -312,6 +312,9 @@ async fn inputs_caching_and_tools() {
         r#"
 [[models]]
 id = "text-only"
+input_usd_per_mtok = 1.0
+cached_input_usd_per_mtok = 0.1
+cache_write_usd_per_mtok = 2.0
 backends = [{{ kind = "openai", url = "{a}", model = "mock-model" }}]
 
 [[models]]
@@ -463,6 +466,22 @@ backends = [
         text.contains("File sales.csv") && text.contains("north,42"),
         "{text}"
     );
+
+    // Cached and cache-written prompt tokens: reported as the backend said,
+    // priced at the model's cache prices. The mock counts "one two three four"
+    // as 4 prompt tokens: 1 plain at $1/M, 2 cached at $0.1/M, 1 written at $2/M.
+    let cached = json!({"model": "text-only", "max_tokens": 1,
+        "messages": [{"role": "user", "content": "one two three four"}],
+        "mock": {"reply": "", "cached_tokens": 2, "cache_write_tokens": 1}});
+    let (status, body) = send(cached).await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["usage"]["prompt_tokens"], 4, "{body}");
+    assert_eq!(body["usage"]["prompt_tokens_details"]["cached_tokens"], 2);
+    assert_eq!(
+        body["usage"]["prompt_tokens_details"]["cache_creation_input_tokens"],
+        1
+    );
+    assert_eq!(body["cost"]["usd"].to_string(), "0.0000032");
 
     // Tools: a call and its answer pass; a tool message needs its call id,
     // an assistant message content or tool calls.

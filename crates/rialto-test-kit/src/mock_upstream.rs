@@ -4,7 +4,8 @@
 //! works from `#[tokio::test]` and plain tokio code alike. It serves `GET /v1/models` and
 //! `POST /v1/chat/completions` (plain and SSE streaming), records every chat request body and its
 //! `Authorization` header, and obeys per-request directives in the body field `mock`:
-//! `reply`, `words`, `status`, `delay_ms`, `chunk_delay_ms` and `fail_after_chunks`.
+//! `reply`, `words`, `status`, `delay_ms`, `chunk_delay_ms`, `fail_after_chunks`,
+//! `cached_tokens` and `cache_write_tokens` (reported in the usage).
 //! The server stops when the [`MockUpstream`] is dropped.
 
 use std::net::{SocketAddr, TcpListener};
@@ -267,11 +268,19 @@ async fn chat(req: HttpRequest, raw: web::Bytes, state: web::Data<State>) -> Htt
         .sum::<u64>()
         .max(1);
     let completion_tokens = choices.first().map_or(0, |(t, _)| word_count(t)) * n as u64;
-    let usage = json!({
+    let mut usage = json!({
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     });
+    // A prompt cache's report: `cached_tokens` read from it,
+    // `cache_write_tokens` written to it.
+    if directive("cached_tokens").is_some() || directive("cache_write_tokens").is_some() {
+        usage["prompt_tokens_details"] = json!({
+            "cached_tokens": directive("cached_tokens").unwrap_or(0),
+            "cache_creation_input_tokens": directive("cache_write_tokens").unwrap_or(0),
+        });
+    }
     let id = format!(
         "chatcmpl-mock{}",
         state.counter.fetch_add(1, Ordering::Relaxed) + 1
