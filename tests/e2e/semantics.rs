@@ -18,10 +18,14 @@ system_prompt = "You are Rialto."
 
 [[models]]
 id = "think-chat"
+traits = ["default", "fastest"]
+aliases = ["gpt-4o"]
+capabilities = ["tools"]
 backends = [{{ kind = "openai", url = "{url}", model = "mock-model" }}]
 
 [[models]]
 id = "own-prompt"
+traits = ["default_code", "fastest"]
 system_prompt = "Model prompt."
 thinking_control = "none"
 backends = [{{ kind = "openai", url = "{url}", model = "mock-model" }}]
@@ -264,6 +268,44 @@ async fn service_parameters(topology: Topology) {
         .await
         .unwrap();
     assert_eq!(gone.status(), 404);
+
+    // The catalog: traits and compatibility aliases, usable as `model`.
+    let get = |path: &'static str| {
+        let request = sandbox.http().get(sandbox.api(path)).bearer_auth(&key);
+        async move { request.send().await.unwrap().json::<Value>().await.unwrap() }
+    };
+    let traits = get("/models/traits").await;
+    assert_eq!(
+        traits,
+        json!({"object": "list", "type": "text", "data":
+            {"default": "think-chat", "fastest": "think-chat", "default_code": "own-prompt"}})
+    );
+    let mapping = get("/models/compatibility_mapping?type=text").await;
+    assert_eq!(mapping["data"], json!({"gpt-4o": "think-chat"}));
+    let listed = get("/models").await;
+    let think = listed["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["id"] == "think-chat")
+        .unwrap()
+        .clone();
+    assert_eq!(think["model_spec"]["traits"], json!(["default", "fastest"]));
+    assert_eq!(
+        think["model_spec"]["capabilities"]["supportsFunctionCalling"],
+        true
+    );
+    assert_eq!(think["model_spec"]["capabilities"]["supportsVision"], false);
+    let aliased = chat(&sandbox, &key, hello("gpt-4o")).await;
+    assert_eq!(aliased["model"], "think-chat");
+    let by_trait = chat(
+        &sandbox,
+        &key,
+        hello("default_code:strip_thinking_response=true"),
+    )
+    .await;
+    assert_eq!(by_trait["model"], "own-prompt");
+    assert_eq!(by_trait["choices"][0]["message"]["content"], "Hello world");
 
     // A stream of two choices, the block spread over several chunks.
     let mut body = hello("think-chat:strip_thinking_response=true");

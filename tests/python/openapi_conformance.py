@@ -149,6 +149,8 @@ created = check(
 inference = {"Authorization": f"Bearer {created['apiKey']}"}
 check(session.get(f"{api}/api_keys", headers=admin), 200)
 assert check(session.get(f"{api}/characters", headers=admin), 200).json() == {"object": "list", "data": []}
+assert check(session.get(f"{api}/models/traits"), 200).json()["object"] == "list"
+check(session.get(f"{api}/models/compatibility_mapping?type=text"), 200)
 check(session.get(f"{api}/characters/nobody", headers=admin), 404)
 check(session.get(f"{api}/api_keys/{created['id']}", headers=admin), 200)
 check(session.get(f"{api}/api_keys", headers=inference), 401)

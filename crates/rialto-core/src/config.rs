@@ -401,6 +401,15 @@ pub struct ModelConfig {
     /// Tokens per window for all callers together.
     #[serde(default)]
     pub global_tpm: Option<u64>,
+    /// Roles the model plays in the catalog (`default`, `fastest`,
+    /// `default_code`, ...): `/models/traits` maps each to its first model of
+    /// a type, and a trait may be sent as `model`.
+    #[serde(default)]
+    pub traits: Vec<String>,
+    /// Other names clients may send as `model` (`gpt-4o`):
+    /// `/models/compatibility_mapping`.
+    #[serde(default)]
+    pub aliases: Vec<String>,
     /// What the model accepts beyond text: `vision` (`image_url` parts),
     /// `audio` (`input_audio`), `video` (`video_url`), `files` (`file`),
     /// `caching` (`cache_control` is passed on; otherwise it is dropped).

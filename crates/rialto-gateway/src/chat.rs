@@ -216,6 +216,8 @@ async fn complete_or_stream(
     let model = gateway
         .model(&chat.model_id)
         .ok_or_else(|| ApiError::new(ErrorCode::ModelNotFound, "Specified model not found"))?;
+    // A trait or alias names the model from here on.
+    chat.model_id.clone_from(&model.config.id);
     convert_files(&mut body, &mut chat, gateway.file_urls_allow_private).await?;
     let request_id = request
         .extensions()

@@ -68,6 +68,8 @@ pub struct Gateway {
     /// headers built once.
     models: Vec<ModelEntry>,
     model_index: HashMap<String, usize>,
+    /// Traits (the first model of each) and compatibility aliases.
+    model_names: HashMap<String, usize>,
     operator_token: Option<SecretString>,
     max_body_bytes: usize,
     openapi: Bytes,
@@ -115,7 +117,14 @@ impl Gateway {
             .enumerate()
             .map(|(i, m)| (m.config.id.clone(), i))
             .collect();
+        let mut model_names = HashMap::new();
+        for (i, model) in models.iter().enumerate() {
+            for name in model.config.aliases.iter().chain(&model.config.traits) {
+                model_names.entry(name.clone()).or_insert(i);
+            }
+        }
         Ok(Self {
+            model_names,
             openapi: Bytes::from(openapi::render(&brand, revision)),
             services,
             revision: revision.to_owned(),
@@ -151,8 +160,12 @@ impl Gateway {
         &self.revision
     }
 
+    /// A model by id, or by a trait or compatibility alias of one.
     fn model(&self, id: &str) -> Option<&ModelEntry> {
-        self.model_index.get(id).map(|&i| &self.models[i])
+        self.model_index
+            .get(id)
+            .or_else(|| self.model_names.get(id))
+            .map(|&i| &self.models[i])
     }
 
     /// The characters now (a cheap snapshot).
@@ -238,6 +251,11 @@ pub fn configure(gateway: web::Data<Gateway>) -> impl FnOnce(&mut web::ServiceCo
                 web::scope("/api/v1")
                     .route("/chat/completions", web::post().to(chat::completions))
                     .route("/models", web::get().to(models::list))
+                    .route("/models/traits", web::get().to(models::traits))
+                    .route(
+                        "/models/compatibility_mapping",
+                        web::get().to(models::compatibility_mapping),
+                    )
                     .route("/api_keys", web::get().to(keys::list))
                     .route("/api_keys", web::post().to(keys::create))
                     .route("/api_keys", web::delete().to(keys::delete))

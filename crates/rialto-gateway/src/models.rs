@@ -60,6 +60,68 @@ pub async fn list(
     Ok(HttpResponse::Ok().json(json!({"object": "list", "type": wanted, "data": data})))
 }
 
+#[derive(Deserialize)]
+pub struct TypeQuery {
+    #[serde(rename = "type")]
+    model_type: Option<String>,
+}
+
+/// The `?type=` of the trait and mapping routes (text by default).
+fn wanted_type(query: &TypeQuery) -> Result<&str, ApiError> {
+    let wanted = query.model_type.as_deref().unwrap_or("text");
+    if TYPES.contains(&wanted) && wanted != "all" && wanted != "code" {
+        return Ok(wanted);
+    }
+    let mut details = Details::new();
+    details.push(
+        &["type"],
+        format!("Invalid enum value, received '{wanted}'"),
+    );
+    Err(ApiError::validation(details))
+}
+
+/// `GET /models/traits?type=`: each trait and the first model of the type
+/// that has it.
+pub async fn traits(
+    gateway: web::Data<Gateway>,
+    query: web::Query<TypeQuery>,
+) -> Result<HttpResponse, ApiError> {
+    let wanted = wanted_type(&query)?;
+    let mut data = serde_json::Map::new();
+    for model in gateway
+        .models
+        .iter()
+        .map(|e| &e.config)
+        .filter(|m| m.model_type == wanted)
+    {
+        for trait_name in &model.traits {
+            data.entry(trait_name.clone())
+                .or_insert_with(|| json!(model.id));
+        }
+    }
+    Ok(HttpResponse::Ok().json(json!({"object": "list", "type": wanted, "data": data})))
+}
+
+/// `GET /models/compatibility_mapping?type=`: each alias and its model.
+pub async fn compatibility_mapping(
+    gateway: web::Data<Gateway>,
+    query: web::Query<TypeQuery>,
+) -> Result<HttpResponse, ApiError> {
+    let wanted = wanted_type(&query)?;
+    let mut data = serde_json::Map::new();
+    for model in gateway
+        .models
+        .iter()
+        .map(|e| &e.config)
+        .filter(|m| m.model_type == wanted)
+    {
+        for alias in &model.aliases {
+            data.entry(alias.clone()).or_insert_with(|| json!(model.id));
+        }
+    }
+    Ok(HttpResponse::Ok().json(json!({"object": "list", "type": wanted, "data": data})))
+}
+
 fn price(usd: f64) -> Value {
     // Exact decimal on the wire; DIEM is priced 1:1 with USD.
     let value: Value = serde_json::from_str(&price_decimal(usd).to_string()).unwrap_or(json!(usd));
@@ -83,8 +145,28 @@ fn model_json(model: &ModelConfig, brand: &str) -> Value {
         "offline": model.backends.is_empty(),
         "beta": false,
         "pricing": pricing,
-        "traits": [],
+        "traits": model.traits,
     });
+    if model.model_type == "text" {
+        let has = |name: &str| model.capabilities.iter().any(|c| c == name);
+        spec["capabilities"] = json!({
+            "optimizedForCode": model.traits.iter().any(|t| t == "default_code"),
+            "quantization": "not-available",
+            "supportsFunctionCalling": has("tools"),
+            "supportsAudioInput": has("audio"),
+            "supportsReasoning": has("reasoning"),
+            "supportsReasoningEffort": false,
+            "supportsResponseSchema": has("response_schema"),
+            "supportsMultipleImages": has("vision"),
+            "supportsVision": has("vision"),
+            "supportsVideoInput": has("video"),
+            "supportsWebSearch": false,
+            "supportsLogProbs": has("logprobs"),
+            "supportsTeeAttestation": false,
+            "supportsE2EE": false,
+            "supportsXSearch": false,
+        });
+    }
     if let Some(description) = &model.description {
         spec["description"] = json!(description);
     }
