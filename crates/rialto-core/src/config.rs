@@ -431,19 +431,54 @@ pub struct ModelConfig {
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct BackendConfig {
-    /// Protocol spoken by the backend; `openai` (any OpenAI-compatible server).
+    /// `openai` (any OpenAI-compatible server at `url`) or `local` (a model
+    /// file at `path`, run in this process).
     pub kind: String,
-    /// Base URL including the version path, e.g. `http://127.0.0.1:8000/v1`.
+    /// `openai`: base URL including the version path, e.g. `http://127.0.0.1:8000/v1`.
+    #[serde(default)]
     pub url: String,
+    /// `local`: the model file (a GGUF for text, a directory with
+    /// `model.safetensors` and `tokenizer.json` for embeddings), relative to
+    /// the working directory.
+    #[serde(default)]
+    pub path: Option<String>,
     /// Model name to send upstream; the catalog id when absent.
     #[serde(default)]
     pub model: Option<String>,
-    /// Name reported in `x-<brand>-model-router`; derived from the URL when absent.
+    /// Name reported in `x-<brand>-model-router`; `<model>/<index>` when absent.
     #[serde(default)]
     pub name: Option<String>,
     /// Bearer token for the upstream, if it needs one.
     #[serde(default, skip_serializing)]
     pub api_key: Option<SecretString>,
+    /// Environment variable holding the bearer token (read at start), so
+    /// the key stays out of the config file.
+    #[serde(default)]
+    pub api_key_env: Option<String>,
+    /// Extra headers sent with every request to this backend.
+    #[serde(default)]
+    pub headers: std::collections::BTreeMap<String, String>,
+    /// Share of the model's traffic relative to its other backends.
+    #[serde(default = "default_weight")]
+    pub weight: u32,
+    /// Seconds a whole non-streamed call may take; `router.request_timeout_secs`
+    /// when absent.
+    #[serde(default)]
+    pub timeout_secs: Option<u64>,
+    /// `local`: CPU threads for inference; all cores when absent.
+    #[serde(default)]
+    pub threads: Option<usize>,
+    /// `local`: requests waiting for the model beyond the one it runs; a
+    /// request finding the queue full is answered 503.
+    #[serde(default)]
+    pub max_queue: Option<usize>,
+    /// `local`: context window in tokens; the model's own when absent.
+    #[serde(default)]
+    pub context_size: Option<u32>,
+}
+
+fn default_weight() -> u32 {
+    1
 }
 
 fn default_model_type() -> String {
@@ -784,16 +819,36 @@ impl Config {
                 }
             }
             for backend in &model.backends {
-                if backend.kind != "openai" {
-                    return invalid(format!(
-                        "model {}: backend kind {:?} is not supported (use \"openai\")",
-                        model.id, backend.kind
-                    ));
+                match backend.kind.as_str() {
+                    "openai" => {
+                        if !(backend.url.starts_with("http://")
+                            || backend.url.starts_with("https://"))
+                        {
+                            return invalid(format!(
+                                "model {}: backend url {:?} must start with http:// or https://",
+                                model.id, backend.url
+                            ));
+                        }
+                    }
+                    "local" => {
+                        if backend.path.as_deref().is_none_or(str::is_empty) {
+                            return invalid(format!(
+                                "model {}: a local backend needs `path` (its model file)",
+                                model.id
+                            ));
+                        }
+                    }
+                    kind => {
+                        return invalid(format!(
+                            "model {}: backend kind {kind:?} is not supported (use \"openai\" or \"local\")",
+                            model.id
+                        ));
+                    }
                 }
-                if !(backend.url.starts_with("http://") || backend.url.starts_with("https://")) {
+                if backend.weight == 0 {
                     return invalid(format!(
-                        "model {}: backend url {:?} must start with http:// or https://",
-                        model.id, backend.url
+                        "model {}: a backend's weight must be at least 1",
+                        model.id
                     ));
                 }
             }

@@ -19,6 +19,7 @@ use rialto_core::Result;
 use rialto_proto::router::v1 as pb;
 
 pub mod grpc;
+pub mod inprocess;
 mod local;
 pub mod thinking;
 
