@@ -53,7 +53,11 @@ async fn run(model: &ChatModel, generation: Generation) -> (String, Event) {
 #[tokio::test]
 async fn the_chat_model_answers_a_real_question_coherently() {
     let model = chat_model(4);
-    let (answer, done) = run(&model, ask("What is the capital of France?", 24)).await;
+    let (answer, done) = run(
+        &model,
+        ask("What is the capital of France? Answer in one word.", 24),
+    )
+    .await;
     assert!(answer.contains("Paris"), "answer: {answer:?}");
     let Event::Done {
         prompt_tokens,
@@ -143,16 +147,27 @@ async fn the_next_turn_reuses_the_cached_prefix() {
 async fn a_full_queue_refuses_and_too_long_a_prompt_is_refused() {
     let model = chat_model(1);
     // One runs, one waits, the third finds the queue full.
-    let running = model.generate(ask("Tell me a long story.", 200)).unwrap();
+    let mut running = model.generate(ask("Tell me a long story.", 200)).unwrap();
+    // Once text arrives the engine has taken the first off the queue.
+    assert!(matches!(running.recv().await, Some(Event::Text(_))));
     let waiting = model.generate(ask("Tell me a long story.", 200));
     let full = (0..4)
         .map(|_| model.generate(ask("hi", 1)))
         .find_map(Result::err);
     assert!(waiting.is_ok());
     assert_eq!(full, Some(LocalError::QueueFull));
-    drop(running);
-
-    let (_, done) = run(&model, ask(&"word ".repeat(3000), 10)).await;
+    // Dropped receivers cancel their generations: the queue drains.
+    drop((running, waiting));
+    let mut events = loop {
+        match model.generate(ask(&"word ".repeat(3000), 10)) {
+            Ok(events) => break events,
+            Err(LocalError::QueueFull) => {
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await
+            }
+            Err(error) => panic!("{error}"),
+        }
+    };
+    let done = events.recv().await.unwrap();
     assert!(
         matches!(done, Event::Failed(LocalError::ContextLength { .. })),
         "{done:?}"
