@@ -6,7 +6,9 @@
 //! `Authorization` header, and obeys per-request directives in the body field `mock`:
 //! `reply`, `words`, `status`, `delay_ms`, `chunk_delay_ms`, `fail_after_chunks`,
 //! `cached_tokens` and `cache_write_tokens` (reported in the usage).
-//! The server stops when the [`MockUpstream`] is dropped.
+//! [`MockUpstream::fail_next`] makes this one mock (not its siblings) fail its
+//! next requests, which is how a test fails one backend of several. The
+//! server stops when the [`MockUpstream`] is dropped or [`MockUpstream::stop`]ped.
 
 use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -20,13 +22,17 @@ use anyhow::Context as _;
 use bytes::Bytes;
 use serde_json::{Value, json};
 
-/// One recorded chat request: the parsed body and its `Authorization` header.
-type Recorded = (Value, Option<String>);
+/// One recorded chat request: the parsed body and its headers.
+type Recorded = (Value, header::HeaderMap);
 
 #[derive(Default)]
 struct State {
     log: Mutex<Vec<Recorded>>,
     counter: AtomicU64,
+    /// Chat requests still to fail, and with which status.
+    failing: Mutex<(usize, u16)>,
+    /// `GET /v1/models` requests served (health checks).
+    model_lists: AtomicU64,
 }
 
 impl State {
@@ -125,11 +131,38 @@ impl MockUpstream {
 
     /// The `Authorization` header of each recorded request, in the same order as [`Self::requests`].
     pub fn authorization_headers(&self) -> Vec<Option<String>> {
+        self.header_values("authorization")
+    }
+
+    /// The value of header `name` on each recorded request, in order.
+    pub fn header_values(&self, name: &str) -> Vec<Option<String>> {
         self.state
             .log()
             .iter()
-            .map(|(_, auth)| auth.clone())
+            .map(|(_, headers)| {
+                headers
+                    .get(name)
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_owned)
+            })
             .collect()
+    }
+
+    /// Makes the next `count` chat requests to this mock answer `status`
+    /// (with an OpenAI error body), whatever they ask; they are recorded.
+    pub fn fail_next(&self, count: usize, status: u16) {
+        *self.state.failing.lock().unwrap_or_else(|e| e.into_inner()) = (count, status);
+    }
+
+    /// How many `GET /v1/models` requests (health checks) were served.
+    pub fn model_list_count(&self) -> u64 {
+        self.state.model_lists.load(Ordering::Relaxed)
+    }
+
+    /// Stops the server at once, as a crash would: connections in progress
+    /// are dropped and the port refuses new ones.
+    pub async fn stop(self) {
+        self.handle.stop(false).await;
     }
 
     /// How many chat requests were recorded.
@@ -152,7 +185,8 @@ impl Drop for MockUpstream {
     }
 }
 
-async fn models() -> HttpResponse {
+async fn models(state: web::Data<State>) -> HttpResponse {
+    state.model_lists.fetch_add(1, Ordering::Relaxed);
     HttpResponse::Ok().json(json!({
         "object": "list",
         "data": [{"id": "mock-model", "object": "model", "created": 0, "owned_by": "mock"}]
@@ -213,12 +247,18 @@ async fn chat(req: HttpRequest, raw: web::Bytes, state: web::Data<State>) -> Htt
             );
         }
     };
-    let auth = req
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_owned);
-    state.log().push((body.clone(), auth));
+    state.log().push((body.clone(), req.headers().clone()));
+    let failing = {
+        let mut failing = state.failing.lock().unwrap_or_else(|e| e.into_inner());
+        (failing.0 > 0).then(|| {
+            failing.0 -= 1;
+            failing.1
+        })
+    };
+    if let Some(code) = failing {
+        let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        return error_response(status, "mock failure", "server_error", "mock_failure");
+    }
 
     let mock = &body["mock"];
     let directive = |key: &str| mock[key].as_u64();
