@@ -250,6 +250,38 @@ pub struct RouterConfig {
     /// unless the request turns it off; a model's `system_prompt` replaces
     /// it. Empty: none.
     pub system_prompt: String,
+    /// Times a request is sent again after a failed attempt (a connection
+    /// error, a timeout before the answer's headers, 429, 500, 502, 503,
+    /// 504), each time to the next backend when the model has another.
+    /// A backend refusing its own credentials or address (401, 403, 404,
+    /// 408) is skipped without using a retry. Never after the first byte of
+    /// a stream. 0: no retries.
+    pub max_retries: u32,
+    /// Exponential backoff before a retry, with full jitter: the n-th retry
+    /// waits a random time up to `min(cap, base * 2^(n-1))` milliseconds.
+    pub retry_backoff_base_ms: u64,
+    /// The longest wait before a retry, in milliseconds.
+    pub retry_backoff_cap_ms: u64,
+    /// Consecutive failures (requests or health checks) that open a
+    /// backend's circuit: it then gets no requests until it recovers.
+    pub breaker_failure_threshold: u32,
+    /// Milliseconds an open circuit waits before letting one trial request
+    /// through (half-open); a failed trial doubles the wait, up to
+    /// `breaker_max_cooldown_ms`.
+    pub breaker_cooldown_ms: u64,
+    /// The longest wait of an open circuit, in milliseconds.
+    pub breaker_max_cooldown_ms: u64,
+    /// Milliseconds between health checks of each `openai` backend: a GET
+    /// of `health_check_path` under its `url`. A failed check counts as a
+    /// failure; a passing check of an open circuit half-opens it at once.
+    /// 0: no health checks.
+    pub health_check_interval_ms: u64,
+    /// Path of the health check, after the backend's `url` (`/models` under
+    /// `http://host/v1` is `http://host/v1/models`). Any answer below 500
+    /// passes.
+    pub health_check_path: String,
+    /// Milliseconds a health check may take before it counts as failed.
+    pub health_check_timeout_ms: u64,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -584,6 +616,15 @@ impl Default for RouterConfig {
             connect_timeout_secs: 5,
             request_timeout_secs: 600,
             system_prompt: String::new(),
+            max_retries: 2,
+            retry_backoff_base_ms: 25,
+            retry_backoff_cap_ms: 1_000,
+            breaker_failure_threshold: 5,
+            breaker_cooldown_ms: 5_000,
+            breaker_max_cooldown_ms: 60_000,
+            health_check_interval_ms: 5_000,
+            health_check_path: "/models".to_owned(),
+            health_check_timeout_ms: 2_000,
         }
     }
 }
@@ -788,6 +829,18 @@ impl Config {
                 "bus.url {:?} must be empty (in-process) or nats://host:port",
                 self.bus.url
             ));
+        }
+        let router = &self.router;
+        if router.breaker_failure_threshold == 0
+            || router.retry_backoff_cap_ms < router.retry_backoff_base_ms
+            || router.breaker_max_cooldown_ms < router.breaker_cooldown_ms
+            || !router.health_check_path.starts_with('/')
+        {
+            return invalid(
+                "router: breaker_failure_threshold must be at least 1, each cap (retry_backoff_cap_ms, \
+                 breaker_max_cooldown_ms) at least its base, and health_check_path must start with /"
+                    .into(),
+            );
         }
         let mut seen = HashSet::new();
         for model in &self.models {

@@ -12,11 +12,16 @@ pub fn replica_seed(name: &str) -> u64 {
     xxh3_64(name.as_bytes())
 }
 
+/// The score of `key` on the replica with `seed`: the highest score owns it.
+pub fn score(key: &str, seed: u64) -> u64 {
+    xxh3_64_with_seed(key.as_bytes(), seed)
+}
+
 /// The index, among replicas with `seeds`, of the one owning `key`.
 pub fn owner_index(key: &str, seeds: impl Iterator<Item = u64>) -> usize {
     let mut best = (0, 0u64);
     for (index, seed) in seeds.enumerate() {
-        let score = xxh3_64_with_seed(key.as_bytes(), seed);
+        let score = score(key, seed);
         if index == 0 || score > best.1 {
             best = (index, score);
         }

@@ -59,6 +59,10 @@ struct Exchange {
 /// `X-Balance-Remaining`: a wallet's USD balance after the request.
 const BALANCE_REMAINING: &str = "x-balance-remaining";
 
+/// `x-retry-count`: how many times the router sent the request again
+/// before a backend answered; absent when the first attempt did.
+const RETRY_COUNT: &str = "x-retry-count";
+
 /// Tells the limiter what an admitted request really used, at most once:
 /// the real usage when the response ends (a stream cut by the client
 /// included), none when no backend answered. A request dropped any other way
@@ -391,7 +395,13 @@ async fn complete(
         Value::Object(exchange.chat.parameters),
     );
     let mut response = HttpResponse::Ok();
-    model_headers(&mut response, gateway, model, &answer.backend);
+    model_headers(
+        &mut response,
+        gateway,
+        model,
+        &answer.backend,
+        answer.retry_count,
+    );
     if let Some(before) = exchange.wallet_usd_before {
         let charged: rust_decimal::Decimal =
             body["cost"]["usd"].to_string().parse().unwrap_or_default();
@@ -419,10 +429,11 @@ async fn stream(
     };
     // The first event names the backend; a failure before it is still an
     // ordinary HTTP error.
-    let backend = match events.next().await {
+    let (backend, retries) = match events.next().await {
         Some(Ok(router_pb::ChatStreamEvent {
             event: Some(Event::Backend(name)),
-        })) => name,
+            retry_count,
+        })) => (name, retry_count),
         Some(Err(error)) => {
             exchange.settlement.release();
             return Err(error.into());
@@ -430,9 +441,9 @@ async fn stream(
         // A router that names no backend: keep whatever came first.
         Some(Ok(first)) => {
             events = Box::pin(futures_util::stream::iter([Ok(first)]).chain(events));
-            String::new()
+            (String::new(), 0)
         }
-        None => String::new(),
+        None => (String::new(), 0),
     };
     // A stream's headers leave before its cost is known: what remains
     // after its hold (the most it can cost).
@@ -456,7 +467,7 @@ async fn stream(
         .insert_header(ContentEncoding::Identity)
         .insert_header(("cache-control", "no-cache"))
         .insert_header(("x-accel-buffering", "no"));
-    model_headers(&mut response, gateway, model, &backend);
+    model_headers(&mut response, gateway, model, &backend, retries);
     if let Some(remaining) = remaining {
         response.insert_header((BALANCE_REMAINING, remaining));
     }
@@ -494,6 +505,7 @@ async fn relay(
             None => break,
             Some(Ok(router_pb::ChatStreamEvent {
                 event: Some(Event::ChunkJson(json)),
+                ..
             })) => json,
             Some(Ok(_)) => continue,
             Some(Err(error)) => {
@@ -583,12 +595,16 @@ fn model_headers(
     gateway: &Gateway,
     model: &ModelEntry,
     backend: &str,
+    retries: u32,
 ) {
     for (name, value) in &model.headers {
         response.insert_header((name.clone(), value.clone()));
     }
     if let Some(value) = header_value(backend).filter(|_| !backend.is_empty()) {
         response.insert_header((gateway.stamp.model_router.clone(), value));
+    }
+    if retries > 0 {
+        response.insert_header((RETRY_COUNT, retries));
     }
 }
 

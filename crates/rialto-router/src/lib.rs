@@ -4,11 +4,13 @@
 //! [`RouterService`] takes an already validated request body and returns the
 //! upstream's answer, whole or as a stream of chunks. [`LocalRouter`] speaks
 //! to any OpenAI-compatible server (vLLM, SGLang, llama.cpp, Ollama, hosted
-//! APIs), rotating over a model's backends and failing over to the next one
-//! when a backend is unreachable or answers 5xx/429 before any output.
+//! APIs) and to models in this process, balancing over a model's backends
+//! (weighted power of two choices), retrying with backoff and failing over
+//! when a backend is unreachable or answers 5xx/429 before any output, and
+//! keeping a circuit breaker per backend (`health.rs`).
 //!
-//! Invariant: a request is retried on another backend only before the first
-//! byte of output reaches the caller; after that, failures travel in-band.
+//! Invariant: a request is retried only before the first byte of output
+//! reaches the caller; after that, failures travel in-band.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -18,11 +20,14 @@ use futures_util::Stream;
 use rialto_core::Result;
 use rialto_proto::router::v1 as pb;
 
+mod balance;
 pub mod grpc;
+mod health;
 pub mod inprocess;
 mod local;
 pub mod thinking;
 
+pub use health::{BackendHealth, CircuitState};
 pub use local::LocalRouter;
 
 /// Events of a streamed chat: the backend's name first, then upstream chunks.

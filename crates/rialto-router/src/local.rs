@@ -1,27 +1,50 @@
-//! The in-process router: a model's backends, rotation, failover and the
-//! HTTP exchange with OpenAI-compatible upstreams.
+//! The in-process router: a model's backends, which one serves a request,
+//! retries and failover, and the exchange with a backend, over HTTP or in
+//! this process.
+//!
+//! One request's path through [`LocalRouter::dispatch`]: pick a backend
+//! whose circuit lets requests through (weighted power of two choices over
+//! requests in flight, or the `prompt_cache_key`'s rendezvous owner),
+//! preferring backends this request has not tried yet; send; on a failure
+//! that another attempt may cure, wait a jittered backoff and pick again,
+//! up to `router.max_retries` times. Every outcome is reported to the
+//! backend's circuit breaker (`health.rs`). Once a backend has accepted the
+//! request (a whole answer read, or a stream's headers), the request is
+//! never sent again.
 
 use std::collections::HashMap;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use eventsource_stream::Eventsource;
 use futures_util::StreamExt;
+use reqwest::header::{AUTHORIZATION, CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue};
 use rialto_core::config::{BackendConfig, RouterConfig};
 use rialto_core::{Error, ErrorCode, ModelConfig, Result};
 use rialto_proto::router::v1 as pb;
-use secrecy::{ExposeSecret, SecretString};
-use serde_json::Value;
+use secrecy::ExposeSecret;
+use serde_json::{Map, Value};
 
+use crate::balance::{self, MAX_BACKENDS, bit};
+use crate::health::{self, BackendHealth, Breaker, Health, InFlight, Permit, Probe};
+use crate::inprocess::{ChunkStream, InProcessModel};
 use crate::thinking::ThinkStripper;
 use crate::{ChatStream, RouterService};
 
 pub struct LocalRouter {
     models: HashMap<String, ModelRoute>,
     http: reqwest::Client,
-    request_timeout: Duration,
+    retry: Retry,
+    /// One watcher task per backend (its circuit breaker), stopped with
+    /// the router.
+    watchers: Vec<tokio::task::AbortHandle>,
+}
+
+struct Retry {
+    max: u32,
+    base: Duration,
+    cap: Duration,
 }
 
 struct ModelRoute {
@@ -30,40 +53,179 @@ struct ModelRoute {
     system_prompt: Option<Value>,
     /// Whether `disable_thinking` sets `chat_template_kwargs.enable_thinking`.
     thinking_kwargs: bool,
-    /// Round-robin cursor: each request starts at the next backend.
-    next: AtomicUsize,
 }
 
 struct Backend {
     /// Public name, in `x-<brand>-model-router`.
     name: String,
-    /// `host:port`, for logs only.
+    /// `host:port`, or `in-process`: for logs only.
     host: String,
-    /// Parsed once: reqwest would parse a string on every request.
-    chat_url: reqwest::Url,
     upstream_model: String,
-    api_key: Option<SecretString>,
+    /// Share of the model's traffic (at least 1).
+    weight: u32,
+    /// Rendezvous seed of `name`, for `prompt_cache_key`.
+    seed: u64,
+    /// How long a whole non-streamed answer, or a stream's first response,
+    /// may take.
+    timeout: Duration,
+    transport: Transport,
+    health: Arc<Health>,
+}
+
+enum Transport {
+    /// An OpenAI-compatible server.
+    Http {
+        /// Parsed once: reqwest would parse a string on every request.
+        chat_url: reqwest::Url,
+        /// The configured extra headers and the bearer token, marked
+        /// sensitive (never printed).
+        headers: HeaderMap,
+    },
+    /// A model in this process (`local`).
+    InProcess(Arc<dyn InProcessModel>),
+}
+
+/// What a backend answered.
+enum Answer {
+    /// A whole `chat.completion`.
+    Whole(Vec<u8>),
+    /// `chat.completion.chunk`s, the last one with usage.
+    Chunks(ChunkStream),
+}
+
+/// A request a backend accepted.
+struct Served<'a> {
+    backend: &'a Backend,
+    answer: Answer,
+    /// Attempts before the one that was accepted.
+    retries: u32,
+    /// Counts the request on the backend until the answer is consumed.
+    in_flight: InFlight,
+}
+
+/// Why one attempt did not serve the request, and what may follow it.
+enum Failure {
+    /// Another attempt may work, on this backend too; it counts against
+    /// the backend's health: a connection error, 500, 502, 503, 504, an
+    /// answer broken off before its end.
+    Retry(Error),
+    /// The backend is busy (429, a full in-process queue): retried like
+    /// [`Failure::Retry`], but a busy backend is not an unhealthy one.
+    Busy(Error),
+    /// No answer in time: the other backends may be tried (a retry), this
+    /// one not again, since it already took its whole timeout.
+    Failover(Error),
+    /// This backend cannot serve (it refuses its own credentials or
+    /// address, or failed in an unexpected way): the others are tried,
+    /// without waiting and without using a retry.
+    Skip(Error),
+    /// The request is at fault: another backend would refuse it too.
+    Final(Error),
 }
 
 impl Backend {
     /// `index` names an unnamed backend (`<model>/<index>`): the public
     /// `x-<brand>-model-router` header must not reveal internal addresses.
-    fn new(model_id: &str, index: usize, config: &BackendConfig) -> Result<Self> {
-        let base = config.url.trim_end_matches('/');
-        let chat_url = format!("{base}/chat/completions")
-            .parse()
-            .map_err(|e| Error::invalid(format!("model {model_id}: backend url: {e}")))?;
+    fn new(
+        model_id: &str,
+        index: usize,
+        config: &BackendConfig,
+        router: &RouterConfig,
+        load: &impl Fn(&str, &BackendConfig) -> Result<Arc<dyn InProcessModel>>,
+    ) -> Result<Self> {
+        let name = config
+            .name
+            .clone()
+            .unwrap_or_else(|| format!("{model_id}/{index}"));
+        let timeout = Duration::from_secs(
+            config
+                .timeout_secs
+                .unwrap_or(router.request_timeout_secs)
+                .max(1),
+        );
+        let threshold = router.breaker_failure_threshold;
+        let (host, transport, health) = if config.kind == "local" {
+            match load(model_id, config) {
+                Ok(model) => (
+                    "in-process".to_owned(),
+                    Transport::InProcess(model),
+                    Health::new(threshold),
+                ),
+                // A broken model file must not take the service down: the
+                // backend stays unavailable, the model's others serve.
+                Err(error) => {
+                    tracing::error!(
+                        model = model_id,
+                        backend = name,
+                        %error,
+                        "local backend did not load: it stays unavailable"
+                    );
+                    let model: Arc<dyn InProcessModel> = Arc::new(NotLoaded);
+                    (
+                        "in-process".to_owned(),
+                        Transport::InProcess(model),
+                        Health::down(),
+                    )
+                }
+            }
+        } else {
+            let base = config.url.trim_end_matches('/');
+            let chat_url = format!("{base}/chat/completions")
+                .parse()
+                .map_err(|e| Error::invalid(format!("model {model_id}: backend url: {e}")))?;
+            let transport = Transport::Http {
+                chat_url,
+                headers: backend_headers(model_id, &name, config)?,
+            };
+            (backend_host(base), transport, Health::new(threshold))
+        };
         Ok(Self {
-            name: config
-                .name
-                .clone()
-                .unwrap_or_else(|| format!("{model_id}/{index}")),
-            host: backend_host(base),
-            chat_url,
+            seed: rialto_core::placement::replica_seed(&name),
+            name,
+            host,
             upstream_model: config.model.clone().unwrap_or_else(|| model_id.to_owned()),
-            api_key: config.api_key.clone(),
+            weight: config.weight.max(1),
+            timeout,
+            transport,
+            health,
         })
     }
+}
+
+/// The headers sent with every request to a backend: its configured
+/// `headers`, and its bearer token from `api_key_env` (read now: a missing
+/// variable is an error at start) or `api_key`. All marked sensitive.
+fn backend_headers(model_id: &str, backend: &str, config: &BackendConfig) -> Result<HeaderMap> {
+    let invalid =
+        |what: String| Error::invalid(format!("model {model_id}: backend {backend}: {what}"));
+    let mut headers = HeaderMap::new();
+    for (name, value) in &config.headers {
+        let header = HeaderName::from_bytes(name.as_bytes())
+            .map_err(|_| invalid(format!("{name:?} is not a header name")))?;
+        // The value may be a credential: never quoted.
+        let mut value = HeaderValue::from_str(value)
+            .map_err(|_| invalid(format!("the value of header {name} is not valid")))?;
+        value.set_sensitive(true);
+        headers.insert(header, value);
+    }
+    let key = match &config.api_key_env {
+        Some(variable) => match std::env::var(variable) {
+            Ok(key) if !key.is_empty() => Some(secrecy::SecretString::from(key)),
+            _ => {
+                return Err(invalid(format!(
+                    "the environment variable {variable} (api_key_env) is not set"
+                )));
+            }
+        },
+        None => config.api_key.clone(),
+    };
+    if let Some(key) = key {
+        let mut value = HeaderValue::from_str(&format!("Bearer {}", key.expose_secret()))
+            .map_err(|_| invalid("its API key is not a valid header value".into()))?;
+        value.set_sensitive(true);
+        headers.insert(AUTHORIZATION, value);
+    }
+    Ok(headers)
 }
 
 /// `http://10.0.0.5:8000/v1` -> `10.0.0.5:8000`: names a backend in logs
@@ -74,53 +236,178 @@ fn backend_host(url: &str) -> String {
     host.rsplit('@').next().unwrap_or(host).to_owned()
 }
 
-/// Why one backend did not serve a request.
-enum Attempt {
-    /// Retrying on another backend may help.
-    Retryable(Error),
-    /// The caller's request is at fault, or the failure is final.
-    Final(Error),
+/// Stands in for a `local` model that did not load. Its backend is down,
+/// so nothing calls it.
+struct NotLoaded;
+
+#[async_trait]
+impl InProcessModel for NotLoaded {
+    async fn chat(&self, _body: &Map<String, Value>) -> Result<Vec<u8>> {
+        Err(not_loaded())
+    }
+
+    async fn chat_stream(&self, _body: &Map<String, Value>) -> Result<ChunkStream> {
+        Err(not_loaded())
+    }
+}
+
+fn not_loaded() -> Error {
+    Error::new(ErrorCode::Unavailable, "The model's backend is not loaded")
+}
+
+impl ModelRoute {
+    /// The backends whose circuit lets a request through now.
+    fn selectable(&self) -> u64 {
+        self.backends
+            .iter()
+            .enumerate()
+            .filter(|(_, backend)| backend.health.selectable())
+            .fold(0, |set, (index, _)| set | bit(index))
+    }
+
+    /// The backend to try among `candidates`: the owner of `sticky` when
+    /// given, else the less loaded of two drawn by weight.
+    fn pick(&self, candidates: u64, sticky: Option<&str>) -> Option<usize> {
+        let weight = |index: usize| u64::from(self.backends[index].weight);
+        match sticky {
+            Some(key) => balance::rendezvous(key, candidates, |i| self.backends[i].seed, weight),
+            None => balance::two_choices(
+                candidates,
+                weight,
+                |index| self.backends[index].health.in_flight() as u64,
+                &mut balance::random,
+            ),
+        }
+    }
 }
 
 impl LocalRouter {
     pub fn new(models: &[ModelConfig], config: &RouterConfig) -> Result<Self> {
+        Self::with_loader(models, config, crate::inprocess::load)
+    }
+
+    /// [`LocalRouter::new`] with `load` building the `local` backends.
+    fn with_loader(
+        models: &[ModelConfig],
+        config: &RouterConfig,
+        load: impl Fn(&str, &BackendConfig) -> Result<Arc<dyn InProcessModel>>,
+    ) -> Result<Self> {
         // reqwest is built without a bundled crypto provider; install ring's
         // once per process (a second install is a harmless no-op error).
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let request_timeout = Duration::from_secs(config.request_timeout_secs.max(1));
+        let runtime = tokio::runtime::Handle::try_current()
+            .map_err(|_| Error::internal("the router is built outside a Tokio runtime"))?;
+        // Between two reads of an answer; a backend's own timeout may be
+        // longer than the service's.
+        let read_timeout = models
+            .iter()
+            .flat_map(|model| &model.backends)
+            .filter_map(|backend| backend.timeout_secs)
+            .fold(config.request_timeout_secs, u64::max)
+            .max(1);
         let http = reqwest::Client::builder()
             .connect_timeout(Duration::from_secs(config.connect_timeout_secs.max(1)))
-            .read_timeout(request_timeout)
+            .read_timeout(Duration::from_secs(read_timeout))
             .pool_idle_timeout(Duration::from_secs(90))
+            .pool_max_idle_per_host(256)
+            .tcp_keepalive(Duration::from_secs(30))
             .tcp_nodelay(true)
             .build()
             .map_err(|e| Error::internal(format_args!("http client: {e}")))?;
-        let models = models
-            .iter()
-            .map(|model| {
-                let prompt = model
-                    .system_prompt
-                    .clone()
-                    .unwrap_or_else(|| config.system_prompt.clone());
-                let route = ModelRoute {
-                    system_prompt: (!prompt.is_empty()).then_some(Value::String(prompt)),
-                    thinking_kwargs: model.thinking_control.as_deref() != Some("none"),
-                    backends: model
-                        .backends
-                        .iter()
-                        .enumerate()
-                        .map(|(i, b)| Backend::new(&model.id, i, b))
-                        .collect::<Result<_>>()?,
-                    next: AtomicUsize::new(0),
+        let mut routes = HashMap::with_capacity(models.len());
+        for model in models {
+            if model.backends.len() > MAX_BACKENDS {
+                return Err(Error::invalid(format!(
+                    "model {}: at most {MAX_BACKENDS} backends",
+                    model.id
+                )));
+            }
+            let prompt = model
+                .system_prompt
+                .clone()
+                .unwrap_or_else(|| config.system_prompt.clone());
+            let route = ModelRoute {
+                system_prompt: (!prompt.is_empty()).then_some(Value::String(prompt)),
+                thinking_kwargs: model.thinking_control.as_deref() != Some("none"),
+                backends: model
+                    .backends
+                    .iter()
+                    .enumerate()
+                    .map(|(i, b)| Backend::new(&model.id, i, b, config, &load))
+                    .collect::<Result<_>>()?,
+            };
+            routes.insert(model.id.clone(), route);
+        }
+        let breaker = Breaker {
+            cooldown: Duration::from_millis(config.breaker_cooldown_ms),
+            max_cooldown: Duration::from_millis(
+                config
+                    .breaker_max_cooldown_ms
+                    .max(config.breaker_cooldown_ms),
+            ),
+        };
+        let mut watchers = Vec::new();
+        for route in routes.values() {
+            for backend in &route.backends {
+                if backend.health.state() == health::CircuitState::Down {
+                    continue;
+                }
+                let probe = match &backend.transport {
+                    Transport::Http { chat_url, headers }
+                        if config.health_check_interval_ms > 0 =>
+                    {
+                        probe_url(chat_url, &config.health_check_path).map(|url| Probe {
+                            client: http.clone(),
+                            url,
+                            headers: headers.clone(),
+                            interval: Duration::from_millis(config.health_check_interval_ms),
+                            timeout: Duration::from_millis(config.health_check_timeout_ms.max(1)),
+                        })
+                    }
+                    _ => None,
                 };
-                Ok((model.id.clone(), route))
-            })
-            .collect::<Result<_>>()?;
+                let watcher = health::watch(
+                    Arc::clone(&backend.health),
+                    breaker,
+                    probe,
+                    backend.name.clone(),
+                );
+                watchers.push(runtime.spawn(watcher).abort_handle());
+            }
+        }
         Ok(Self {
-            models,
+            models: routes,
             http,
-            request_timeout,
+            retry: Retry {
+                max: config.max_retries,
+                base: Duration::from_millis(config.retry_backoff_base_ms),
+                cap: Duration::from_millis(
+                    config
+                        .retry_backoff_cap_ms
+                        .max(config.retry_backoff_base_ms),
+                ),
+            },
+            watchers,
         })
+    }
+
+    /// Every backend's circuit and requests in flight, by model.
+    pub fn backend_health(&self) -> Vec<BackendHealth> {
+        let mut all: Vec<BackendHealth> = self
+            .models
+            .iter()
+            .flat_map(|(model, route)| {
+                route.backends.iter().map(move |backend| BackendHealth {
+                    model: model.clone(),
+                    backend: backend.name.clone(),
+                    state: backend.health.state(),
+                    in_flight: backend.health.in_flight(),
+                })
+            })
+            .collect();
+        // Stable: a model's backends stay in their configured order.
+        all.sort_by(|a, b| a.model.cmp(&b.model));
+        all
     }
 
     fn route(&self, model_id: &str) -> Result<&ModelRoute> {
@@ -137,17 +424,16 @@ impl LocalRouter {
         Ok(route)
     }
 
-    /// Sends `request` to the model's backends in rotation until one answers
-    /// with a success status; returns that response and the backend.
-    async fn send(
-        &self,
+    /// The body the backends receive: the service's and the character's
+    /// system prompts first, thinking turned off when asked, usage asked
+    /// for in streams.
+    fn upstream_body(
+        route: &ModelRoute,
         request: &pb::ChatRequest,
         stream: bool,
-    ) -> Result<(reqwest::Response, &Backend)> {
-        let route = self.route(&request.model_id)?;
-        let mut body: serde_json::Map<String, Value> =
-            serde_json::from_slice(&request.body_json)
-                .map_err(|e| Error::invalid(format!("request body is not a JSON object: {e}")))?;
+    ) -> Result<Map<String, Value>> {
+        let mut body: Map<String, Value> = serde_json::from_slice(&request.body_json)
+            .map_err(|e| Error::invalid(format!("request body is not a JSON object: {e}")))?;
         let parameters = request.parameters.clone().unwrap_or_default();
         if let Some(Value::Array(messages)) = body.get_mut("messages") {
             // Before the caller's own system prompts: the service's, then
@@ -178,77 +464,154 @@ impl LocalRouter {
                 options.insert("include_usage".into(), Value::Bool(true));
             }
         }
-        let count = route.backends.len();
-        // Requests with one `prompt_cache_key` start at the same backend
-        // (rendezvous hash of the key over the backends' names), so its
-        // prefix cache hits; the others rotate.
-        let start = match body.get("prompt_cache_key").and_then(Value::as_str) {
-            Some(key) if count > 1 => rialto_core::placement::owner_index(
-                key,
-                route
-                    .backends
-                    .iter()
-                    .map(|b| rialto_core::placement::replica_seed(&b.name)),
-            ),
-            _ => route.next.fetch_add(1, Ordering::Relaxed),
+        Ok(body)
+    }
+
+    /// Sends `request` to the model's backends until one accepts it,
+    /// retrying and failing over as [`Failure`] allows.
+    async fn dispatch(&self, request: &pb::ChatRequest, stream: bool) -> Result<Served<'_>> {
+        let route = self.route(&request.model_id)?;
+        let mut body = Self::upstream_body(route, request, stream)?;
+        // Requests with one `prompt_cache_key` start at the same backend,
+        // so its prefix cache hits.
+        let sticky = match body.get("prompt_cache_key") {
+            Some(Value::String(key)) if route.backends.len() > 1 => Some(key.clone()),
+            _ => None,
         };
+        // Backends this request tried, and those it must not try again.
+        let (mut tried, mut excluded) = (0u64, 0u64);
+        let (mut attempts, mut retries) = (0u32, 0u32);
         let mut last_error = None;
-        for offset in 0..count {
-            let backend = &route.backends[(start + offset) % count];
+        loop {
+            let selectable = route.selectable() & !excluded;
+            let untried = selectable & !tried;
+            let candidates = if untried != 0 { untried } else { selectable };
+            let Some(index) = route.pick(candidates, sticky.as_deref()) else {
+                break;
+            };
+            let backend = &route.backends[index];
+            let Some(permit) = backend.health.admit() else {
+                // Half-open, and another request took its trial.
+                excluded |= bit(index);
+                continue;
+            };
+            tried |= bit(index);
+            attempts += 1;
             body.insert(
                 "model".into(),
                 Value::String(backend.upstream_model.clone()),
             );
-            match self
-                .attempt(backend, &body, stream, &request.request_id)
+            let failure = match self
+                .attempt(backend, permit, &body, stream, &request.request_id)
                 .await
             {
-                Ok(response) => return Ok((response, backend)),
-                Err(Attempt::Final(error)) => return Err(error),
-                Err(Attempt::Retryable(error)) => {
-                    tracing::warn!(
-                        request_id = request.request_id,
-                        backend = backend.name,
-                        host = backend.host,
-                        error = %error,
-                        "backend failed, trying the next"
-                    );
-                    last_error = Some(error);
+                Ok((answer, in_flight)) => {
+                    return Ok(Served {
+                        backend,
+                        answer,
+                        retries: attempts - 1,
+                        in_flight,
+                    });
                 }
+                Err(failure) => failure,
+            };
+            let (error, uses_a_retry, same_again) = match failure {
+                Failure::Final(error) => return Err(error),
+                Failure::Retry(error) | Failure::Busy(error) => (error, true, true),
+                Failure::Failover(error) => (error, true, false),
+                Failure::Skip(error) => (error, false, false),
+            };
+            tracing::warn!(
+                request_id = request.request_id,
+                backend = backend.name,
+                host = backend.host,
+                attempt = attempts,
+                error = %error,
+                "backend failed"
+            );
+            if !same_again {
+                excluded |= bit(index);
+            }
+            last_error = Some(error);
+            if uses_a_retry {
+                if retries >= self.retry.max {
+                    break;
+                }
+                retries += 1;
+                let wait =
+                    balance::backoff(retries, self.retry.base, self.retry.cap, balance::random());
+                tokio::time::sleep(wait).await;
             }
         }
-        Err(last_error
-            .unwrap_or_else(|| Error::new(ErrorCode::Unavailable, "No backend available")))
+        Err(last_error.unwrap_or_else(|| {
+            Error::new(
+                ErrorCode::Unavailable,
+                "No backend of the model is available right now. Please try again later.",
+            )
+        }))
     }
 
+    /// One attempt on one backend; its outcome goes to the backend's
+    /// circuit breaker.
     async fn attempt(
         &self,
         backend: &Backend,
-        body: &serde_json::Map<String, Value>,
+        permit: Permit<'_>,
+        body: &Map<String, Value>,
         stream: bool,
         request_id: &str,
-    ) -> Result<reqwest::Response, Attempt> {
-        let bytes = serde_json::to_vec(body).map_err(|e| Attempt::Final(Error::internal(e)))?;
+    ) -> Result<(Answer, InFlight), Failure> {
+        let in_flight = backend.health.start();
+        let result = match &backend.transport {
+            Transport::Http { chat_url, headers } => {
+                self.send_http(backend, chat_url, headers, body, stream, request_id)
+                    .await
+            }
+            Transport::InProcess(model) => {
+                send_in_process(model.as_ref(), backend.timeout, body, stream).await
+            }
+        };
+        match &result {
+            Ok(_) | Err(Failure::Busy(_) | Failure::Final(_)) => permit.passed(),
+            Err(Failure::Retry(_) | Failure::Failover(_) | Failure::Skip(_)) => permit.failed(),
+        }
+        result.map(|answer| (answer, in_flight))
+    }
+
+    async fn send_http(
+        &self,
+        backend: &Backend,
+        chat_url: &reqwest::Url,
+        headers: &HeaderMap,
+        body: &Map<String, Value>,
+        stream: bool,
+        request_id: &str,
+    ) -> Result<Answer, Failure> {
+        let bytes = serde_json::to_vec(body).map_err(|e| Failure::Final(Error::internal(e)))?;
         let mut builder = self
             .http
-            .post(backend.chat_url.clone())
-            .header("content-type", "application/json")
+            .post(chat_url.clone())
+            .header(CONTENT_TYPE, "application/json")
             .header("x-request-id", request_id)
             .body(bytes);
-        if !stream {
-            builder = builder.timeout(self.request_timeout);
+        for (name, value) in headers {
+            builder = builder.header(name.clone(), value.clone());
         }
-        if let Some(key) = &backend.api_key {
-            builder = builder.bearer_auth(key.expose_secret());
-        }
-        let response = builder.send().await.map_err(|e| {
+        let response = if stream {
+            // Until the headers: afterwards the client's read timeout
+            // bounds each wait for a chunk.
+            tokio::time::timeout(backend.timeout, builder.send())
+                .await
+                .map_err(|_| timed_out())?
+        } else {
+            // The whole answer, body included.
+            builder.timeout(backend.timeout).send().await
+        };
+        let response = response.map_err(|e| {
             if e.is_timeout() {
-                Attempt::Retryable(Error::new(
-                    ErrorCode::Timeout,
-                    "The model's backend timed out",
-                ))
+                timed_out()
             } else {
-                Attempt::Retryable(Error::new(
+                Failure::Retry(Error::new(
                     ErrorCode::Unavailable,
                     "No backend of the model is reachable",
                 ))
@@ -256,7 +619,19 @@ impl LocalRouter {
         })?;
         let status = response.status();
         if status.is_success() {
-            return Ok(response);
+            if stream {
+                return Ok(Answer::Chunks(sse_chunks(response, request_id)));
+            }
+            // Nothing has reached the caller yet: an answer broken off here
+            // may still be retried.
+            let body = response.bytes().await.map_err(|e| {
+                if e.is_timeout() {
+                    timed_out()
+                } else {
+                    Failure::Retry(broken_off())
+                }
+            })?;
+            return Ok(Answer::Whole(body.to_vec()));
         }
         let code = status.as_u16();
         let detail = upstream_message(response).await;
@@ -268,22 +643,104 @@ impl LocalRouter {
             detail,
             "upstream error"
         );
+        let failed = || {
+            Error::new(
+                ErrorCode::UpstreamFailed,
+                format!("The model's backend failed (status {code})"),
+            )
+        };
         Err(match code {
-            429 => Attempt::Retryable(Error::new(
+            429 => Failure::Busy(Error::new(
                 ErrorCode::RateLimited,
                 "The model is currently overloaded. Please try again later.",
             )),
-            // The backend's own credentials or address are wrong: the
-            // operator's fault, and another backend may be fine. The detail
-            // (which may quote a key) stays in the log.
-            401 | 403 | 404 | 408 | 500..=599 => Attempt::Retryable(Error::new(
-                ErrorCode::UpstreamFailed,
-                format!("The model's backend failed (status {code})"),
-            )),
+            500 | 502 | 503 | 504 => Failure::Retry(failed()),
+            // The backend's own credentials or address are wrong (the
+            // operator's fault, and another backend may be fine), or it
+            // fails in a way a retry will not cure. The detail (which may
+            // quote a key) stays in the log.
+            401 | 403 | 404 | 408 | 500..=599 => Failure::Skip(failed()),
             // Any other 4xx blames the request: another backend would refuse
             // it too. Its message helps the caller fix it.
-            _ => Attempt::Final(Error::invalid(truncated(detail, 500))),
+            _ => Failure::Final(Error::invalid(truncated(detail, 500))),
         })
+    }
+}
+
+async fn send_in_process(
+    model: &dyn InProcessModel,
+    timeout: Duration,
+    body: &Map<String, Value>,
+    stream: bool,
+) -> Result<Answer, Failure> {
+    let answer = if stream {
+        tokio::time::timeout(timeout, model.chat_stream(body))
+            .await
+            .map_err(|_| timed_out())?
+            .map(Answer::Chunks)
+    } else {
+        tokio::time::timeout(timeout, model.chat(body))
+            .await
+            .map_err(|_| timed_out())?
+            .map(Answer::Whole)
+    };
+    answer.map_err(|error| match error.code {
+        ErrorCode::InvalidRequest => Failure::Final(error),
+        // A full queue: another backend, or this one a moment later.
+        ErrorCode::Unavailable | ErrorCode::RateLimited => Failure::Busy(error),
+        ErrorCode::Timeout => Failure::Failover(error),
+        _ => Failure::Skip(error),
+    })
+}
+
+fn timed_out() -> Failure {
+    Failure::Failover(Error::new(
+        ErrorCode::Timeout,
+        "The model's backend timed out",
+    ))
+}
+
+fn broken_off() -> Error {
+    Error::new(
+        ErrorCode::UpstreamFailed,
+        "The model's backend broke off its answer",
+    )
+}
+
+/// The `data:` payloads of an SSE answer up to `[DONE]`; a broken stream
+/// ends with one error.
+fn sse_chunks(response: reqwest::Response, request_id: &str) -> ChunkStream {
+    let request_id = Arc::<str>::from(request_id);
+    let chunks = response
+        .bytes_stream()
+        .eventsource()
+        .take_while(|event| {
+            let done = matches!(event, Ok(event) if event.data.trim() == "[DONE]");
+            std::future::ready(!done)
+        })
+        .filter_map(move |event| {
+            std::future::ready(match event {
+                Ok(event) if event.data.trim().is_empty() => None,
+                Ok(event) => Some(Ok(event.data.into_bytes())),
+                Err(error) => {
+                    tracing::warn!(request_id = %request_id, %error, "upstream stream broke");
+                    Some(Err(broken_off()))
+                }
+            })
+        });
+    Box::pin(chunks)
+}
+
+fn probe_url(chat_url: &reqwest::Url, path: &str) -> Option<reqwest::Url> {
+    let base = chat_url.as_str().strip_suffix("/chat/completions")?;
+    format!("{base}{path}").parse().ok()
+}
+
+impl Drop for LocalRouter {
+    fn drop(&mut self) {
+        for watcher in &self.watchers {
+            watcher.abort();
+        }
     }
 }
 
@@ -321,76 +778,59 @@ async fn upstream_message(response: reqwest::Response) -> String {
 impl RouterService for LocalRouter {
     async fn chat(&self, request: pb::ChatRequest) -> Result<pb::ChatResponse> {
         let strip = stripping(&request);
-        let (response, backend) = self.send(&request, false).await?;
-        let body = response.bytes().await.map_err(|e| {
-            if e.is_timeout() {
-                Error::new(ErrorCode::Timeout, "The model's backend timed out")
-            } else {
-                Error::new(
-                    ErrorCode::UpstreamFailed,
-                    "The model's backend broke off its answer",
-                )
-            }
-        })?;
+        let served = self.dispatch(&request, false).await?;
+        let Answer::Whole(body) = served.answer else {
+            return Err(Error::internal("a backend streamed a whole answer"));
+        };
         let body_json = if strip {
-            strip_answer(&body).unwrap_or_else(|| body.to_vec())
+            strip_answer(&body).unwrap_or(body)
         } else {
-            body.to_vec()
+            body
         };
         Ok(pb::ChatResponse {
             body_json,
-            backend: backend.name.clone(),
+            backend: served.backend.name.clone(),
+            retry_count: served.retries,
         })
     }
 
     async fn chat_stream(&self, request: pb::ChatRequest) -> Result<ChatStream> {
         let strip = stripping(&request);
-        let (response, backend) = self.send(&request, true).await?;
+        let served = self.dispatch(&request, true).await?;
+        let Answer::Chunks(chunks) = served.answer else {
+            return Err(Error::internal("a backend answered a stream whole"));
+        };
+        let first = futures_util::stream::once(std::future::ready(Ok(pb::ChatStreamEvent {
+            event: Some(pb::chat_stream_event::Event::Backend(
+                served.backend.name.clone(),
+            )),
+            retry_count: served.retries,
+        })));
+        let in_flight = served.in_flight;
         // One stripper per choice: with n > 1 the choices interleave.
         let mut strippers: HashMap<u64, ThinkStripper> = HashMap::new();
-        let first = futures_util::stream::once(std::future::ready(Ok(pb::ChatStreamEvent {
-            event: Some(pb::chat_stream_event::Event::Backend(backend.name.clone())),
-        })));
-        let request_id = Arc::<str>::from(request.request_id);
-        let chunks = response
-            .bytes_stream()
-            .eventsource()
-            .take_while(|event| {
-                let done = matches!(event, Ok(event) if event.data.trim() == "[DONE]");
-                std::future::ready(!done)
+        let events = chunks.map(move |chunk| {
+            // The stream counts on its backend until it is dropped.
+            let _in_flight = &in_flight;
+            let data = chunk?;
+            let data = if strip {
+                strip_chunk(&data, &mut strippers).unwrap_or(data)
+            } else {
+                data
+            };
+            Ok(pb::ChatStreamEvent {
+                event: Some(pb::chat_stream_event::Event::ChunkJson(data)),
+                retry_count: 0,
             })
-            .filter_map(move |event| {
-                let item = match event {
-                    Ok(event) if event.data.trim().is_empty() => None,
-                    Ok(event) => {
-                        let data = if strip {
-                            strip_chunk(&event.data, &mut strippers)
-                                .unwrap_or_else(|| event.data.into_bytes())
-                        } else {
-                            event.data.into_bytes()
-                        };
-                        Some(Ok(pb::ChatStreamEvent {
-                            event: Some(pb::chat_stream_event::Event::ChunkJson(data)),
-                        }))
-                    }
-                    Err(error) => {
-                        tracing::warn!(request_id = %request_id, %error, "upstream stream broke");
-                        Some(Err(Error::new(
-                            ErrorCode::UpstreamFailed,
-                            "The model's backend broke off its answer",
-                        )))
-                    }
-                };
-                std::future::ready(item)
-            });
+        });
         // Nothing follows a broken upstream: end after the first error.
         let mut failed = false;
-        let chunks = chunks.take_while(move |item| {
+        let events = events.take_while(move |event| {
             let keep = !failed;
-            failed |= item.is_err();
+            failed |= event.is_err();
             std::future::ready(keep)
         });
-        Ok(Box::pin(first.chain(chunks)))
+        Ok(Box::pin(first.chain(events)))
     }
 }
 
@@ -419,8 +859,8 @@ fn strip_answer(body: &[u8]) -> Option<Vec<u8>> {
 /// One stream chunk with each choice's content passed through its
 /// stripper; what a stripper still holds is released with the choice's
 /// `finish_reason`. `reasoning_content` is left as received.
-fn strip_chunk(data: &str, strippers: &mut HashMap<u64, ThinkStripper>) -> Option<Vec<u8>> {
-    let mut chunk: Value = serde_json::from_str(data).ok()?;
+fn strip_chunk(data: &[u8], strippers: &mut HashMap<u64, ThinkStripper>) -> Option<Vec<u8>> {
+    let mut chunk: Value = serde_json::from_slice(data).ok()?;
     if let Some(Value::Array(choices)) = chunk.get_mut("choices") {
         for choice in choices {
             let index = choice.get("index").and_then(Value::as_u64).unwrap_or(0);
@@ -448,19 +888,41 @@ fn strip_chunk(data: &str, strippers: &mut HashMap<u64, ThinkStripper>) -> Optio
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Mutex;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Instant;
+
     use super::*;
+    use crate::CircuitState;
     use rialto_test_kit::MockUpstream;
+    use serde_json::json;
+
+    /// Router settings for tests: no health checks unless a test asks.
+    fn settings() -> RouterConfig {
+        RouterConfig {
+            health_check_interval_ms: 0,
+            ..Default::default()
+        }
+    }
+
+    fn catalog(backends: &[String]) -> Vec<ModelConfig> {
+        let toml = format!(
+            "[[models]]\nid = \"m\"\nbackends = [{}]\n",
+            backends.join(", ")
+        );
+        rialto_core::Config::from_toml(&toml).unwrap().models
+    }
 
     fn models(urls: &[String]) -> Vec<ModelConfig> {
         let backends: Vec<String> = urls
             .iter()
             .map(|u| format!("{{ kind = \"openai\", url = \"{u}\", model = \"mock-model\" }}"))
             .collect();
-        let toml = format!(
-            "[[models]]\nid = \"m\"\nbackends = [{}]\n",
-            backends.join(", ")
-        );
-        rialto_core::Config::from_toml(&toml).unwrap().models
+        catalog(&backends)
+    }
+
+    fn router(urls: &[String], config: &RouterConfig) -> LocalRouter {
+        LocalRouter::new(&models(urls), config).unwrap()
     }
 
     fn request(body: Value) -> pb::ChatRequest {
@@ -473,13 +935,133 @@ mod tests {
     }
 
     fn hello() -> Value {
-        serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+        json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    }
+
+    fn streamed(mut body: Value) -> Value {
+        body["stream"] = Value::Bool(true);
+        body
+    }
+
+    fn first_event(event: &Result<pb::ChatStreamEvent>) -> (String, u32) {
+        match event {
+            Ok(pb::ChatStreamEvent {
+                event: Some(pb::chat_stream_event::Event::Backend(name)),
+                retry_count,
+            }) => (name.clone(), *retry_count),
+            other => panic!("the first event names no backend: {other:?}"),
+        }
+    }
+
+    fn state_of(router: &LocalRouter, backend: &str) -> CircuitState {
+        router
+            .backend_health()
+            .into_iter()
+            .find(|health| health.backend == backend)
+            .unwrap()
+            .state
+    }
+
+    /// Waits (up to 5 s of the test's clock) for a backend's circuit.
+    async fn wait_for(router: &LocalRouter, backend: &str, state: CircuitState) {
+        for _ in 0..500 {
+            if state_of(router, backend) == state {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!(
+            "{backend} never got to {state:?}: {:?}",
+            router.backend_health()
+        );
+    }
+
+    /// An in-process model: answers, fails with a code, or holds its
+    /// streams open after one chunk.
+    #[derive(Default)]
+    struct Fake {
+        calls: AtomicUsize,
+        failing: Mutex<Option<ErrorCode>>,
+        hold: bool,
+    }
+
+    impl Fake {
+        fn fail_with(&self, code: Option<ErrorCode>) {
+            *self.failing.lock().unwrap() = code;
+        }
+
+        fn calls(&self) -> usize {
+            self.calls.load(Ordering::SeqCst)
+        }
+
+        fn called(&self) -> Result<()> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            match *self.failing.lock().unwrap() {
+                Some(code) => Err(Error::new(code, "fake failure")),
+                None => Ok(()),
+            }
+        }
+    }
+
+    #[async_trait]
+    impl InProcessModel for Fake {
+        async fn chat(&self, _body: &Map<String, Value>) -> Result<Vec<u8>> {
+            self.called()?;
+            let answer = json!({"choices": [{"index": 0,
+                "message": {"role": "assistant", "content": "fake"}, "finish_reason": "stop"}]});
+            Ok(serde_json::to_vec(&answer).unwrap())
+        }
+
+        async fn chat_stream(&self, _body: &Map<String, Value>) -> Result<ChunkStream> {
+            self.called()?;
+            let chunk = json!({"choices": [{"index": 0, "delta": {"content": "fake"}}]});
+            let first = futures_util::stream::iter([Ok(serde_json::to_vec(&chunk).unwrap())]);
+            Ok(if self.hold {
+                Box::pin(first.chain(futures_util::stream::pending()))
+            } else {
+                Box::pin(first)
+            })
+        }
+    }
+
+    /// A router over `local` backends named like their fakes (`path` picks
+    /// the fake; a path without one fails to load).
+    fn fake_router(
+        backends: &[(&str, u32)],
+        fakes: &[(&str, &Arc<Fake>)],
+        config: &RouterConfig,
+    ) -> LocalRouter {
+        let backends: Vec<String> = backends
+            .iter()
+            .map(|(name, weight)| {
+                format!("{{ kind = \"local\", path = \"{name}\", name = \"{name}\", weight = {weight} }}")
+            })
+            .collect();
+        let fakes: HashMap<String, Arc<Fake>> = fakes
+            .iter()
+            .map(|(name, fake)| ((*name).to_owned(), Arc::clone(fake)))
+            .collect();
+        LocalRouter::with_loader(&catalog(&backends), config, move |_, backend| {
+            let path = backend.path.clone().unwrap_or_default();
+            match fakes.get(&path) {
+                Some(fake) => Ok(Arc::clone(fake) as Arc<dyn InProcessModel>),
+                None => Err(Error::new(ErrorCode::Unavailable, "no such model file")),
+            }
+        })
+        .unwrap()
+    }
+
+    /// Lets the watchers run (in paused time nothing else advances).
+    async fn settle() {
+        for _ in 0..8 {
+            tokio::task::yield_now().await;
+        }
     }
 
     #[tokio::test]
     async fn relays_to_the_upstream_with_its_model_name() {
         let mock = MockUpstream::start().await.unwrap();
-        let router = LocalRouter::new(&models(&[mock.base_url()]), &Default::default()).unwrap();
+        let router = router(&[mock.base_url()], &settings());
         let response = router.chat(request(hello())).await.unwrap();
         let body: Value = serde_json::from_slice(&response.body_json).unwrap();
         assert_eq!(
@@ -488,6 +1070,7 @@ mod tests {
         );
         assert_eq!(mock.requests()[0]["model"], "mock-model");
         assert_eq!(response.backend, "m/0");
+        assert_eq!(response.retry_count, 0);
     }
 
     #[tokio::test]
@@ -495,18 +1078,18 @@ mod tests {
         let mock = MockUpstream::start().await.unwrap();
         // Port 9 on loopback: nothing listens, the connection is refused.
         let dead = "http://127.0.0.1:9/v1".to_owned();
-        let router =
-            LocalRouter::new(&models(&[dead, mock.base_url()]), &Default::default()).unwrap();
-        for _ in 0..4 {
-            router.chat(request(hello())).await.unwrap();
+        let router = router(&[dead, mock.base_url()], &settings());
+        for _ in 0..8 {
+            let response = router.chat(request(hello())).await.unwrap();
+            assert_eq!(response.backend, "m/1");
         }
-        assert_eq!(mock.request_count(), 4);
+        assert_eq!(mock.request_count(), 8);
     }
 
     #[tokio::test]
     async fn no_reachable_backend_is_unavailable() {
         let dead = "http://127.0.0.1:9/v1".to_owned();
-        let router = LocalRouter::new(&models(&[dead]), &Default::default()).unwrap();
+        let router = router(&[dead], &settings());
         let error = router.chat(request(hello())).await.unwrap_err();
         assert_eq!(error.code, ErrorCode::Unavailable);
     }
@@ -514,37 +1097,105 @@ mod tests {
     #[tokio::test]
     async fn upstream_4xx_blames_the_request_and_5xx_the_backend() {
         let mock = MockUpstream::start().await.unwrap();
-        let router = LocalRouter::new(&models(&[mock.base_url()]), &Default::default()).unwrap();
+        let router = router(&[mock.base_url()], &settings());
         let mut body = hello();
-        body["mock"] = serde_json::json!({"status": 400});
+        body["mock"] = json!({"status": 400});
         let error = router.chat(request(body.clone())).await.unwrap_err();
         assert_eq!(error.code, ErrorCode::InvalidRequest);
-        body["mock"] = serde_json::json!({"status": 500});
+        // The request's fault: never sent again.
+        assert_eq!(mock.request_count(), 1);
+        body["mock"] = json!({"status": 500});
         let error = router.chat(request(body)).await.unwrap_err();
         assert_eq!(error.code, ErrorCode::UpstreamFailed);
+        // The first attempt and two retries.
+        assert_eq!(mock.request_count(), 4);
+    }
+
+    #[tokio::test]
+    async fn retries_with_backoff_and_counts_them() {
+        let mock = MockUpstream::start().await.unwrap();
+        let router = router(&[mock.base_url()], &settings());
+        mock.fail_next(2, 503);
+        let response = router.chat(request(hello())).await.unwrap();
+        assert_eq!(response.retry_count, 2);
+        assert_eq!(mock.request_count(), 3);
+
+        // A busy backend is retried too, and a stream says so first.
+        mock.fail_next(1, 429);
+        let events: Vec<_> = router
+            .chat_stream(request(streamed(hello())))
+            .await
+            .unwrap()
+            .collect()
+            .await;
+        assert_eq!(first_event(&events[0]), ("m/0".to_owned(), 1));
+        assert!(events.iter().all(Result::is_ok));
+
+        // Three failures in a row exhaust two retries.
+        mock.clear_requests();
+        mock.fail_next(3, 502);
+        let started = Instant::now();
+        let error = router.chat(request(hello())).await.unwrap_err();
+        assert_eq!(error.code, ErrorCode::UpstreamFailed);
+        assert_eq!(mock.request_count(), 3);
+        // Backoff of at most 25 ms, then 50 ms.
+        assert!(started.elapsed() < Duration::from_millis(500));
+
+        let response = router.chat(request(hello())).await.unwrap();
+        assert_eq!(response.retry_count, 0);
+
+        // Without retries a failure is final.
+        let config = RouterConfig {
+            max_retries: 0,
+            ..settings()
+        };
+        let once = LocalRouter::new(&models(&[mock.base_url()]), &config).unwrap();
+        mock.clear_requests();
+        mock.fail_next(1, 500);
+        once.chat(request(hello())).await.unwrap_err();
+        assert_eq!(mock.request_count(), 1);
+    }
+
+    #[tokio::test]
+    async fn a_timeout_fails_over_but_never_waits_twice_on_one_backend() {
+        let slow = MockUpstream::start().await.unwrap();
+        let backends = [format!(
+            "{{ kind = \"openai\", url = \"{}\", timeout_secs = 1 }}",
+            slow.base_url()
+        )];
+        let router = LocalRouter::new(&catalog(&backends), &settings()).unwrap();
+        let mut body = hello();
+        body["mock"] = json!({"delay_ms": 3000});
+        let started = Instant::now();
+        let error = router.chat(request(body.clone())).await.unwrap_err();
+        assert_eq!(error.code, ErrorCode::Timeout);
+        // The backend's own timeout (1 s), not the router's (600 s), once.
+        assert!(started.elapsed() < Duration::from_millis(2_500));
+        assert_eq!(slow.request_count(), 1);
+        // A stream's headers are bounded the same way.
+        let error = router
+            .chat_stream(request(streamed(body)))
+            .await
+            .err()
+            .unwrap();
+        assert_eq!(error.code, ErrorCode::Timeout);
     }
 
     #[tokio::test]
     async fn streams_name_the_backend_then_relay_chunks_with_usage() {
         let mock = MockUpstream::start().await.unwrap();
-        let router = LocalRouter::new(&models(&[mock.base_url()]), &Default::default()).unwrap();
-        let mut body = hello();
-        body["stream"] = Value::Bool(true);
+        let router = router(&[mock.base_url()], &settings());
         let events: Vec<_> = router
-            .chat_stream(request(body))
+            .chat_stream(request(streamed(hello())))
             .await
             .unwrap()
             .collect()
             .await;
-        assert!(matches!(
-            &events[0],
-            Ok(pb::ChatStreamEvent {
-                event: Some(pb::chat_stream_event::Event::Backend(_))
-            })
-        ));
+        assert_eq!(first_event(&events[0]), ("m/0".to_owned(), 0));
         let last = match events.last() {
             Some(Ok(pb::ChatStreamEvent {
                 event: Some(pb::chat_stream_event::Event::ChunkJson(json)),
+                ..
             })) => serde_json::from_slice::<Value>(json).unwrap(),
             other => panic!("unexpected last event {other:?}"),
         };
@@ -553,20 +1204,24 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_broken_stream_ends_with_one_error() {
-        let mock = MockUpstream::start().await.unwrap();
-        let router = LocalRouter::new(&models(&[mock.base_url()]), &Default::default()).unwrap();
-        let mut body = hello();
-        body["stream"] = Value::Bool(true);
-        body["mock"] = serde_json::json!({"fail_after_chunks": 2});
+    async fn a_stream_broken_after_its_first_byte_is_never_retried() {
+        let first = MockUpstream::start().await.unwrap();
+        let second = MockUpstream::start().await.unwrap();
+        let router = router(&[first.base_url(), second.base_url()], &settings());
+        let mut body = streamed(hello());
+        body["mock"] = json!({"fail_after_chunks": 2});
         let events: Vec<_> = router
             .chat_stream(request(body))
             .await
             .unwrap()
             .collect()
             .await;
+        assert_eq!(first_event(&events[0]).1, 0);
+        // The backend's name, two chunks, then one error, and nothing else.
+        assert_eq!(events.len(), 4, "{events:?}");
         assert!(events.last().unwrap().is_err());
         assert_eq!(events.iter().filter(|e| e.is_err()).count(), 1);
+        assert_eq!(first.request_count() + second.request_count(), 1);
     }
 
     #[test]
@@ -582,17 +1237,307 @@ mod tests {
     async fn a_backend_refusing_its_credentials_fails_over_without_leaking() {
         let bad = MockUpstream::start().await.unwrap();
         let good = MockUpstream::start().await.unwrap();
-        let router = LocalRouter::new(
-            &models(&[bad.base_url(), good.base_url()]),
-            &Default::default(),
-        )
-        .unwrap();
+        let router = router(&[bad.base_url(), good.base_url()], &settings());
         let mut body = hello();
-        body["mock"] = serde_json::json!({"status": 401});
+        body["mock"] = json!({"status": 401});
         // Both mocks obey the directive, so both fail: a 502, not the 401.
         let error = router.chat(request(body)).await.unwrap_err();
         assert_eq!(error.code, ErrorCode::UpstreamFailed);
         assert!(!error.message.contains("mock failure"));
-        assert_eq!(bad.request_count() + good.request_count(), 2);
+        // Each once: a refused credential is not retried on its backend.
+        assert_eq!(bad.request_count(), 1);
+        assert_eq!(good.request_count(), 1);
+    }
+
+    #[tokio::test]
+    async fn backend_keys_from_the_environment_and_extra_headers() {
+        let mock = MockUpstream::start().await.unwrap();
+        // Cargo sets this variable for the tests it runs.
+        let backends = [format!(
+            "{{ kind = \"openai\", url = \"{}\", api_key_env = \"CARGO_MANIFEST_DIR\", \
+             headers = {{ \"x-tenant\" = \"acme\" }} }}",
+            mock.base_url()
+        )];
+        let router = LocalRouter::new(&catalog(&backends), &settings()).unwrap();
+        router.chat(request(hello())).await.unwrap();
+        assert_eq!(
+            mock.authorization_headers(),
+            [Some(format!("Bearer {}", env!("CARGO_MANIFEST_DIR")))]
+        );
+        assert_eq!(mock.header_values("x-tenant"), [Some("acme".to_owned())]);
+
+        let missing = [format!(
+            "{{ kind = \"openai\", url = \"{}\", api_key_env = \"RIALTO_TEST_NO_SUCH_VARIABLE\" }}",
+            mock.base_url()
+        )];
+        let error = LocalRouter::new(&catalog(&missing), &settings())
+            .err()
+            .unwrap();
+        assert!(
+            error.message.contains("RIALTO_TEST_NO_SUCH_VARIABLE"),
+            "{error}"
+        );
+    }
+
+    #[tokio::test]
+    async fn the_circuit_opens_and_an_open_model_answers_at_once() {
+        let mock = MockUpstream::start().await.unwrap();
+        let config = RouterConfig {
+            breaker_failure_threshold: 3,
+            max_retries: 0,
+            ..settings()
+        };
+        let router = router(&[mock.base_url()], &config);
+        let mut failing = hello();
+        failing["mock"] = json!({"status": 500});
+        for _ in 0..3 {
+            let error = router.chat(request(failing.clone())).await.unwrap_err();
+            assert_eq!(error.code, ErrorCode::UpstreamFailed);
+        }
+        wait_for(&router, "m/0", CircuitState::Open).await;
+        // No network attempt while open, whole or streamed.
+        let started = Instant::now();
+        for _ in 0..5 {
+            let error = router.chat(request(hello())).await.unwrap_err();
+            assert_eq!(error.code, ErrorCode::Unavailable);
+            let error = router
+                .chat_stream(request(streamed(hello())))
+                .await
+                .err()
+                .unwrap();
+            assert_eq!(error.code, ErrorCode::Unavailable);
+        }
+        assert!(started.elapsed() < Duration::from_millis(100));
+        assert_eq!(mock.request_count(), 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_circuit_half_opens_after_its_cooldown_and_closes_on_success() {
+        let fake = Arc::new(Fake::default());
+        let config = RouterConfig {
+            breaker_failure_threshold: 2,
+            breaker_cooldown_ms: 10_000,
+            max_retries: 0,
+            ..settings()
+        };
+        let router = fake_router(&[("a", 1)], &[("a", &fake)], &config);
+        fake.fail_with(Some(ErrorCode::Internal));
+        for _ in 0..2 {
+            router.chat(request(hello())).await.unwrap_err();
+        }
+        settle().await;
+        assert_eq!(state_of(&router, "a"), CircuitState::Open);
+        fake.fail_with(None);
+        let error = router.chat(request(hello())).await.unwrap_err();
+        assert_eq!(error.code, ErrorCode::Unavailable);
+        assert_eq!(fake.calls(), 2);
+
+        tokio::time::sleep(Duration::from_millis(9_990)).await;
+        assert_eq!(state_of(&router, "a"), CircuitState::Open);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert_eq!(state_of(&router, "a"), CircuitState::HalfOpen);
+        // The trial passes and closes the circuit.
+        router.chat(request(hello())).await.unwrap();
+        settle().await;
+        assert_eq!(state_of(&router, "a"), CircuitState::Closed);
+        assert_eq!(fake.calls(), 3);
+
+        // Open again; this time the trial fails: open for twice as long.
+        fake.fail_with(Some(ErrorCode::Internal));
+        for _ in 0..2 {
+            router.chat(request(hello())).await.unwrap_err();
+        }
+        settle().await;
+        tokio::time::sleep(Duration::from_millis(10_010)).await;
+        assert_eq!(state_of(&router, "a"), CircuitState::HalfOpen);
+        router.chat(request(hello())).await.unwrap_err();
+        settle().await;
+        assert_eq!(state_of(&router, "a"), CircuitState::Open);
+        fake.fail_with(None);
+        tokio::time::sleep(Duration::from_millis(19_990)).await;
+        assert_eq!(state_of(&router, "a"), CircuitState::Open);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        router.chat(request(hello())).await.unwrap();
+        settle().await;
+        assert_eq!(state_of(&router, "a"), CircuitState::Closed);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_open_backend_loses_its_traffic_to_the_others() {
+        let sick = Arc::new(Fake::default());
+        let well = Arc::new(Fake::default());
+        let config = RouterConfig {
+            breaker_failure_threshold: 3,
+            ..settings()
+        };
+        let router = fake_router(
+            &[("sick", 1), ("well", 1)],
+            &[("sick", &sick), ("well", &well)],
+            &config,
+        );
+        sick.fail_with(Some(ErrorCode::Internal));
+        // Every request succeeds, on `well` after `sick` when it is tried first.
+        for _ in 0..40 {
+            let response = router.chat(request(hello())).await.unwrap();
+            assert_eq!(response.backend, "well");
+            settle().await;
+        }
+        assert_eq!(state_of(&router, "sick"), CircuitState::Open);
+        assert_eq!(sick.calls(), 3);
+        assert_eq!(well.calls(), 40);
+    }
+
+    #[tokio::test]
+    async fn a_busy_in_process_model_fails_over_without_opening_its_circuit() {
+        let busy = Arc::new(Fake::default());
+        let idle = Arc::new(Fake::default());
+        let config = RouterConfig {
+            breaker_failure_threshold: 2,
+            ..settings()
+        };
+        let router = fake_router(
+            &[("busy", 1), ("idle", 1)],
+            &[("busy", &busy), ("idle", &idle)],
+            &config,
+        );
+        // A full queue answers Unavailable.
+        busy.fail_with(Some(ErrorCode::Unavailable));
+        let mut retried = 0;
+        for _ in 0..30 {
+            let response = router.chat(request(hello())).await.unwrap();
+            assert_eq!(response.backend, "idle");
+            retried += response.retry_count;
+        }
+        assert_eq!(retried as usize, busy.calls());
+        assert!(busy.calls() > 0);
+        tokio::task::yield_now().await;
+        assert_eq!(state_of(&router, "busy"), CircuitState::Closed);
+    }
+
+    #[tokio::test]
+    async fn a_local_backend_that_fails_to_load_is_down_and_the_rest_serve() {
+        let fake = Arc::new(Fake::default());
+        let router = fake_router(
+            &[("broken", 1), ("fine", 1)],
+            &[("fine", &fake)],
+            &settings(),
+        );
+        assert_eq!(state_of(&router, "broken"), CircuitState::Down);
+        for _ in 0..10 {
+            assert_eq!(router.chat(request(hello())).await.unwrap().backend, "fine");
+        }
+        let only_broken = fake_router(&[("broken", 1)], &[], &settings());
+        let error = only_broken.chat(request(hello())).await.unwrap_err();
+        assert_eq!(error.code, ErrorCode::Unavailable);
+    }
+
+    #[tokio::test]
+    async fn the_less_loaded_backend_wins_by_weight() {
+        let light = Arc::new(Fake {
+            hold: true,
+            ..Default::default()
+        });
+        let heavy = Arc::new(Fake {
+            hold: true,
+            ..Default::default()
+        });
+        let router = fake_router(
+            &[("light", 1), ("heavy", 3)],
+            &[("light", &light), ("heavy", &heavy)],
+            &settings(),
+        );
+        // Twelve streams held open: three quarters go to weight 3.
+        let mut streams = Vec::new();
+        for _ in 0..12 {
+            let mut stream = router
+                .chat_stream(request(streamed(hello())))
+                .await
+                .unwrap();
+            stream.next().await.unwrap().unwrap();
+            streams.push(stream);
+        }
+        let in_flight = |name: &str| {
+            router
+                .backend_health()
+                .into_iter()
+                .find(|h| h.backend == name)
+                .unwrap()
+                .in_flight
+        };
+        // Each pick compares in_flight / weight, so the split stays within
+        // one request of 3:9.
+        assert!(
+            (2..=4).contains(&in_flight("light")),
+            "{:?}",
+            router.backend_health()
+        );
+        assert_eq!(in_flight("light") + in_flight("heavy"), 12);
+        // A stream counts until it is dropped.
+        drop(streams);
+        assert_eq!(in_flight("light") + in_flight("heavy"), 0);
+    }
+
+    #[tokio::test]
+    async fn a_prompt_cache_key_sticks_to_one_backend() {
+        let mocks = [
+            MockUpstream::start().await.unwrap(),
+            MockUpstream::start().await.unwrap(),
+            MockUpstream::start().await.unwrap(),
+        ];
+        let urls: Vec<String> = mocks.iter().map(MockUpstream::base_url).collect();
+        let router = router(&urls, &settings());
+        let mut sticky = hello();
+        sticky["prompt_cache_key"] = json!("conversation-1");
+        let owner = router.chat(request(sticky.clone())).await.unwrap().backend;
+        for _ in 0..20 {
+            assert_eq!(
+                router.chat(request(sticky.clone())).await.unwrap().backend,
+                owner
+            );
+        }
+        let counts: Vec<usize> = mocks.iter().map(MockUpstream::request_count).collect();
+        assert_eq!(counts.iter().filter(|c| **c == 21).count(), 1, "{counts:?}");
+        // Other keys land elsewhere too.
+        let mut owners = std::collections::HashSet::new();
+        for i in 0..30 {
+            sticky["prompt_cache_key"] = json!(format!("conversation-{i}"));
+            owners.insert(router.chat(request(sticky.clone())).await.unwrap().backend);
+        }
+        assert_eq!(owners.len(), 3);
+    }
+
+    #[tokio::test]
+    async fn health_checks_open_a_dead_backend_without_any_request() {
+        let config = RouterConfig {
+            breaker_failure_threshold: 2,
+            health_check_interval_ms: 50,
+            health_check_timeout_ms: 500,
+            ..Default::default()
+        };
+        let router = router(&["http://127.0.0.1:9/v1".to_owned()], &config);
+        wait_for(&router, "m/0", CircuitState::Open).await;
+    }
+
+    #[tokio::test]
+    async fn a_passing_health_check_half_opens_before_the_cooldown_ends() {
+        let mock = MockUpstream::start().await.unwrap();
+        let config = RouterConfig {
+            breaker_failure_threshold: 2,
+            breaker_cooldown_ms: 60_000,
+            max_retries: 0,
+            health_check_interval_ms: 50,
+            ..Default::default()
+        };
+        let router = router(&[mock.base_url()], &config);
+        let mut failing = hello();
+        failing["mock"] = json!({"status": 503});
+        for _ in 0..2 {
+            router.chat(request(failing.clone())).await.unwrap_err();
+        }
+        // The mock's model list still answers: the next check half-opens.
+        wait_for(&router, "m/0", CircuitState::HalfOpen).await;
+        assert!(mock.model_list_count() > 0);
+        router.chat(request(hello())).await.unwrap();
+        wait_for(&router, "m/0", CircuitState::Closed).await;
     }
 }
