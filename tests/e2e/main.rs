@@ -11,6 +11,7 @@ mod chat;
 mod keys;
 mod limits;
 mod python;
+mod router;
 mod semantics;
 mod support;
 mod wallet;
