@@ -10,6 +10,7 @@ mod billing;
 mod chat;
 mod keys;
 mod limits;
+mod local_models;
 mod python;
 mod router;
 mod semantics;

@@ -30,7 +30,7 @@ fn python() -> PathBuf {
 
 /// Runs `tests/python/<script>` with `envs`; fails the test with its output
 /// unless it exits 0. Returns its stdout.
-async fn run_script(script: &str, envs: &[(&str, &str)]) -> String {
+pub async fn run_script(script: &str, envs: &[(&str, &str)]) -> String {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("python")
         .join(script);

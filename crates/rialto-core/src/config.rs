@@ -561,10 +561,23 @@ impl Default for Config {
             bus: BusConfig::default(),
             wallet: WalletConfig::default(),
             x402: X402Config::default(),
-            models: Vec::new(),
+            models: built_in_models(),
             characters: Vec::new(),
         }
     }
+}
+
+/// The embedded default catalog (`built_in_models.toml`).
+pub fn built_in_models() -> Vec<ModelConfig> {
+    #[derive(Deserialize)]
+    struct Catalog {
+        models: Vec<ModelConfig>,
+    }
+    Figment::from(Toml::string(include_str!("built_in_models.toml")))
+        .extract::<Catalog>()
+        .map(|catalog| catalog.models)
+        // The file is ours and a test parses it: this cannot fail at run time.
+        .unwrap_or_default()
 }
 
 impl Default for GatewayConfig {
@@ -931,6 +944,21 @@ pub fn price_decimal(price: f64) -> Decimal {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_built_in_catalog_parses_and_a_config_file_replaces_it() {
+        let defaults = Config::default();
+        let ids: Vec<&str> = defaults.models.iter().map(|m| m.id.as_str()).collect();
+        assert_eq!(ids, ["smollm2-135m", "all-minilm-l6-v2"]);
+        defaults.validate().unwrap();
+        assert_eq!(defaults.models[0].backends[0].kind, "local");
+        let config = Config::from_toml(
+            "[[models]]\nid = \"m\"\nbackends = [{ kind = \"openai\", url = \"http://127.0.0.1:1/v1\" }]\n",
+        )
+        .unwrap();
+        assert_eq!(config.models.len(), 1);
+        assert_eq!(config.models[0].id, "m");
+    }
 
     /// The example from the foundation issue, verbatim.
     const ISSUE_EXAMPLE: &str = r#"

@@ -57,7 +57,7 @@ struct Exchange {
 }
 
 /// `X-Balance-Remaining`: a wallet's USD balance after the request.
-const BALANCE_REMAINING: &str = "x-balance-remaining";
+pub(crate) const BALANCE_REMAINING: &str = "x-balance-remaining";
 
 /// `x-retry-count`: how many times the router sent the request again
 /// before a backend answered; absent when the first attempt did.
@@ -68,7 +68,7 @@ const RETRY_COUNT: &str = "x-retry-count";
 /// included), none when no backend answered. A request dropped any other way
 /// (the client left a non-streamed call) sends nothing, so its estimate
 /// stands: its backend may well have used the tokens.
-struct Settlement {
+pub(crate) struct Settlement {
     limiter: RateLimiter,
     ticket: Option<Ticket>,
     billing: BillingClient,
@@ -110,7 +110,7 @@ impl Settlement {
 
     /// Charges `usage` against the hold (and commits its tokens to the
     /// limiter); the `cost` object of the response.
-    async fn bill(&mut self, usage: &Usage) -> Result<Value, ApiError> {
+    pub(crate) async fn bill(&mut self, usage: &Usage) -> Result<Value, ApiError> {
         self.settle(usage.total());
         if !std::mem::take(&mut self.held) {
             // Nothing was reserved (a free model): nothing to charge, and
@@ -137,7 +137,7 @@ impl Settlement {
 
     /// Like `bill`, off the response path (the client is gone or the
     /// stream failed): what the upstream produced is still billed.
-    fn bill_later(&mut self, usage: &Usage) {
+    pub(crate) fn bill_later(&mut self, usage: &Usage) {
         self.settle(usage.total());
         if !std::mem::take(&mut self.held) {
             return;
@@ -155,7 +155,7 @@ impl Settlement {
     }
 
     /// No backend answered: nothing used, nothing charged, the hold released.
-    fn release(&mut self) {
+    pub(crate) fn release(&mut self) {
         self.bill_later(&Usage::none());
     }
 }
@@ -229,13 +229,69 @@ async fn complete_or_stream(
         .map(|id| id.0.clone())
         .unwrap_or_else(rialto_core::ids::request_id);
 
+    let Admitted {
+        settlement,
+        wallet_usd_before,
+    } = admit(
+        gateway,
+        request,
+        principal,
+        model,
+        &request_id,
+        chat.prompt_tokens_estimate,
+        chat.estimated_tokens,
+    )
+    .await?;
+
+    let router_request = router_pb::ChatRequest {
+        request_id: request_id.clone(),
+        model_id: chat.model_id.clone(),
+        body_json: serde_json::to_vec(&body).map_err(rialto_core::Error::internal)?,
+        parameters: Some(std::mem::take(&mut chat.service)),
+    };
+    let exchange = Exchange {
+        completion_id: format!("chatcmpl-{request_id}"),
+        request_id,
+        chat,
+        settlement,
+        wallet_usd_before,
+    };
+    if exchange.chat.stream {
+        stream(gateway, model, router_request, exchange).await
+    } else {
+        complete(gateway, model, router_request, exchange).await
+    }
+}
+
+/// A request the limiter admitted and the ledger holds credit for.
+pub(crate) struct Admitted {
+    /// Settles the limiter's slot and the hold however the request ends.
+    pub(crate) settlement: Settlement,
+    /// A signed-in wallet's USD balance before the request, for
+    /// `X-Balance-Remaining`.
+    pub(crate) wallet_usd_before: Option<rust_decimal::Decimal>,
+}
+
+/// Admits a request to `model` through the limiter (its rate-limit headers
+/// go on the response) and holds the most it can cost in the ledger;
+/// refuses it (429, 402) when either says no. `estimated_tokens` counts
+/// prompt and completion together.
+pub(crate) async fn admit(
+    gateway: &Gateway,
+    request: &HttpRequest,
+    principal: &auth_pb::Principal,
+    model: &ModelEntry,
+    request_id: &str,
+    prompt_tokens_estimate: u64,
+    estimated_tokens: u64,
+) -> Result<Admitted, ApiError> {
     let limiter = &gateway.services.limiter;
     let admission = limiter
         .admit(
             crate::caller(principal),
             Target::model(&model.config),
-            &request_id,
-            chat.estimated_tokens,
+            request_id,
+            estimated_tokens,
         )
         .await?;
     if let Some(headers) = admission.headers {
@@ -251,8 +307,8 @@ async fn complete_or_stream(
         billing: gateway.services.billing.clone(),
         usage_queue: gateway.services.usage_queue.clone(),
         owner: crate::ledger_owner(principal),
-        request_id: request_id.clone(),
-        model_id: chat.model_id.clone(),
+        request_id: request_id.to_owned(),
+        model_id: model.config.id.clone(),
         held: false,
         held_usd: String::new(),
         held_diem: String::new(),
@@ -264,12 +320,10 @@ async fn complete_or_stream(
         .billing
         .hold(billing_pb::HoldRequest {
             owner: settlement.owner.clone(),
-            request_id: request_id.clone(),
-            model_id: chat.model_id.clone(),
-            prompt_tokens: chat.prompt_tokens_estimate,
-            max_completion_tokens: chat
-                .estimated_tokens
-                .saturating_sub(chat.prompt_tokens_estimate),
+            request_id: request_id.to_owned(),
+            model_id: model.config.id.clone(),
+            prompt_tokens: prompt_tokens_estimate,
+            max_completion_tokens: estimated_tokens.saturating_sub(prompt_tokens_estimate),
             key_limit: crate::key_limit(&principal.key_id, principal.key_limit.as_ref()),
         })
         .await;
@@ -317,33 +371,18 @@ async fn complete_or_stream(
     settlement.held = hold.reserved;
     settlement.held_usd = hold.held_usd;
     settlement.held_diem = hold.held_diem;
-
-    let router_request = router_pb::ChatRequest {
-        request_id: request_id.clone(),
-        model_id: chat.model_id.clone(),
-        body_json: serde_json::to_vec(&body).map_err(rialto_core::Error::internal)?,
-        parameters: Some(std::mem::take(&mut chat.service)),
-    };
     let wallet_usd_before = if principal.wallet.is_empty() {
         None
     } else {
         hold.before.as_ref().and_then(|b| b.usd.parse().ok())
     };
-    let exchange = Exchange {
-        completion_id: format!("chatcmpl-{request_id}"),
-        request_id,
-        chat,
+    Ok(Admitted {
         settlement,
         wallet_usd_before,
-    };
-    if exchange.chat.stream {
-        stream(gateway, model, router_request, exchange).await
-    } else {
-        complete(gateway, model, router_request, exchange).await
-    }
+    })
 }
 
-fn invalid_answer() -> ApiError {
+pub(crate) fn invalid_answer() -> ApiError {
     ApiError::new(
         ErrorCode::UpstreamFailed,
         "The model's backend sent an invalid answer",
@@ -590,7 +629,7 @@ fn sse(value: &Value) -> Bytes {
     Bytes::from(line)
 }
 
-fn model_headers(
+pub(crate) fn model_headers(
     response: &mut HttpResponseBuilder,
     gateway: &Gateway,
     model: &ModelEntry,
@@ -609,7 +648,7 @@ fn model_headers(
 }
 
 /// Token counts of a finished exchange, and their JSON for the response.
-struct Usage {
+pub(crate) struct Usage {
     prompt: u64,
     completion: u64,
     cached: u64,
@@ -618,6 +657,21 @@ struct Usage {
 }
 
 impl Usage {
+    /// Prompt tokens only (embeddings); `json` is the response's `usage`.
+    pub(crate) fn prompt_only(prompt: u64) -> Self {
+        Self {
+            prompt,
+            completion: 0,
+            cached: 0,
+            cache_write: 0,
+            json: json!({"prompt_tokens": prompt, "total_tokens": prompt}),
+        }
+    }
+
+    pub(crate) fn json(&self) -> &Value {
+        &self.json
+    }
+
     fn total(&self) -> u64 {
         self.prompt.saturating_add(self.completion)
     }

@@ -33,6 +33,7 @@ use secrecy::SecretString;
 
 mod characters;
 mod chat;
+mod embeddings;
 pub mod error;
 mod files;
 mod headers;
@@ -250,6 +251,7 @@ pub fn configure(gateway: web::Data<Gateway>) -> impl FnOnce(&mut web::ServiceCo
             .service(
                 web::scope("/api/v1")
                     .route("/chat/completions", web::post().to(chat::completions))
+                    .route("/embeddings", web::post().to(embeddings::create))
                     .route("/models", web::get().to(models::list))
                     .route("/models/traits", web::get().to(models::traits))
                     .route(

@@ -53,6 +53,13 @@ impl Router for RouterGrpc {
             stream.map(|event| event.map_err(Status::from)),
         )))
     }
+
+    async fn embed(
+        &self,
+        request: Request<pb::EmbedRequest>,
+    ) -> Result<Response<pb::EmbedResponse>, Status> {
+        Ok(Response::new(self.0.embed(request.into_inner()).await?))
+    }
 }
 
 /// The router in another process, reached over gRPC.
@@ -77,5 +84,9 @@ impl RouterService for RemoteRouter {
     async fn chat_stream(&self, request: pb::ChatRequest) -> Result<ChatStream> {
         let stream = self.0.clone().chat_stream(request).await?.into_inner();
         Ok(Box::pin(stream.map(|event| event.map_err(Error::from))))
+    }
+
+    async fn embed(&self, request: pb::EmbedRequest) -> Result<pb::EmbedResponse> {
+        Ok(self.0.clone().embed(request).await?.into_inner())
     }
 }

@@ -40,6 +40,8 @@ pub trait RouterService: Send + Sync + 'static {
     /// Resolves once a backend has accepted the request; errors before that
     /// are returned here, errors after it arrive in the stream.
     async fn chat_stream(&self, request: pb::ChatRequest) -> Result<ChatStream>;
+    /// Embeddings, routed over the model's backends like a chat.
+    async fn embed(&self, request: pb::EmbedRequest) -> Result<pb::EmbedResponse>;
 }
 
 /// A cloneable handle on the router, local or remote.

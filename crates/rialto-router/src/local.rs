@@ -72,17 +72,28 @@ struct Backend {
     health: Arc<Health>,
 }
 
+// One per backend, built at start and never moved: the size is no cost.
+#[allow(clippy::large_enum_variant)]
 enum Transport {
     /// An OpenAI-compatible server.
     Http {
         /// Parsed once: reqwest would parse a string on every request.
         chat_url: reqwest::Url,
+        embeddings_url: reqwest::Url,
         /// The configured extra headers and the bearer token, marked
         /// sensitive (never printed).
         headers: HeaderMap,
     },
     /// A model in this process (`local`).
     InProcess(Arc<dyn InProcessModel>),
+}
+
+/// What a request asks of a backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Call {
+    Chat,
+    ChatStream,
+    Embed,
 }
 
 /// What a backend answered.
@@ -170,11 +181,14 @@ impl Backend {
             }
         } else {
             let base = config.url.trim_end_matches('/');
-            let chat_url = format!("{base}/chat/completions")
-                .parse()
-                .map_err(|e| Error::invalid(format!("model {model_id}: backend url: {e}")))?;
+            let url = |path: &str| {
+                format!("{base}{path}")
+                    .parse()
+                    .map_err(|e| Error::invalid(format!("model {model_id}: backend url: {e}")))
+            };
             let transport = Transport::Http {
-                chat_url,
+                chat_url: url("/chat/completions")?,
+                embeddings_url: url("/embeddings")?,
                 headers: backend_headers(model_id, &name, config)?,
             };
             (backend_host(base), transport, Health::new(threshold))
@@ -353,9 +367,9 @@ impl LocalRouter {
                     continue;
                 }
                 let probe = match &backend.transport {
-                    Transport::Http { chat_url, headers }
-                        if config.health_check_interval_ms > 0 =>
-                    {
+                    Transport::Http {
+                        chat_url, headers, ..
+                    } if config.health_check_interval_ms > 0 => {
                         probe_url(chat_url, &config.health_check_path).map(|url| Probe {
                             client: http.clone(),
                             url,
@@ -467,11 +481,23 @@ impl LocalRouter {
         Ok(body)
     }
 
-    /// Sends `request` to the model's backends until one accepts it,
-    /// retrying and failing over as [`Failure`] allows.
-    async fn dispatch(&self, request: &pb::ChatRequest, stream: bool) -> Result<Served<'_>> {
+    /// Sends a chat to the model's backends until one accepts it.
+    async fn dispatch_chat(&self, request: &pb::ChatRequest, stream: bool) -> Result<Served<'_>> {
         let route = self.route(&request.model_id)?;
-        let mut body = Self::upstream_body(route, request, stream)?;
+        let body = Self::upstream_body(route, request, stream)?;
+        let call = if stream { Call::ChatStream } else { Call::Chat };
+        self.dispatch(route, body, &request.request_id, call).await
+    }
+
+    /// Sends `body` to the route's backends until one accepts it,
+    /// retrying and failing over as [`Failure`] allows.
+    async fn dispatch<'a>(
+        &'a self,
+        route: &'a ModelRoute,
+        mut body: Map<String, Value>,
+        request_id: &str,
+        call: Call,
+    ) -> Result<Served<'a>> {
         // Requests with one `prompt_cache_key` start at the same backend,
         // so its prefix cache hits.
         let sticky = match body.get("prompt_cache_key") {
@@ -501,10 +527,7 @@ impl LocalRouter {
                 "model".into(),
                 Value::String(backend.upstream_model.clone()),
             );
-            let failure = match self
-                .attempt(backend, permit, &body, stream, &request.request_id)
-                .await
-            {
+            let failure = match self.attempt(backend, permit, &body, call, request_id).await {
                 Ok((answer, in_flight)) => {
                     return Ok(Served {
                         backend,
@@ -522,7 +545,7 @@ impl LocalRouter {
                 Failure::Skip(error) => (error, false, false),
             };
             tracing::warn!(
-                request_id = request.request_id,
+                request_id,
                 backend = backend.name,
                 host = backend.host,
                 attempt = attempts,
@@ -558,17 +581,32 @@ impl LocalRouter {
         backend: &Backend,
         permit: Permit<'_>,
         body: &Map<String, Value>,
-        stream: bool,
+        call: Call,
         request_id: &str,
     ) -> Result<(Answer, InFlight), Failure> {
         let in_flight = backend.health.start();
         let result = match &backend.transport {
-            Transport::Http { chat_url, headers } => {
-                self.send_http(backend, chat_url, headers, body, stream, request_id)
-                    .await
+            Transport::Http {
+                chat_url,
+                embeddings_url,
+                headers,
+            } => {
+                let url = match call {
+                    Call::Embed => embeddings_url,
+                    Call::Chat | Call::ChatStream => chat_url,
+                };
+                self.send_http(
+                    backend,
+                    url,
+                    headers,
+                    body,
+                    call == Call::ChatStream,
+                    request_id,
+                )
+                .await
             }
             Transport::InProcess(model) => {
-                send_in_process(model.as_ref(), backend.timeout, body, stream).await
+                send_in_process(model.as_ref(), backend.timeout, body, call).await
             }
         };
         match &result {
@@ -581,7 +619,7 @@ impl LocalRouter {
     async fn send_http(
         &self,
         backend: &Backend,
-        chat_url: &reqwest::Url,
+        url: &reqwest::Url,
         headers: &HeaderMap,
         body: &Map<String, Value>,
         stream: bool,
@@ -590,7 +628,7 @@ impl LocalRouter {
         let bytes = serde_json::to_vec(body).map_err(|e| Failure::Final(Error::internal(e)))?;
         let mut builder = self
             .http
-            .post(chat_url.clone())
+            .post(url.clone())
             .header(CONTENT_TYPE, "application/json")
             .header("x-request-id", request_id)
             .body(bytes);
@@ -671,18 +709,21 @@ async fn send_in_process(
     model: &dyn InProcessModel,
     timeout: Duration,
     body: &Map<String, Value>,
-    stream: bool,
+    call: Call,
 ) -> Result<Answer, Failure> {
-    let answer = if stream {
-        tokio::time::timeout(timeout, model.chat_stream(body))
+    let answer = match call {
+        Call::ChatStream => tokio::time::timeout(timeout, model.chat_stream(body))
             .await
             .map_err(|_| timed_out())?
-            .map(Answer::Chunks)
-    } else {
-        tokio::time::timeout(timeout, model.chat(body))
+            .map(Answer::Chunks),
+        Call::Chat => tokio::time::timeout(timeout, model.chat(body))
             .await
             .map_err(|_| timed_out())?
-            .map(Answer::Whole)
+            .map(Answer::Whole),
+        Call::Embed => tokio::time::timeout(timeout, model.embed(body))
+            .await
+            .map_err(|_| timed_out())?
+            .map(Answer::Whole),
     };
     answer.map_err(|error| match error.code {
         ErrorCode::InvalidRequest => Failure::Final(error),
@@ -778,7 +819,7 @@ async fn upstream_message(response: reqwest::Response) -> String {
 impl RouterService for LocalRouter {
     async fn chat(&self, request: pb::ChatRequest) -> Result<pb::ChatResponse> {
         let strip = stripping(&request);
-        let served = self.dispatch(&request, false).await?;
+        let served = self.dispatch_chat(&request, false).await?;
         let Answer::Whole(body) = served.answer else {
             return Err(Error::internal("a backend streamed a whole answer"));
         };
@@ -796,7 +837,7 @@ impl RouterService for LocalRouter {
 
     async fn chat_stream(&self, request: pb::ChatRequest) -> Result<ChatStream> {
         let strip = stripping(&request);
-        let served = self.dispatch(&request, true).await?;
+        let served = self.dispatch_chat(&request, true).await?;
         let Answer::Chunks(chunks) = served.answer else {
             return Err(Error::internal("a backend answered a stream whole"));
         };
@@ -831,6 +872,23 @@ impl RouterService for LocalRouter {
             std::future::ready(keep)
         });
         Ok(Box::pin(first.chain(events)))
+    }
+
+    async fn embed(&self, request: pb::EmbedRequest) -> Result<pb::EmbedResponse> {
+        let route = self.route(&request.model_id)?;
+        let body: Map<String, Value> = serde_json::from_slice(&request.body_json)
+            .map_err(|e| Error::invalid(format!("request body is not a JSON object: {e}")))?;
+        let served = self
+            .dispatch(route, body, &request.request_id, Call::Embed)
+            .await?;
+        let Answer::Whole(body_json) = served.answer else {
+            return Err(Error::internal("a backend streamed embeddings"));
+        };
+        Ok(pb::EmbedResponse {
+            body_json,
+            backend: served.backend.name.clone(),
+            retry_count: served.retries,
+        })
     }
 }
 

@@ -1,0 +1,184 @@
+//! The built-in models through the real binary, in both topologies: the
+//! `local` backend kind serving SmolLM2-135M (llama.cpp) and
+//! all-MiniLM-L6-v2 (candle) from ./models/ (`make models`), driven over
+//! HTTP and with the official `openai` Python SDK.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use rialto_test_kit::{Sandbox, Topology};
+use serde_json::{Value, json};
+
+use crate::python::run_script;
+
+fn models_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models")
+}
+
+/// The built-in catalog's two models with absolute paths, and a second chat
+/// model on the same file whose queue holds nobody (`max_queue = 0`).
+fn local_models_toml() -> String {
+    let dir = models_dir();
+    let gguf = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
+    let embedder = dir.join("all-minilm-l6-v2");
+    assert!(
+        gguf.is_file() && embedder.join("model.safetensors").is_file(),
+        "the built-in models are missing: run `make models`"
+    );
+    format!(
+        r#"
+[[models]]
+id = "smollm2-135m"
+type = "text"
+context_length = 2048
+traits = ["default"]
+backends = [{{ kind = "local", path = "{gguf}", name = "local-smollm2", context_size = 2048 }}]
+
+[[models]]
+id = "smollm2-no-queue"
+type = "text"
+backends = [{{ kind = "local", path = "{gguf}", name = "local-busy", context_size = 1024, max_queue = 0 }}]
+
+[[models]]
+id = "all-minilm-l6-v2"
+type = "embedding"
+aliases = ["text-embedding-3-small"]
+backends = [{{ kind = "local", path = "{embedder}", name = "local-minilm" }}]
+"#,
+        gguf = gguf.display(),
+        embedder = embedder.display()
+    )
+}
+
+async fn local_models(topology: Topology) {
+    let sandbox = Sandbox::builder(topology)
+        .config(&local_models_toml())
+        .start()
+        .await
+        .unwrap();
+    let account = sandbox.create_account("local").await.unwrap();
+    let (_, key) = sandbox
+        .create_key(&account.admin_key, "INFERENCE")
+        .await
+        .unwrap();
+    let http = sandbox.http();
+
+    // A real answer with real token counts, from the in-process backend.
+    let response = http
+        .post(sandbox.api("/chat/completions"))
+        .bearer_auth(&key)
+        .json(&json!({
+            "model": "smollm2-135m",
+            "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+            "temperature": 0,
+            "max_tokens": 24,
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["x-rialto-model-router"], "local-smollm2");
+    let body: Value = response.json().await.unwrap();
+    let answer = body["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(answer.contains("Paris"), "{body}");
+    assert_eq!(body["choices"][0]["finish_reason"], "stop");
+    let prompt_tokens = body["usage"]["prompt_tokens"].as_u64().unwrap();
+    let completion_tokens = body["usage"]["completion_tokens"].as_u64().unwrap();
+    // SmolLM2's template adds its default system prompt: ~42 tokens in all.
+    assert!((30..60).contains(&prompt_tokens), "{body}");
+    assert!((1..=24).contains(&completion_tokens), "{body}");
+
+    // Embeddings: OpenAI's shape, unit vectors, similar texts closer.
+    let response = http
+        .post(sandbox.api("/embeddings"))
+        .bearer_auth(&key)
+        .json(&json!({
+            "model": "text-embedding-3-small",
+            "input": ["A man is playing a guitar.", "Someone plays a guitar.", "Interest rates rose again."],
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["x-rialto-model-router"], "local-minilm");
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["object"], "list");
+    assert_eq!(body["model"], "all-minilm-l6-v2");
+    let vectors: Vec<Vec<f64>> = body["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|item| serde_json::from_value(item["embedding"].clone()).unwrap())
+        .collect();
+    assert_eq!(vectors.len(), 3);
+    assert_eq!(vectors[0].len(), 384);
+    let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>();
+    assert!(dot(&vectors[0], &vectors[1]) > dot(&vectors[0], &vectors[2]) + 0.3);
+    assert!(body["usage"]["prompt_tokens"].as_u64().unwrap() > 10);
+
+    // Bad input is the caller's 400, in the spec's shape.
+    let response = http
+        .post(sandbox.api("/embeddings"))
+        .bearer_auth(&key)
+        .json(&json!({"model": "all-minilm-l6-v2", "input": [1, 2, 3]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 400);
+    let body: Value = response.json().await.unwrap();
+    assert!(body["error"].is_string(), "{body}");
+
+    // A model busy with one request and no queue answers the next one 503.
+    let busy = http
+        .post(sandbox.api("/chat/completions"))
+        .bearer_auth(&key)
+        .json(&json!({
+            "model": "smollm2-no-queue",
+            "messages": [{"role": "user", "content": "Tell me a long story about the sea."}],
+            "max_tokens": 400, "stream": true,
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(busy.status(), 200);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let refused = http
+        .post(sandbox.api("/chat/completions"))
+        .bearer_auth(&key)
+        .json(&json!({
+            "model": "smollm2-no-queue",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 503);
+    let body: Value = refused.json().await.unwrap();
+    assert!(body["error"].is_string(), "{body}");
+    drop(busy);
+
+    // The official SDK: a chat, a stream and embeddings (base64, the SDK's
+    // default encoding).
+    let stdout = run_script(
+        "local_models_check.py",
+        &[
+            ("RIALTO_E2E_BASE_URL", &sandbox.api("")),
+            ("RIALTO_E2E_API_KEY", &key),
+        ],
+    )
+    .await;
+    for check in ["chat ok", "stream ok", "embeddings ok"] {
+        assert!(stdout.contains(check), "{stdout}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_process() {
+    local_models(Topology::OneProcess).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn split() {
+    local_models(Topology::Split).await;
+}
