@@ -946,6 +946,13 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_example_configuration_is_valid() {
+        let text = include_str!("../../../deploy/rialto.example.toml");
+        let config = Config::from_toml(text).unwrap();
+        assert!(config.models.iter().any(|m| m.id == "smollm2-135m"));
+    }
+
+    #[test]
     fn the_built_in_catalog_parses_and_a_config_file_replaces_it() {
         let defaults = Config::default();
         let ids: Vec<&str> = defaults.models.iter().map(|m| m.id.as_str()).collect();
