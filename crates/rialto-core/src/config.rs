@@ -445,6 +445,8 @@ pub struct ModelConfig {
     /// What the model accepts beyond text: `vision` (`image_url` parts),
     /// `audio` (`input_audio`), `video` (`video_url`), `files` (`file`),
     /// `caching` (`cache_control` is passed on; otherwise it is dropped).
+    /// Published in `/models` only: `tools`, `logprobs`, `reasoning`,
+    /// `response_schema`, `web_search`.
     #[serde(default)]
     pub capabilities: Vec<String>,
     /// This model's system prompt, instead of `router.system_prompt`

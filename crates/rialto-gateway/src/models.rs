@@ -160,7 +160,7 @@ fn model_json(model: &ModelConfig, brand: &str) -> Value {
             "supportsMultipleImages": has("vision"),
             "supportsVision": has("vision"),
             "supportsVideoInput": has("video"),
-            "supportsWebSearch": false,
+            "supportsWebSearch": has("web_search"),
             "supportsLogProbs": has("logprobs"),
             "supportsTeeAttestation": false,
             "supportsE2EE": false,
