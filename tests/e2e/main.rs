@@ -11,6 +11,7 @@ mod chat;
 mod keys;
 mod limits;
 mod local_models;
+mod metrics;
 mod python;
 mod router;
 mod semantics;

@@ -504,18 +504,40 @@ impl Transport for Nats {
             .messages()
             .await
             .map_err(|e| unavailable("cannot consume from JetStream", e))?;
+        // The consumer's lag, refreshed every 5 s for `/metrics` while its
+        // deliveries are consumed.
+        let alive = Arc::new(());
+        let watching = Arc::downgrade(&alive);
+        let pending = crate::metrics::metrics()
+            .nats_consumer_pending
+            .get_or_create_owned(&crate::metrics::ConsumerLabels {
+                stream: queue.stream.clone(),
+                consumer: consumer.cached_info().name.clone(),
+            });
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(Duration::from_secs(5));
+            while watching.strong_count() > 0 {
+                every.tick().await;
+                if let Ok(info) = consumer.get_info().await {
+                    pending.set(i64::try_from(info.num_pending).unwrap_or(i64::MAX));
+                }
+            }
+        });
         Ok(messages
-            .filter_map(|message| async move {
-                match message {
-                    Ok(message) => Some(Delivery {
-                        payload: message.payload.clone(),
-                        acker: Acker::Nats(Box::new(message)),
-                    }),
-                    Err(error) => {
-                        // The stream reconnects by itself; records not
-                        // acknowledged come again.
-                        tracing::warn!(%error, "JetStream consumer error");
-                        None
+            .filter_map(move |message| {
+                let _alive = &alive;
+                async move {
+                    match message {
+                        Ok(message) => Some(Delivery {
+                            payload: message.payload.clone(),
+                            acker: Acker::Nats(Box::new(message)),
+                        }),
+                        Err(error) => {
+                            // The stream reconnects by itself; records not
+                            // acknowledged come again.
+                            tracing::warn!(%error, "JetStream consumer error");
+                            None
+                        }
                     }
                 }
             })

@@ -40,6 +40,18 @@ pub struct Config {
     pub x402: X402Config,
     pub models: Vec<ModelConfig>,
     pub characters: Vec<CharacterConfig>,
+    pub metrics: MetricsConfig,
+}
+
+/// Prometheus metrics (`[metrics]`).
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// Where `GET /metrics` is served, on its own port (in Kubernetes,
+    /// `0.0.0.0:9464`, kept off the public Service). Empty: the gateway
+    /// serves `/metrics` on its own port, and a process without a gateway
+    /// serves none.
+    pub listen: String,
 }
 
 /// A character (`[[characters]]`): a persona whose system prompt a chat
@@ -524,7 +536,7 @@ fn default_tier() -> String {
 }
 
 /// Top-level keys of [`Config`], the only ones `RIALTO_*` variables may set.
-const TOP_LEVEL_KEYS: [&str; 16] = [
+const TOP_LEVEL_KEYS: [&str; 17] = [
     "brand",
     "services",
     "gateway",
@@ -541,6 +553,7 @@ const TOP_LEVEL_KEYS: [&str; 16] = [
     "x402",
     "models",
     "characters",
+    "metrics",
 ];
 
 /// The services a process can run, in start order.
@@ -565,6 +578,7 @@ impl Default for Config {
             x402: X402Config::default(),
             models: built_in_models(),
             characters: Vec::new(),
+            metrics: MetricsConfig::default(),
         }
     }
 }

@@ -19,6 +19,7 @@ pub mod db;
 pub mod error;
 pub mod grpc_auth;
 pub mod ids;
+pub mod metrics;
 pub mod placement;
 pub mod telemetry;
 

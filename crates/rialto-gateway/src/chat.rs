@@ -15,6 +15,7 @@ use futures_util::StreamExt;
 use rialto_billing::BillingClient;
 use rialto_billing::usage_queue::{Settled, settle_durably};
 use rialto_core::ErrorCode;
+use rialto_core::metrics::metrics;
 use rialto_limiter::{RateLimiter, Target, Ticket};
 use rialto_proto::auth::v1 as auth_pb;
 use rialto_proto::billing::v1 as billing_pb;
@@ -112,6 +113,7 @@ impl Settlement {
     /// limiter); the `cost` object of the response.
     pub(crate) async fn bill(&mut self, usage: &Usage) -> Result<Value, ApiError> {
         self.settle(usage.total());
+        self.count_tokens(usage);
         if !std::mem::take(&mut self.held) {
             // Nothing was reserved (a free model): nothing to charge, and
             // no round trip to the ledger.
@@ -119,7 +121,9 @@ impl Settlement {
         }
         let request = self.settle_request(usage);
         let billed = request.usage.unwrap_or_default();
-        let cost = match settle_durably(&self.billing, self.usage_queue.as_ref(), request).await? {
+        let settled = settle_durably(&self.billing, self.usage_queue.as_ref(), request).await;
+        count_settlement(&settled);
+        let cost = match settled? {
             Settled::Now(cost) => cost,
             // Billing will settle the queued record as the ledger would now.
             Settled::Queued => rialto_billing::expected_cost(
@@ -129,6 +133,12 @@ impl Settlement {
                 &self.held_diem,
             )?,
         };
+        if let Ok(usd) = cost.usd.parse::<f64>() {
+            let model = rialto_core::metrics::ModelLabels {
+                model: self.model_id.clone(),
+            };
+            metrics().spend_usd.get_or_create(&model).inc_by(usd);
+        }
         // Exact decimal strings become JSON numbers written digit for digit
         // (serde_json's arbitrary_precision), as the spec's `cost` wants.
         let number = |text: &str| serde_json::from_str::<Value>(text).unwrap_or(json!(0));
@@ -139,6 +149,7 @@ impl Settlement {
     /// stream failed): what the upstream produced is still billed.
     pub(crate) fn bill_later(&mut self, usage: &Usage) {
         self.settle(usage.total());
+        self.count_tokens(usage);
         if !std::mem::take(&mut self.held) {
             return;
         }
@@ -147,10 +158,24 @@ impl Settlement {
         let request = self.settle_request(usage);
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             runtime.spawn(async move {
-                if let Err(error) = settle_durably(&billing, queue.as_ref(), request).await {
+                let settled = settle_durably(&billing, queue.as_ref(), request).await;
+                count_settlement(&settled);
+                if let Err(error) = settled {
                     tracing::warn!(%error, "settlement failed; the hold will expire");
                 }
             });
+        }
+    }
+
+    fn count_tokens(&self, usage: &Usage) {
+        for (kind, tokens) in [("prompt", usage.prompt), ("completion", usage.completion)] {
+            if tokens > 0 {
+                let labels = rialto_core::metrics::TokenLabels {
+                    model: self.model_id.clone(),
+                    kind,
+                };
+                metrics().tokens.get_or_create(&labels).inc_by(tokens);
+            }
         }
     }
 
@@ -158,6 +183,18 @@ impl Settlement {
     pub(crate) fn release(&mut self) {
         self.bill_later(&Usage::none());
     }
+}
+
+fn count_settlement<E>(settled: &Result<Settled, E>) {
+    let outcome = match settled {
+        Ok(Settled::Now(_)) => "settled",
+        Ok(Settled::Queued) => "queued",
+        Err(_) => "failed",
+    };
+    metrics()
+        .ledger_settlements
+        .get_or_create(&rialto_core::metrics::OutcomeLabels { outcome })
+        .inc();
 }
 
 pub async fn completions(
@@ -334,6 +371,11 @@ pub(crate) async fn admit(
             return Err(error.into());
         }
     };
+    let outcome = if hold.placed { "placed" } else { "refused" };
+    metrics()
+        .ledger_holds
+        .get_or_create(&rialto_core::metrics::OutcomeLabels { outcome })
+        .inc();
     if let Some(before) = &hold.before {
         request.extensions_mut().insert(crate::BalanceHeaders {
             usd: before.usd.clone(),

@@ -57,8 +57,8 @@ const CF_RAY: HeaderName = HeaderName::from_static("cf-ray");
 
 /// Middleware: assigns the request id, refuses callers the abuse guard
 /// blocks (before anything else), runs the request in a span that carries
-/// its id, stamps the common and rate-limit headers, counts failures, and
-/// logs one line per request.
+/// its id, stamps the common and rate-limit headers, counts failures,
+/// records the request's metrics and logs one line per request.
 pub async fn stamp(
     request: ServiceRequest,
     next: Next<impl MessageBody>,
@@ -129,6 +129,21 @@ pub async fn stamp(
         }
     };
     let status = response.status().as_u16();
+    // The route's pattern, never the raw path: a metric label's values
+    // must stay few.
+    let route = response
+        .request()
+        .match_pattern()
+        .unwrap_or_else(|| "unmatched".to_owned());
+    rialto_core::metrics::metrics().record_http(
+        rialto_core::metrics::HttpLabels {
+            service: "gateway",
+            route,
+            method: method_label(&method),
+            status,
+        },
+        started.elapsed().as_secs_f64(),
+    );
     let headers = response.headers_mut();
     // Streams carry `Content-Encoding: identity` only to keep the Compress
     // middleware (which runs inside this one) off them; identity is the
@@ -157,4 +172,19 @@ pub async fn stamp(
         );
     });
     Ok(response)
+}
+
+/// A method as a metric label (static: no allocation per request).
+fn method_label(method: &actix_web::http::Method) -> &'static str {
+    use actix_web::http::Method;
+    match *method {
+        Method::GET => "GET",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::PATCH => "PATCH",
+        Method::DELETE => "DELETE",
+        Method::HEAD => "HEAD",
+        Method::OPTIONS => "OPTIONS",
+        _ => "OTHER",
+    }
 }

@@ -73,6 +73,9 @@ pub struct Gateway {
     model_names: HashMap<String, usize>,
     operator_token: Option<SecretString>,
     max_body_bytes: usize,
+    /// `/metrics` on the public port: only while `metrics.listen` is unset
+    /// (one process on a laptop); otherwise it has a port of its own.
+    public_metrics: bool,
     openapi: Bytes,
     /// Precomputed header names and values stamped on every response.
     stamp: headers::Stamp,
@@ -133,6 +136,7 @@ impl Gateway {
             model_index,
             operator_token: config.operator.token.clone(),
             max_body_bytes: config.gateway.max_body_bytes,
+            public_metrics: config.metrics.listen.is_empty(),
             stamp,
             brand,
             abuse: AbuseGuard::new(&config.limits.abuse),
@@ -247,6 +251,7 @@ pub fn configure(gateway: web::Data<Gateway>) -> impl FnOnce(&mut web::ServiceCo
             }))
             .route("/openapi.yaml", web::get().to(openapi::document))
             .route("/healthz", web::get().to(health))
+            .route("/metrics", web::get().to(public_metrics))
             .route("/readyz", web::get().to(health))
             .service(
                 web::scope("/api/v1")
@@ -340,6 +345,36 @@ pub fn serve(
 
 async fn health() -> actix_web::HttpResponse {
     actix_web::HttpResponse::Ok().json(serde_json::json!({"status": "ok"}))
+}
+
+/// `GET /metrics`: this process's Prometheus metrics.
+async fn metrics() -> actix_web::HttpResponse {
+    actix_web::HttpResponse::Ok()
+        .content_type(rialto_core::metrics::CONTENT_TYPE)
+        .body(rialto_core::metrics::metrics().render())
+}
+
+async fn public_metrics(
+    gateway: web::Data<Gateway>,
+    request: HttpRequest,
+) -> Result<actix_web::HttpResponse, ApiError> {
+    if gateway.public_metrics {
+        Ok(metrics().await)
+    } else {
+        not_found(request).await
+    }
+}
+
+/// Serves `GET /metrics` alone on `listener` (`metrics.listen`): the port
+/// Prometheus scrapes, for every process whatever services it runs.
+pub fn serve_metrics(listener: TcpListener) -> std::io::Result<Server> {
+    Ok(
+        HttpServer::new(|| App::new().route("/metrics", web::get().to(metrics)))
+            .workers(1)
+            .disable_signals()
+            .listen(listener)?
+            .run(),
+    )
 }
 
 async fn not_found(request: HttpRequest) -> Result<actix_web::HttpResponse, ApiError> {

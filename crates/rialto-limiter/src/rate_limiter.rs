@@ -174,6 +174,12 @@ impl RateLimiter {
                 let mut headers = headers(scope, &state);
                 // On a refusal, the reset is when this request would fit.
                 headers.reset_requests = ceil_secs(response.retry_at_ms);
+                record_decision(match response.refused_by.as_str() {
+                    "RPM" => "RPM",
+                    "TPM" => "TPM",
+                    "RPD" => "RPD",
+                    _ => "other",
+                });
                 let refusal = refusal_error(
                     &response.refused_by,
                     scope,
@@ -200,6 +206,7 @@ impl RateLimiter {
                 shown = Some((scope, state));
             }
         }
+        record_decision("none");
         Ok(Admission {
             headers: shown.map(|(scope, state)| headers(scope, &state)),
             refusal: None,
@@ -369,6 +376,22 @@ fn per_window(span_ms: i64) -> String {
     } else {
         format!("per {} s", span_ms / 1000)
     }
+}
+
+/// Counts an admission (`limit_type` "none") or a refusal by its window.
+fn record_decision(limit_type: &'static str) {
+    let decision = if limit_type == "none" {
+        "admitted"
+    } else {
+        "refused"
+    };
+    rialto_core::metrics::metrics()
+        .limiter_decisions
+        .get_or_create(&rialto_core::metrics::DecisionLabels {
+            decision,
+            limit_type,
+        })
+        .inc();
 }
 
 fn refusal_error(

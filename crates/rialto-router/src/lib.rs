@@ -52,6 +52,11 @@ impl RouterClient {
     pub fn new(service: impl RouterService) -> Self {
         Self(Arc::new(service))
     }
+
+    /// A handle on a router the caller keeps a reference to too.
+    pub fn from_arc(service: Arc<dyn RouterService>) -> Self {
+        Self(service)
+    }
 }
 
 impl std::ops::Deref for RouterClient {

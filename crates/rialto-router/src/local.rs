@@ -19,6 +19,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use eventsource_stream::Eventsource;
 use futures_util::StreamExt;
+use prometheus_client::metrics::counter::Counter;
 use reqwest::header::{AUTHORIZATION, CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue};
 use rialto_core::config::{BackendConfig, RouterConfig};
 use rialto_core::{Error, ErrorCode, ModelConfig, Result};
@@ -70,7 +71,13 @@ struct Backend {
     timeout: Duration,
     transport: Transport,
     health: Arc<Health>,
+    /// `rialto_backend_requests_total` by outcome, looked up once: the
+    /// request path only increments an atomic.
+    outcomes: [Counter; OUTCOMES.len()],
 }
+
+/// Outcomes of an attempt, as metric labels, in [`Backend::outcomes`] order.
+const OUTCOMES: [&str; 6] = ["ok", "retry", "busy", "failover", "skip", "final"];
 
 // One per backend, built at start and never moved: the size is no cost.
 #[allow(clippy::large_enum_variant)]
@@ -193,7 +200,17 @@ impl Backend {
             };
             (backend_host(base), transport, Health::new(threshold))
         };
+        let outcomes = OUTCOMES.map(|outcome| {
+            rialto_core::metrics::metrics()
+                .backend_requests
+                .get_or_create_owned(&rialto_core::metrics::BackendOutcomeLabels {
+                    model: model_id.to_owned(),
+                    backend: name.clone(),
+                    outcome,
+                })
+        });
         Ok(Self {
+            outcomes,
             seed: rialto_core::placement::replica_seed(&name),
             name,
             host,
@@ -613,6 +630,15 @@ impl LocalRouter {
             Ok(_) | Err(Failure::Busy(_) | Failure::Final(_)) => permit.passed(),
             Err(Failure::Retry(_) | Failure::Failover(_) | Failure::Skip(_)) => permit.failed(),
         }
+        let outcome = match &result {
+            Ok(_) => 0,
+            Err(Failure::Retry(_)) => 1,
+            Err(Failure::Busy(_)) => 2,
+            Err(Failure::Failover(_)) => 3,
+            Err(Failure::Skip(_)) => 4,
+            Err(Failure::Final(_)) => 5,
+        };
+        backend.outcomes[outcome].inc();
         result.map(|answer| (answer, in_flight))
     }
 

@@ -16,6 +16,7 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 use rialto_core::Config;
 
+mod grpc_metrics;
 mod serve;
 
 // The request path allocates many short-lived buffers (JSON values, headers);

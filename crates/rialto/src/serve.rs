@@ -186,7 +186,9 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
         }
     };
     let router = if here.contains("router") {
-        RouterClient::new(LocalRouter::new(&config.models, &config.router)?)
+        let router = Arc::new(LocalRouter::new(&config.models, &config.router)?);
+        export_backend_health(&router);
+        RouterClient::from_arc(router)
     } else {
         let channel = channel(&remote.router, "router", None)?;
         RouterClient::new(RemoteRouter::new(channel, client_token, max_message))
@@ -227,6 +229,7 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
         }
         let server = tonic::transport::Server::builder()
             .tcp_nodelay(true)
+            .layer(crate::grpc_metrics::GrpcMetricsLayer)
             .add_service(health_service)
             .add_optional_service(
                 local("auth")
@@ -261,6 +264,26 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
         });
     }
 
+    if !config.metrics.listen.is_empty() {
+        let listener = std::net::TcpListener::bind(&config.metrics.listen).with_context(|| {
+            format!(
+                "cannot listen on metrics.listen = {}",
+                config.metrics.listen
+            )
+        })?;
+        let addr = listener.local_addr()?;
+        let server = rialto_gateway::serve_metrics(listener)?;
+        let handle = server.handle();
+        println!("rialto: metrics on http://{addr}/metrics");
+        tracing::info!(%addr, "metrics listening");
+        let mut stop = stop_rx.clone();
+        tokio::spawn(async move {
+            let _ = stop.wait_for(|stopped| *stopped).await;
+            handle.stop(true).await;
+        });
+        tasks.spawn(async move { server.await.context("metrics server failed") });
+    }
+
     if here.contains("gateway") {
         let listener = std::net::TcpListener::bind(config.gateway.listen).with_context(|| {
             format!(
@@ -291,6 +314,36 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
         result.context("server task panicked")??;
     }
     Ok(())
+}
+
+/// Each backend's circuit and requests in flight, read at every scrape.
+fn export_backend_health(router: &Arc<LocalRouter>) {
+    let router = Arc::downgrade(router);
+    rialto_core::metrics::metrics().on_scrape(move |metrics| {
+        let Some(router) = router.upgrade() else {
+            return;
+        };
+        for backend in router.backend_health() {
+            let labels = rialto_core::metrics::BackendLabels {
+                model: backend.model,
+                backend: backend.backend,
+            };
+            let state = match backend.state {
+                rialto_router::CircuitState::Closed => 0,
+                rialto_router::CircuitState::HalfOpen => 1,
+                rialto_router::CircuitState::Open => 2,
+                rialto_router::CircuitState::Down => 3,
+            };
+            metrics
+                .backend_circuit_state
+                .get_or_create(&labels)
+                .set(state);
+            metrics
+                .backend_in_flight
+                .get_or_create(&labels)
+                .set(i64::try_from(backend.in_flight).unwrap_or(i64::MAX));
+        }
+    });
 }
 
 async fn shutdown_signal() {

@@ -1,0 +1,295 @@
+//! Prometheus metrics of this process, served on `GET /metrics`.
+//!
+//! One registry per process ([`metrics`]): every service records into it
+//! where the event happens (the gateway's HTTP middleware, the gRPC layer,
+//! the admission and settlement of a request, the usage consumer), and the
+//! scrape renders it in the OpenMetrics text format. Values that are state
+//! rather than events (a backend's circuit, requests in flight) are read at
+//! scrape time through [`Metrics::on_scrape`] hooks, so the request path
+//! pays nothing for them.
+//!
+//! The names are a contract with the dashboards under `deploy/grafana/`.
+
+use std::sync::atomic::AtomicU64;
+use std::sync::{Mutex, OnceLock};
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::{Family, MetricConstructor};
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
+use prometheus_client::registry::Registry;
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HttpLabels {
+    pub service: &'static str,
+    /// The matched route pattern (`/api/v1/x402/balance/{wallet}`), never
+    /// the raw path: bounded cardinality.
+    pub route: String,
+    pub method: &'static str,
+    pub status: u16,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct GrpcLabels {
+    pub service: &'static str,
+    /// `/rialto.router.v1.Router/Chat`.
+    pub method: String,
+    /// The gRPC status code name (`OK`, `UNAVAILABLE`, ...).
+    pub code: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DecisionLabels {
+    /// `admitted` or `refused`.
+    pub decision: &'static str,
+    /// The window that refused (`RPM`, `TPM`, `RPD`), `none` when admitted.
+    pub limit_type: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub outcome: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ModelLabels {
+    pub model: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TokenLabels {
+    pub model: String,
+    /// `prompt` or `completion`.
+    pub kind: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BackendLabels {
+    pub model: String,
+    pub backend: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BackendOutcomeLabels {
+    pub model: String,
+    pub backend: String,
+    /// `ok`, `retry`, `busy`, `failover`, `skip` or `final`.
+    pub outcome: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ConsumerLabels {
+    pub stream: String,
+    pub consumer: String,
+}
+
+/// Latency buckets from 0.5 ms to ~65 s (doubling): the gateway's own
+/// overhead and a long generation both land in a bucket of their own.
+#[derive(Clone)]
+pub struct LatencyBuckets;
+
+impl MetricConstructor<Histogram> for LatencyBuckets {
+    fn new_metric(&self) -> Histogram {
+        Histogram::new(exponential_buckets(0.0005, 2.0, 18))
+    }
+}
+
+type Hook = Box<dyn Fn(&Metrics) + Send + Sync>;
+
+pub struct Metrics {
+    registry: Registry,
+    hooks: Mutex<Vec<Hook>>,
+    pub http_requests: Family<HttpLabels, Counter>,
+    pub http_duration: Family<HttpLabels, Histogram, LatencyBuckets>,
+    pub grpc_requests: Family<GrpcLabels, Counter>,
+    pub grpc_duration: Family<GrpcLabels, Histogram, LatencyBuckets>,
+    pub limiter_decisions: Family<DecisionLabels, Counter>,
+    pub ledger_holds: Family<OutcomeLabels, Counter>,
+    pub ledger_settlements: Family<OutcomeLabels, Counter>,
+    pub spend_usd: Family<ModelLabels, Counter<f64, AtomicU64>>,
+    pub tokens: Family<TokenLabels, Counter>,
+    pub backend_circuit_state: Family<BackendLabels, Gauge>,
+    pub backend_in_flight: Family<BackendLabels, Gauge>,
+    pub backend_requests: Family<BackendOutcomeLabels, Counter>,
+    pub nats_consumer_pending: Family<ConsumerLabels, Gauge>,
+}
+
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Metrics")
+    }
+}
+
+/// This process's metrics.
+pub fn metrics() -> &'static Metrics {
+    static METRICS: OnceLock<Metrics> = OnceLock::new();
+    METRICS.get_or_init(Metrics::new)
+}
+
+impl Metrics {
+    fn new() -> Self {
+        let mut registry = Registry::with_prefix("rialto");
+        let http_requests = Family::default();
+        let http_duration = Family::new_with_constructor(LatencyBuckets);
+        let grpc_requests = Family::default();
+        let grpc_duration = Family::new_with_constructor(LatencyBuckets);
+        let limiter_decisions = Family::default();
+        let ledger_holds = Family::default();
+        let ledger_settlements = Family::default();
+        let spend_usd = Family::default();
+        let tokens = Family::default();
+        let backend_circuit_state = Family::default();
+        let backend_in_flight = Family::default();
+        let backend_requests = Family::default();
+        let nats_consumer_pending = Family::default();
+        registry.register(
+            "http_requests",
+            "HTTP requests answered, by route, method and status",
+            http_requests.clone(),
+        );
+        registry.register(
+            "http_request_duration_seconds",
+            "Time from a request's arrival to its response head, by route, method and status",
+            http_duration.clone(),
+        );
+        registry.register(
+            "grpc_requests",
+            "gRPC calls served, by method and status code",
+            grpc_requests.clone(),
+        );
+        registry.register(
+            "grpc_request_duration_seconds",
+            "Time to a gRPC call's response head, by method and status code",
+            grpc_duration.clone(),
+        );
+        registry.register(
+            "limiter_decisions",
+            "Rate-limit decisions on inference requests",
+            limiter_decisions.clone(),
+        );
+        registry.register(
+            "ledger_holds",
+            "Credit holds asked of the ledger: placed or refused",
+            ledger_holds.clone(),
+        );
+        registry.register(
+            "ledger_settlements",
+            "Settlements of holds: settled now, queued for billing, or failed",
+            ledger_settlements.clone(),
+        );
+        registry.register(
+            "spend_usd",
+            "USD charged for inference, by model",
+            spend_usd.clone(),
+        );
+        registry.register(
+            "tokens",
+            "Tokens billed, by model and kind (prompt, completion)",
+            tokens.clone(),
+        );
+        registry.register(
+            "backend_circuit_state",
+            "A backend's circuit: 0 closed, 1 half-open, 2 open, 3 down",
+            backend_circuit_state.clone(),
+        );
+        registry.register(
+            "backend_in_flight",
+            "Requests a backend is serving now",
+            backend_in_flight.clone(),
+        );
+        registry.register(
+            "backend_requests",
+            "Attempts on a backend by outcome (ok, retry, busy, failover, skip, final)",
+            backend_requests.clone(),
+        );
+        registry.register(
+            "nats_consumer_pending",
+            "Messages a JetStream consumer has not yet been delivered (its lag)",
+            nats_consumer_pending.clone(),
+        );
+        Self {
+            registry,
+            hooks: Mutex::new(Vec::new()),
+            http_requests,
+            http_duration,
+            grpc_requests,
+            grpc_duration,
+            limiter_decisions,
+            ledger_holds,
+            ledger_settlements,
+            spend_usd,
+            tokens,
+            backend_circuit_state,
+            backend_in_flight,
+            backend_requests,
+            nats_consumer_pending,
+        }
+    }
+
+    /// Runs `hook` before every scrape, to set gauges from live state.
+    pub fn on_scrape(&self, hook: impl Fn(&Metrics) + Send + Sync + 'static) {
+        self.hooks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Box::new(hook));
+    }
+
+    /// The OpenMetrics text of every metric.
+    pub fn render(&self) -> String {
+        for hook in self.hooks.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            hook(self);
+        }
+        let mut text = String::with_capacity(16 * 1024);
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut text, &self.registry);
+        text
+    }
+
+    pub fn record_http(&self, labels: HttpLabels, seconds: f64) {
+        self.http_duration.get_or_create(&labels).observe(seconds);
+        self.http_requests.get_or_create(&labels).inc();
+    }
+
+    pub fn record_grpc(&self, labels: GrpcLabels, seconds: f64) {
+        self.grpc_duration.get_or_create(&labels).observe(seconds);
+        self.grpc_requests.get_or_create(&labels).inc();
+    }
+}
+
+/// The content type of [`Metrics::render`]'s text.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_recorded_values_with_the_prefix_and_runs_hooks() {
+        let metrics = Metrics::new();
+        metrics.record_http(
+            HttpLabels {
+                service: "gateway",
+                route: "/api/v1/models".into(),
+                method: "GET",
+                status: 200,
+            },
+            0.002,
+        );
+        metrics.on_scrape(|m| {
+            m.backend_in_flight
+                .get_or_create(&BackendLabels {
+                    model: "m".into(),
+                    backend: "b".into(),
+                })
+                .set(3);
+        });
+        let text = metrics.render();
+        assert!(text.contains(
+            r#"rialto_http_requests_total{service="gateway",route="/api/v1/models",method="GET",status="200"} 1"#
+        ), "{text}");
+        assert!(text.contains("rialto_http_request_duration_seconds_bucket"));
+        assert!(text.contains(r#"rialto_backend_in_flight{model="m",backend="b"} 3"#));
+        assert!(text.ends_with("# EOF\n"));
+    }
+}
