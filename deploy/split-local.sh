@@ -37,7 +37,7 @@ declare -A GRPC=(
 [[ -f $CONFIG ]] || { echo "split-local: $CONFIG not found" >&2; exit 1; }
 
 pids=()
-# shellcheck disable=SC2317 # invoked by the traps
+# shellcheck disable=SC2317,SC2329 # invoked by the traps
 cleanup() {
     trap - EXIT INT TERM
     if ((${#pids[@]})); then
