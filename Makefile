@@ -142,6 +142,10 @@ k8s-validate: k8s-venv ## Render every k8s overlay, validate it (Kubernetes sche
 	$(K8S_CHECKOV) --config-file deploy/checkov.yaml -f deploy/Dockerfile
 	$(K8S_VENV)/bin/hadolint --no-color --config deploy/hadolint.yaml deploy/Dockerfile
 	$(K8S_VENV)/bin/shellcheck deploy/*.sh
+	@for pin in $$(grep -o 'fetch_model.py [a-z0-9-]*==[0-9.]*' Makefile | cut -d' ' -f2); do \
+	  grep -q "fetch_model.py $$pin " deploy/Dockerfile \
+	    || { echo "k8s-validate: deploy/Dockerfile does not fetch $$pin as the models target does"; exit 1; }; \
+	done
 	@cmp deploy/otel-collector.yaml k8s/components/otel-collector/otel-collector.yaml \
 	  || { echo "k8s-validate: k8s/components/otel-collector/otel-collector.yaml must be a copy of deploy/otel-collector.yaml"; exit 1; }
 	$(K8S_VENV)/bin/python deploy/grafana/dashboards.py --check
