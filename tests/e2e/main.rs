@@ -16,4 +16,5 @@ mod python;
 mod router;
 mod semantics;
 mod support;
+mod tracing;
 mod wallet;

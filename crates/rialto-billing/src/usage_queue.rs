@@ -82,7 +82,12 @@ pub fn spawn_usage_consumer(billing: BillingClient, bus: Bus) {
             match bus.consume(USAGE_QUEUE, USAGE_CONSUMER).await {
                 Ok(mut records) => {
                     while let Some(record) = records.next().await {
-                        handle(&billing, record).await;
+                        // One span per record, in the trace of the request
+                        // that queued it.
+                        let span =
+                            tracing::info_span!("settle queued usage", otel.kind = "consumer");
+                        rialto_core::telemetry::set_parent(&span, record.trace.clone());
+                        tracing::Instrument::instrument(handle(&billing, record), span).await;
                     }
                     tracing::warn!("usage queue ended; consuming again");
                 }

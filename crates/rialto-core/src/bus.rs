@@ -42,6 +42,9 @@ pub type Deliveries = BoxStream<'static, Delivery>;
 /// an acknowledgement is delivered again.
 pub struct Delivery {
     pub payload: Bytes,
+    /// The trace of whoever queued the record (NATS headers; none in
+    /// process), for the consumer's span.
+    pub trace: crate::telemetry::Context,
     acker: Acker,
 }
 
@@ -380,6 +383,7 @@ impl Transport for InProcess {
                 let payload = receiver.recv().await?;
                 let delivery = Delivery {
                     payload,
+                    trace: crate::telemetry::Context::new(),
                     acker: Acker::InProcess(Some(requeue)),
                 };
                 Some((delivery, receiver))
@@ -473,7 +477,11 @@ impl Transport for Nats {
     async fn enqueue(&self, queue: Queue, id: &str, payload: Bytes) -> crate::Result<()> {
         use async_nats::jetstream::message::PublishMessage;
         self.stream(&queue).await?;
-        let message = PublishMessage::build().payload(payload).message_id(id);
+        let mut message = PublishMessage::build().payload(payload).message_id(id);
+        // The enqueuer's trace goes on in whoever settles the record.
+        for (name, value) in crate::telemetry::inject_current() {
+            message = message.header(name, value.as_str());
+        }
         self.jetstream
             .send_publish(queue.subject, message)
             .await
@@ -530,6 +538,13 @@ impl Transport for Nats {
                     match message {
                         Ok(message) => Some(Delivery {
                             payload: message.payload.clone(),
+                            trace: crate::telemetry::extract(|name| {
+                                message
+                                    .headers
+                                    .as_ref()
+                                    .and_then(|headers| headers.get(name))
+                                    .map(|value| value.as_str().to_owned())
+                            }),
                             acker: Acker::Nats(Box::new(message)),
                         }),
                         Err(error) => {

@@ -60,6 +60,12 @@ impl Interceptor for ClientToken {
                 .metadata_mut()
                 .insert("authorization", value.clone());
         }
+        // The caller's trace goes on in the service's process.
+        for (name, value) in crate::telemetry::inject_current() {
+            if let Ok(value) = value.parse() {
+                request.metadata_mut().insert(name, value);
+            }
+        }
         Ok(request)
     }
 }

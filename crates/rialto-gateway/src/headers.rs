@@ -67,7 +67,34 @@ pub async fn stamp(
     request
         .extensions_mut()
         .insert(RequestId(request_id.clone()));
-    let span = tracing::info_span!("request", request_id = %request_id);
+    // The span's name is fixed when it starts, before routing: the path
+    // names it only where it carries no id (a wallet, a key, a slug);
+    // `http.route` is recorded once the route is known.
+    let raw_path = request.path();
+    let dynamic = ["/x402/", "/api_keys/", "/characters/", "/admin/"]
+        .iter()
+        .any(|part| raw_path.contains(part));
+    let name = if dynamic {
+        request.method().to_string()
+    } else {
+        format!("{} {raw_path}", request.method())
+    };
+    let span = tracing::info_span!(
+        "request",
+        otel.name = %name,
+        otel.kind = "server",
+        http.route = tracing::field::Empty,
+        request_id = %request_id,
+    );
+    // A caller's trace (W3C `traceparent`) goes on here.
+    let headers = request.headers();
+    let parent = rialto_core::telemetry::extract(|name| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    });
+    rialto_core::telemetry::set_parent(&span, parent);
     let method = request.method().clone();
     let path = request.path().to_owned();
     let started = Instant::now();
@@ -135,6 +162,7 @@ pub async fn stamp(
         .request()
         .match_pattern()
         .unwrap_or_else(|| "unmatched".to_owned());
+    span.record("http.route", route.as_str());
     rialto_core::metrics::metrics().record_http(
         rialto_core::metrics::HttpLabels {
             service: "gateway",

@@ -12,10 +12,12 @@
 //!
 //! Nothing here is used in production code.
 
+pub mod collector;
 pub mod facilitator;
 pub mod mock_upstream;
 pub mod sandbox;
 
+pub use collector::{CollectedSpan, OtlpCollector};
 pub use facilitator::{Behaviour, Facilitator};
 pub use mock_upstream::MockUpstream;
 pub use sandbox::{Account, GRPC_TOKEN, Sandbox, SandboxBuilder, Storage, Topology};

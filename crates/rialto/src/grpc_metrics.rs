@@ -1,5 +1,7 @@
-//! A tower layer on the gRPC server that records every call's method,
-//! status code and time to its response head in the process's metrics.
+//! A tower layer on the gRPC server: every call runs in a span whose parent
+//! is the caller's trace (W3C `traceparent` in the metadata), and its
+//! method, status code and time to its response head go to the process's
+//! metrics.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -38,30 +40,50 @@ where
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
         let method = request.uri().path().to_owned();
         let started = Instant::now();
-        let call = self.0.call(request);
-        Box::pin(async move {
-            let response = call.await;
-            // An error status comes in the head (trailers-only); a success
-            // leaves it to the trailers: no status in the head is OK.
-            let code = match &response {
-                Ok(response) => response
-                    .headers()
-                    .get("grpc-status")
-                    .and_then(|v| v.to_str().ok())
-                    .and_then(|v| v.parse::<i32>().ok())
-                    .map_or("OK", code_name),
-                Err(_) => "UNKNOWN",
-            };
-            metrics().record_grpc(
-                GrpcLabels {
-                    service: service_of(&method),
-                    method,
-                    code,
-                },
-                started.elapsed().as_secs_f64(),
-            );
-            response
-        })
+        let span = tracing::info_span!(
+            "grpc",
+            otel.name = %method.trim_start_matches('/'),
+            otel.kind = "server",
+            rpc.system = "grpc",
+        );
+        let headers = request.headers();
+        let parent = rialto_core::telemetry::extract(|name| {
+            headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        });
+        rialto_core::telemetry::set_parent(&span, parent);
+        let call = {
+            let _entered = span.enter();
+            self.0.call(request)
+        };
+        Box::pin(tracing::Instrument::instrument(
+            async move {
+                let response = call.await;
+                // An error status comes in the head (trailers-only); a success
+                // leaves it to the trailers: no status in the head is OK.
+                let code = match &response {
+                    Ok(response) => response
+                        .headers()
+                        .get("grpc-status")
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(|v| v.parse::<i32>().ok())
+                        .map_or("OK", code_name),
+                    Err(_) => "UNKNOWN",
+                };
+                metrics().record_grpc(
+                    GrpcLabels {
+                        service: service_of(&method),
+                        method,
+                        code,
+                    },
+                    started.elapsed().as_secs_f64(),
+                );
+                response
+            },
+            span,
+        ))
     }
 }
 

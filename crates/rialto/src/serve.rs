@@ -26,12 +26,22 @@ use tonic::transport::{Channel, Endpoint};
 use crate::REVISION;
 
 pub fn run(config: Config, services: Option<Vec<String>>) -> anyhow::Result<()> {
-    rialto_core::telemetry::init(&config.log.format, &config.log.level);
-    let _ = rustls::crypto::ring::default_provider().install_default();
     let here = selected_services(&config, services)?;
+    // `rialto-gateway`, `rialto-billing`, or `rialto` for all in one.
+    let name = if here.len() == SERVICES.len() {
+        "rialto".to_owned()
+    } else {
+        format!(
+            "rialto-{}",
+            here.iter().copied().collect::<Vec<_>>().join("-")
+        )
+    };
+    // Before any HTTP client is built, the OTLP exporter's included.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    rialto_core::telemetry::init(&config.log.format, &config.log.level, &name);
     // One process, one runtime: actix's System on a multi-thread Tokio
     // runtime, with tonic beside it.
-    actix_rt::System::with_tokio_rt(|| {
+    let result = actix_rt::System::with_tokio_rt(|| {
         tokio::runtime::Builder::new_multi_thread()
             .enable_all()
             .build()
@@ -40,7 +50,9 @@ pub fn run(config: Config, services: Option<Vec<String>>) -> anyhow::Result<()> 
                 std::process::exit(1)
             })
     })
-    .block_on(serve(config, here))
+    .block_on(serve(config, here));
+    rialto_core::telemetry::shutdown();
+    result
 }
 
 fn selected_services(

@@ -1,0 +1,144 @@
+//! An OpenTelemetry collector double: receives OTLP over HTTP/JSON
+//! (`POST /v1/traces`, what Rialto exports) and keeps every span, so tests
+//! can check that one request's trace crosses the services. Runs its server
+//! on a thread of its own and stops when dropped.
+
+use std::net::{SocketAddr, TcpListener};
+use std::sync::{Arc, Mutex, mpsc};
+use std::time::Duration;
+
+use actix_web::dev::ServerHandle;
+use actix_web::{App, HttpResponse, HttpServer, web};
+use anyhow::Context as _;
+use serde_json::Value;
+
+/// One span as the collector received it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CollectedSpan {
+    /// The exporting process's `service.name`.
+    pub service: String,
+    pub trace_id: String,
+    pub span_id: String,
+    /// Empty for a root span.
+    pub parent_span_id: String,
+    pub name: String,
+}
+
+#[derive(Default)]
+struct State {
+    spans: Mutex<Vec<CollectedSpan>>,
+}
+
+pub struct OtlpCollector {
+    addr: SocketAddr,
+    state: Arc<State>,
+    handle: ServerHandle,
+    done: mpsc::Receiver<()>,
+}
+
+impl OtlpCollector {
+    pub async fn start() -> anyhow::Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0").context("binding the collector")?;
+        let addr = listener.local_addr()?;
+        let state = Arc::new(State::default());
+        let data = web::Data::from(Arc::clone(&state));
+        let (handle_tx, handle_rx) = tokio::sync::oneshot::channel();
+        let (done_tx, done) = mpsc::channel::<()>();
+        std::thread::Builder::new()
+            .name("otlp-collector".into())
+            .spawn(move || {
+                let _done_tx = done_tx;
+                actix_web::rt::System::new().block_on(async move {
+                    let server = HttpServer::new(move || {
+                        App::new()
+                            .app_data(data.clone())
+                            .app_data(web::PayloadConfig::new(16 * 1024 * 1024))
+                            .route("/v1/traces", web::post().to(traces))
+                    })
+                    .workers(1)
+                    .disable_signals()
+                    .shutdown_timeout(1)
+                    .listen(listener);
+                    match server {
+                        Ok(server) => {
+                            let server = server.run();
+                            let _ = handle_tx.send(Ok(server.handle()));
+                            let _ = server.await;
+                        }
+                        Err(e) => {
+                            let _ = handle_tx.send(Err(e));
+                        }
+                    }
+                });
+            })?;
+        let handle = handle_rx
+            .await
+            .context("collector thread exited before starting")?
+            .context("starting the collector")?;
+        Ok(Self {
+            addr,
+            state,
+            handle,
+            done,
+        })
+    }
+
+    /// `http://127.0.0.1:PORT`, for `OTEL_EXPORTER_OTLP_ENDPOINT`.
+    pub fn endpoint(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Every span received so far.
+    pub fn spans(&self) -> Vec<CollectedSpan> {
+        self.state
+            .spans
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+impl Drop for OtlpCollector {
+    fn drop(&mut self) {
+        drop(self.handle.stop(false));
+        let _ = self.done.recv_timeout(Duration::from_secs(2));
+    }
+}
+
+/// `ExportTraceServiceRequest` in OTLP's JSON mapping.
+async fn traces(state: web::Data<State>, body: web::Bytes) -> HttpResponse {
+    let Ok(request) = serde_json::from_slice::<Value>(&body) else {
+        return HttpResponse::BadRequest().finish();
+    };
+    let mut received = Vec::new();
+    for resource in request["resourceSpans"].as_array().into_iter().flatten() {
+        let service = resource["resource"]["attributes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|a| a["key"] == "service.name")
+            .and_then(|a| a["value"]["stringValue"].as_str())
+            .unwrap_or_default()
+            .to_owned();
+        for scope in resource["scopeSpans"].as_array().into_iter().flatten() {
+            for span in scope["spans"].as_array().into_iter().flatten() {
+                let text = |key: &str| span[key].as_str().unwrap_or_default().to_owned();
+                received.push(CollectedSpan {
+                    service: service.clone(),
+                    trace_id: text("traceId"),
+                    span_id: text("spanId"),
+                    parent_span_id: text("parentSpanId"),
+                    name: text("name"),
+                });
+            }
+        }
+    }
+    state
+        .spans
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .extend(received);
+    HttpResponse::Ok()
+        .content_type("application/json")
+        .body("{}")
+}
