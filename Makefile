@@ -16,7 +16,7 @@ EMBEDDING_MODEL := $(MODELS)/all-minilm-l6-v2/model.safetensors
 .PHONY: help run test lint fmt build services venv toolchain native models clean bench bench-smoke bench-venv
 
 help: ## List the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
 run: toolchain native models ## Build and start Rialto on its embedded defaults (http://127.0.0.1:8080)
 	$(CARGO) build --release --locked -p rialto

@@ -969,6 +969,18 @@ mod tests {
     }
 
     #[test]
+    fn the_kubernetes_configurations_are_valid() {
+        for text in [
+            include_str!("../../../k8s/base/rialto.toml"),
+            include_str!("../../../k8s/overlays/prod/rialto.toml"),
+        ] {
+            let config = Config::from_toml(text).unwrap();
+            assert_eq!(config.metrics.listen, "0.0.0.0:9464");
+            assert!(config.remote.limiter.contains(','), "two limiter replicas");
+        }
+    }
+
+    #[test]
     fn the_built_in_catalog_parses_and_a_config_file_replaces_it() {
         let defaults = Config::default();
         let ids: Vec<&str> = defaults.models.iter().map(|m| m.id.as_str()).collect();
