@@ -15,6 +15,7 @@ mod metrics;
 mod python;
 mod router;
 mod semantics;
+mod shutdown;
 mod support;
 mod tracing;
 mod wallet;

@@ -113,6 +113,10 @@ trait Transport: Send + Sync + 'static {
     async fn enqueue(&self, queue: Queue, id: &str, payload: Bytes) -> crate::Result<()>;
     async fn consume(&self, queue: Queue, consumer: &str) -> crate::Result<Deliveries>;
     async fn delete_queue(&self, queue: Queue) -> crate::Result<()>;
+    /// Sends what is buffered (at shutdown).
+    async fn flush(&self) -> crate::Result<()> {
+        Ok(())
+    }
 }
 
 /// A durable queue's names on the transport.
@@ -149,6 +153,11 @@ impl std::fmt::Debug for Bus {
 }
 
 impl Bus {
+    /// Sends every event still buffered; call before the process exits.
+    pub async fn flush(&self) -> crate::Result<()> {
+        self.transport.flush().await
+    }
+
     /// The bus of one process.
     pub fn in_process(prefix: &str) -> Self {
         Self {
@@ -557,6 +566,13 @@ impl Transport for Nats {
                 }
             })
             .boxed())
+    }
+
+    async fn flush(&self) -> crate::Result<()> {
+        self.client
+            .flush()
+            .await
+            .map_err(|e| unavailable("cannot flush to NATS", e))
     }
 
     async fn delete_queue(&self, queue: Queue) -> crate::Result<()> {

@@ -41,6 +41,31 @@ pub struct Config {
     pub models: Vec<ModelConfig>,
     pub characters: Vec<CharacterConfig>,
     pub metrics: MetricsConfig,
+    pub shutdown: ShutdownConfig,
+}
+
+/// Graceful shutdown (`[shutdown]`), on SIGTERM or Ctrl-C: readiness goes
+/// false (`/readyz` 503, gRPC health NOT_SERVING), then after `delay_ms`
+/// the servers stop accepting and drain in-flight requests and streams for
+/// up to `drain_secs`, the settlements still on their way are awaited, the
+/// bus is flushed, and the process exits.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ShutdownConfig {
+    /// Time for load balancers to see readiness go false before the
+    /// listeners close (Kubernetes: a few seconds).
+    pub delay_ms: u64,
+    /// The longest an in-flight request or stream may take to finish.
+    pub drain_secs: u64,
+}
+
+impl Default for ShutdownConfig {
+    fn default() -> Self {
+        Self {
+            delay_ms: 0,
+            drain_secs: 30,
+        }
+    }
 }
 
 /// Prometheus metrics (`[metrics]`).
@@ -536,7 +561,7 @@ fn default_tier() -> String {
 }
 
 /// Top-level keys of [`Config`], the only ones `RIALTO_*` variables may set.
-const TOP_LEVEL_KEYS: [&str; 17] = [
+const TOP_LEVEL_KEYS: [&str; 18] = [
     "brand",
     "services",
     "gateway",
@@ -554,6 +579,7 @@ const TOP_LEVEL_KEYS: [&str; 17] = [
     "models",
     "characters",
     "metrics",
+    "shutdown",
 ];
 
 /// The services a process can run, in start order.
@@ -579,6 +605,7 @@ impl Default for Config {
             models: built_in_models(),
             characters: Vec::new(),
             metrics: MetricsConfig::default(),
+            shutdown: ShutdownConfig::default(),
         }
     }
 }
@@ -977,6 +1004,7 @@ mod tests {
             let config = Config::from_toml(text).unwrap();
             assert_eq!(config.metrics.listen, "0.0.0.0:9464");
             assert!(config.remote.limiter.contains(','), "two limiter replicas");
+            assert_eq!(config.shutdown.delay_ms, 5000);
         }
     }
 

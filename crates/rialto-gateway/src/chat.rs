@@ -157,12 +157,14 @@ impl Settlement {
         let queue = self.usage_queue.clone();
         let request = self.settle_request(usage);
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            let pending = PendingSettlement::start();
             runtime.spawn(async move {
                 let settled = settle_durably(&billing, queue.as_ref(), request).await;
                 count_settlement(&settled);
                 if let Err(error) = settled {
                     tracing::warn!(%error, "settlement failed; the hold will expire");
                 }
+                drop(pending);
             });
         }
     }
@@ -183,6 +185,41 @@ impl Settlement {
     pub(crate) fn release(&mut self) {
         self.bill_later(&Usage::none());
     }
+}
+
+/// Settlements running in background tasks, awaited at shutdown so no
+/// charge is lost when the process exits.
+static PENDING_SETTLEMENTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+static SETTLEMENT_DONE: tokio::sync::Notify = tokio::sync::Notify::const_new();
+
+struct PendingSettlement;
+
+impl PendingSettlement {
+    fn start() -> Self {
+        PENDING_SETTLEMENTS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Self
+    }
+}
+
+impl Drop for PendingSettlement {
+    fn drop(&mut self) {
+        PENDING_SETTLEMENTS.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        SETTLEMENT_DONE.notify_waiters();
+    }
+}
+
+/// Whether every background settlement finished within `limit`.
+pub(crate) async fn pending_settlements(limit: std::time::Duration) -> bool {
+    let wait = async {
+        loop {
+            let done = SETTLEMENT_DONE.notified();
+            if PENDING_SETTLEMENTS.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+                return;
+            }
+            done.await;
+        }
+    };
+    tokio::time::timeout(limit, wait).await.is_ok()
 }
 
 fn count_settlement<E>(settled: &Result<Settled, E>) {

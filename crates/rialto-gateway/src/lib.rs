@@ -73,6 +73,8 @@ pub struct Gateway {
     model_names: HashMap<String, usize>,
     operator_token: Option<SecretString>,
     max_body_bytes: usize,
+    /// Set when the process begins to shut down: `/readyz` answers 503.
+    draining: std::sync::atomic::AtomicBool,
     /// `/metrics` on the public port: only while `metrics.listen` is unset
     /// (one process on a laptop); otherwise it has a port of its own.
     public_metrics: bool,
@@ -137,6 +139,7 @@ impl Gateway {
             operator_token: config.operator.token.clone(),
             max_body_bytes: config.gateway.max_body_bytes,
             public_metrics: config.metrics.listen.is_empty(),
+            draining: std::sync::atomic::AtomicBool::new(false),
             stamp,
             brand,
             abuse: AbuseGuard::new(&config.limits.abuse),
@@ -252,7 +255,7 @@ pub fn configure(gateway: web::Data<Gateway>) -> impl FnOnce(&mut web::ServiceCo
             .route("/openapi.yaml", web::get().to(openapi::document))
             .route("/healthz", web::get().to(health))
             .route("/metrics", web::get().to(public_metrics))
-            .route("/readyz", web::get().to(health))
+            .route("/readyz", web::get().to(ready))
             .service(
                 web::scope("/api/v1")
                     .route("/chat/completions", web::post().to(chat::completions))
@@ -310,6 +313,7 @@ pub fn serve(
     listener: TcpListener,
     gateway: Arc<Gateway>,
     workers: usize,
+    drain: std::time::Duration,
 ) -> std::io::Result<Server> {
     // Characters stored through any gateway reach this one within seconds.
     let refresher = Arc::downgrade(&gateway);
@@ -333,6 +337,8 @@ pub fn serve(
             .configure(configure(gateway.clone()))
     })
     .disable_signals()
+    // A graceful stop waits this long for requests and streams in flight.
+    .shutdown_timeout(drain.as_secs().max(1))
     // Without it, a stream's first chunk waits for the ACK of its headers
     // (Nagle against delayed ACK): ~40 ms to the first token.
     .tcp_nodelay(true)
@@ -345,6 +351,31 @@ pub fn serve(
 
 async fn health() -> actix_web::HttpResponse {
     actix_web::HttpResponse::Ok().json(serde_json::json!({"status": "ok"}))
+}
+
+impl Gateway {
+    /// Readiness goes false: the first step of a graceful shutdown.
+    pub fn start_draining(&self) {
+        self.draining
+            .store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// Waits, at most `limit`, for the settlements requests handed off to
+/// background tasks (clients that left, broken streams) to finish.
+pub async fn settlements_drained(limit: std::time::Duration) -> bool {
+    chat::pending_settlements(limit).await
+}
+
+/// `GET /readyz`: 503 once the process is shutting down, so load balancers
+/// stop sending before the listener closes.
+async fn ready(gateway: web::Data<Gateway>) -> actix_web::HttpResponse {
+    if gateway.draining.load(std::sync::atomic::Ordering::Relaxed) {
+        actix_web::HttpResponse::ServiceUnavailable()
+            .json(serde_json::json!({"status": "draining"}))
+    } else {
+        health().await
+    }
 }
 
 /// `GET /metrics`: this process's Prometheus metrics.

@@ -536,6 +536,35 @@ impl Sandbox {
         Ok(())
     }
 
+    /// Asks one process to stop as an orchestrator would (SIGTERM), and
+    /// waits up to `limit` for it to exit; its exit status.
+    pub async fn terminate(
+        &mut self,
+        name: &str,
+        limit: Duration,
+    ) -> anyhow::Result<std::process::ExitStatus> {
+        let process = self
+            .processes
+            .iter_mut()
+            .find(|p| p.name == name)
+            .with_context(|| format!("no process named {name}"))?;
+        let status = std::process::Command::new("kill")
+            .args(["-TERM", &process.child.id().to_string()])
+            .status()?;
+        anyhow::ensure!(status.success(), "kill -TERM failed");
+        let deadline = std::time::Instant::now() + limit;
+        loop {
+            if let Some(status) = process.child.try_wait()? {
+                return Ok(status);
+            }
+            anyhow::ensure!(
+                std::time::Instant::now() < deadline,
+                "{name} did not exit within {limit:?} of SIGTERM"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Starts a killed process again, as before and on the same address
     /// (its peers were configured with it).
     pub async fn restart(&mut self, name: &str) -> anyhow::Result<()> {

@@ -215,6 +215,10 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let mut tasks = tokio::task::JoinSet::new();
+    // What readiness goes false on, first thing at shutdown.
+    let mut grpc_health = None;
+    let mut gateway_ready = None;
+    let drain = Duration::from_secs(config.shutdown.drain_secs.max(1));
 
     // gRPC is served for the services that run here whenever the gateway
     // does not, or runs with others elsewhere; the all-in-one process needs none.
@@ -231,6 +235,13 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
         );
         tracing::info!(%addr, services = backend_services.join(","), "grpc listening");
         let (health, health_service) = tonic_health::server::health_reporter();
+        grpc_health = Some((
+            health.clone(),
+            backend_services
+                .iter()
+                .map(|service| format!("rialto.{service}.v1.{}", capitalized(service)))
+                .collect::<Vec<_>>(),
+        ));
         let local = |name: &str| here.contains(name);
         let token = &server_token;
         for service in &backend_services {
@@ -305,7 +316,8 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
         })?;
         let addr = listener.local_addr()?;
         let gateway = Arc::new(Gateway::new(&config, services.clone(), REVISION)?);
-        let server = rialto_gateway::serve(listener, gateway, config.gateway.workers)?;
+        gateway_ready = Some(Arc::clone(&gateway));
+        let server = rialto_gateway::serve(listener, gateway, config.gateway.workers, drain)?;
         let handle = server.handle();
         println!("rialto: gateway listening on http://{addr}");
         tracing::info!(%addr, revision = REVISION, brand = brand.name, "gateway listening");
@@ -317,14 +329,38 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
         tasks.spawn(async move { server.await.context("http server failed") });
     }
 
+    let shutdown_delay = Duration::from_millis(config.shutdown.delay_ms);
     tokio::spawn(async move {
         shutdown_signal().await;
-        tracing::info!("shutting down");
+        // Readiness first, so load balancers stop sending; then the
+        // listeners close and what is in flight drains.
+        tracing::info!("shutting down: not ready any more");
+        if let Some(gateway) = &gateway_ready {
+            gateway.start_draining();
+        }
+        if let Some((health, names)) = &grpc_health {
+            for name in names {
+                health
+                    .set_service_status(name, tonic_health::ServingStatus::NotServing)
+                    .await;
+            }
+        }
+        tokio::time::sleep(shutdown_delay).await;
+        tracing::info!("shutting down: draining requests in flight");
         let _ = stop_tx.send(true);
     });
     while let Some(result) = tasks.join_next().await {
         result.context("server task panicked")??;
     }
+    // Settlements handed to background tasks (clients that left, broken
+    // streams) finish before the process does, and queued events leave.
+    if !rialto_gateway::settlements_drained(drain).await {
+        tracing::warn!("shutting down with settlements unfinished; their holds will expire");
+    }
+    if let Err(error) = bus.flush().await {
+        tracing::warn!(%error, "events not flushed");
+    }
+    tracing::info!("shut down");
     Ok(())
 }
 
