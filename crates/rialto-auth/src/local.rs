@@ -27,6 +27,8 @@ const KEY_RECHECK: Duration = Duration::from_secs(1);
 
 pub struct LocalAuth {
     inner: Arc<Inner>,
+    /// Where revocations are announced to the other auth replicas.
+    revocations: Option<rialto_core::bus::Bus>,
     /// What wallet sign-ins must match, and their rate-limit tier.
     wallets: crate::siwx::SiwxPolicy,
     wallet_tier: String,
@@ -84,6 +86,7 @@ impl LocalAuth {
         });
         Self {
             inner,
+            revocations: None,
             wallets: crate::siwx::SiwxPolicy::default(),
             wallet_tier: "standard".to_owned(),
         }
@@ -98,6 +101,70 @@ impl LocalAuth {
         };
         self.wallet_tier = config.tier.clone();
         self
+    }
+
+    /// Announces deletions and tier changes on `bus` (subject
+    /// `<prefix>.auth.revocations`) and drops what other replicas announce
+    /// from this one's cache: a key deleted anywhere is refused everywhere
+    /// as soon as the event arrives, not after the one-second re-check.
+    pub fn with_revocations(mut self, bus: rialto_core::bus::Bus) -> Self {
+        let subject = bus.subject(REVOCATIONS_SUBJECT);
+        let listener = bus.clone();
+        let weak = Arc::downgrade(&self.inner);
+        tokio::spawn(async move {
+            use futures_util::StreamExt;
+            let mut events = match listener.subscribe(subject, None).await {
+                Ok(events) => events,
+                Err(error) => {
+                    tracing::warn!(%error, "no revocation events; the one-second re-check still applies");
+                    return;
+                }
+            };
+            while let Some(payload) = events.next().await {
+                let Some(inner) = weak.upgrade() else { break };
+                match serde_json::from_slice::<Revocation>(&payload) {
+                    Ok(revocation) => inner.revoke(&revocation),
+                    Err(error) => tracing::warn!(%error, "unreadable revocation event"),
+                }
+            }
+        });
+        self.revocations = Some(bus);
+        self
+    }
+
+    /// Purges here and tells the other replicas.
+    async fn announce(&self, revocation: Revocation) {
+        self.inner.revoke(&revocation);
+        if let (Some(bus), Ok(payload)) = (&self.revocations, serde_json::to_vec(&revocation))
+            && let Err(error) = bus
+                .publish(bus.subject(REVOCATIONS_SUBJECT), payload.into())
+                .await
+        {
+            tracing::warn!(%error, "revocation not announced; other replicas re-check within a second");
+        }
+    }
+}
+
+/// Subject of revocation events, after the bus prefix.
+pub const REVOCATIONS_SUBJECT: &str = "auth.revocations";
+
+/// What cached principals must be dropped: one key's, or an account's.
+#[derive(Debug, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum Revocation {
+    Key(String),
+    Account(String),
+}
+
+impl Inner {
+    fn revoke(&self, revocation: &Revocation) {
+        // A lookup in flight must not put back what was revoked.
+        self.generation.fetch_add(1, Ordering::AcqRel);
+        let mut cache = self.cache.write().unwrap_or_else(|p| p.into_inner());
+        match revocation {
+            Revocation::Key(id) => cache.retain(|_, key| key.principal.key_id != *id),
+            Revocation::Account(id) => cache.retain(|_, key| key.principal.account_id != *id),
+        }
     }
 }
 
@@ -466,14 +533,8 @@ impl AuthService for LocalAuth {
         if deleted == 0 {
             return Err(key_not_found());
         }
-        let inner = &self.inner;
-        inner.generation.fetch_add(1, Ordering::AcqRel);
-        inner
-            .cache
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .retain(|_, key| key.principal.key_id != request.id);
-        lock(&inner.last_used).remove(&request.id);
+        self.announce(Revocation::Key(request.id.clone())).await;
+        lock(&self.inner.last_used).remove(&request.id);
         tracing::info!(
             key_id = request.id,
             account_id = request.account_id,
@@ -508,13 +569,8 @@ impl AuthService for LocalAuth {
             return Err(Error::new(ErrorCode::NotFound, "Account not found"));
         }
         // Cached principals carry the tier: drop the account's.
-        let inner = &self.inner;
-        inner.generation.fetch_add(1, Ordering::AcqRel);
-        inner
-            .cache
-            .write()
-            .unwrap_or_else(|p| p.into_inner())
-            .retain(|_, key| key.principal.account_id != request.account_id);
+        self.announce(Revocation::Account(request.account_id.clone()))
+            .await;
         tracing::info!(account_id = request.account_id, tier, "account tier set");
         self.get_account(pb::GetAccountRequest {
             account_id: request.account_id,
@@ -703,6 +759,49 @@ mod tests {
         let url = format!("sqlite://{}/auth.db", dir.path().display());
         let db = Database::connect(&url, 4).await.unwrap();
         (LocalAuth::new(db, "RIALTO"), dir)
+    }
+
+    /// Two replicas on one database and one bus: a key deleted through one
+    /// is refused by the other as soon as the event arrives, well inside
+    /// the one-second re-check that bounds it without events.
+    #[tokio::test]
+    async fn a_revocation_reaches_the_other_replica_at_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}/auth.db", dir.path().display());
+        let bus = rialto_core::bus::Bus::in_process("test");
+        let one = LocalAuth::new(Database::connect(&url, 4).await.unwrap(), "RIALTO")
+            .with_revocations(bus.clone());
+        let other = LocalAuth::new(Database::connect(&url, 4).await.unwrap(), "RIALTO")
+            .with_revocations(bus);
+        let (account_id, _) = account(&one).await;
+        let key = one
+            .create_api_key(pb::CreateApiKeyRequest {
+                account_id: account_id.clone(),
+                key_type: pb::KeyType::Inference as i32,
+                description: "revoked".into(),
+                expires_at_ms: None,
+                limit: None,
+            })
+            .await
+            .unwrap();
+        // The other replica caches the key...
+        other.authenticate(authn(&key.secret)).await.unwrap();
+        tokio::task::yield_now().await;
+        one.delete_api_key(pb::DeleteApiKeyRequest {
+            account_id,
+            id: key.record.unwrap().id,
+        })
+        .await
+        .unwrap();
+        // ...and drops it on the event, long before its re-check is due.
+        let started = std::time::Instant::now();
+        while other.authenticate(authn(&key.secret)).await.is_ok() {
+            assert!(
+                started.elapsed() < Duration::from_millis(200),
+                "the other replica still accepts a deleted key"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
     }
 
     async fn account(auth: &LocalAuth) -> (String, String) {

@@ -125,7 +125,11 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
         None
     };
     let auth = if let Some(db) = db.clone().filter(|_| here.contains("auth")) {
-        AuthClient::new(LocalAuth::new(db, &brand.key_prefix).with_wallets(&config.wallet))
+        AuthClient::new(
+            LocalAuth::new(db, &brand.key_prefix)
+                .with_wallets(&config.wallet)
+                .with_revocations(bus.clone()),
+        )
     } else {
         let channel = channel(&remote.auth, "auth", UNARY_TIMEOUT)?;
         AuthClient::new(RemoteAuth::new(channel, client_token.clone()))
