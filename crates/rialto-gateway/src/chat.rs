@@ -297,11 +297,7 @@ async fn complete_or_stream(
     // A trait or alias names the model from here on.
     chat.model_id.clone_from(&model.config.id);
     convert_files(&mut body, &mut chat, gateway.file_urls_allow_private).await?;
-    let request_id = request
-        .extensions()
-        .get::<RequestId>()
-        .map(|id| id.0.clone())
-        .unwrap_or_else(rialto_core::ids::request_id);
+    let request_id = RequestId::of(request);
 
     let Admitted {
         settlement,

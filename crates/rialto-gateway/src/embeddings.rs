@@ -2,7 +2,7 @@
 //! over the model's backends like a chat, limited in the `embedding` class
 //! and billed for its prompt tokens.
 
-use actix_web::{HttpMessage, HttpRequest, HttpResponse, web};
+use actix_web::{HttpRequest, HttpResponse, web};
 use rialto_core::ErrorCode;
 use rialto_proto::router::v1 as router_pb;
 use serde_json::{Value, json};
@@ -23,11 +23,7 @@ pub async fn create(
     let body = read_body(&gateway, &request, payload).await?;
     let mut body = parse_json(&body)?;
     let (model, prompt_estimate) = validate(&gateway, &mut body)?;
-    let request_id = request
-        .extensions()
-        .get::<RequestId>()
-        .map(|id| id.0.clone())
-        .unwrap_or_else(rialto_core::ids::request_id);
+    let request_id = RequestId::of(&request);
     let Admitted {
         mut settlement,
         wallet_usd_before,

@@ -18,6 +18,17 @@ use crate::{Authenticated, BalanceHeaders, Gateway, RateLimitHeaders};
 #[derive(Debug, Clone)]
 pub struct RequestId(pub String);
 
+impl RequestId {
+    /// The id `stamp` gave `request` (a fresh one outside the middleware).
+    pub fn of(request: &actix_web::HttpRequest) -> String {
+        request
+            .extensions()
+            .get::<RequestId>()
+            .map(|id| id.0.clone())
+            .unwrap_or_else(rialto_core::ids::request_id)
+    }
+}
+
 /// Header names and values computed once at start.
 #[derive(Debug)]
 pub struct Stamp {
