@@ -29,12 +29,13 @@ run: toolchain native models ## Build and start Rialto on its embedded defaults 
 	@echo
 	exec $(TARGET_DIR)/release/rialto serve
 
-test: k8s-validate toolchain native models services venv bench-venv ## Every check: k8s-validate, fmt, clippy -D warnings, all tests, bench-smoke (starts PostgreSQL/NATS if needed)
+test: k8s-validate toolchain native models services venv bench-venv ## Every check: k8s-validate, fmt, clippy -D warnings, all tests, bench-smoke, test-cluster (starts PostgreSQL/NATS if needed)
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 	$(CARGO) build --locked -p rialto -p rialto-bench
 	$(CARGO) test --workspace --locked
 	python3 bench/run.py --smoke --profile debug --target-dir $(TARGET_DIR)
+	$(MAKE) --no-print-directory test-cluster
 
 bench: toolchain native models services bench-venv ## Benchmark suite (about 12 min; PostgreSQL for bench-ledger): writes BENCHMARKS.md and bench/results/*.json
 	$(CARGO) build --release --locked -p rialto -p rialto-bench
@@ -163,7 +164,7 @@ $(K8S_VENV)/.installed: Makefile
 # PostgreSQL and NATS. CLUSTER_PROFILE=release runs the release binary.
 CLUSTER_PROFILE ?= debug
 
-.PHONY: cluster cluster-down
+.PHONY: cluster cluster-down test-cluster
 
 cluster: toolchain native models services ## Start the local cluster (gateways on http://127.0.0.1:28080 and :28081; deploy/cluster.sh)
 	$(CARGO) build --locked -p rialto $(if $(filter release,$(CLUSTER_PROFILE)),--release)
@@ -171,6 +172,30 @@ cluster: toolchain native models services ## Start the local cluster (gateways o
 
 cluster-down: ## Stop the local cluster
 	deploy/cluster.sh down
+
+# The cluster test (tests/cluster/) runs on a cluster of its own (same
+# ports; its own directory, database and NATS prefix, so a `make cluster` of
+# yours is not touched: with one running, `up` refuses the busy ports) with
+# tests/cluster/cluster.toml's models on the mock upstream the test starts.
+# Whatever the outcome, the cluster is stopped and its database and
+# JetStream streams deleted (`deploy/cluster.sh clean`); its logs stay in
+# data/cluster-test/logs until the next run.
+TEST_CLUSTER := CLUSTER_DIR=data/cluster-test CLUSTER_DATABASE=rialto_cluster_test CLUSTER_BUS_PREFIX=rialto-cluster-test
+
+test-cluster: toolchain native models services ## Start a local cluster, run the cluster test (scenarios, races, kills), stop and delete it
+	$(CARGO) build --locked -p rialto
+	$(CARGO) test --locked -p rialto-e2e --test cluster --no-run
+	$(TEST_CLUSTER) deploy/cluster.sh clean
+	rm -rf data/cluster-test
+	@status=0; \
+	$(TEST_CLUSTER) CLUSTER_EXTRA_TOML=tests/cluster/cluster.toml $(MAKE) --no-print-directory cluster || status=$$?; \
+	if [ $$status = 0 ]; then \
+	  $(TEST_CLUSTER) RIALTO_CLUSTER=1 $(CARGO) test --locked -p rialto-e2e --test cluster -- --nocapture || status=$$?; \
+	fi; \
+	$(TEST_CLUSTER) $(MAKE) --no-print-directory cluster-down || status=$$((status ? status : 1)); \
+	$(TEST_CLUSTER) deploy/cluster.sh clean || status=$$((status ? status : 1)); \
+	if [ $$status != 0 ]; then echo "test-cluster: failed; the processes' logs are in data/cluster-test/logs"; fi; \
+	exit $$status
 
 clean: ## Remove build output, the venv and local data
 	$(CARGO) clean

@@ -11,6 +11,8 @@
 #   deploy/cluster.sh kill NAME     SIGKILL one process, as a crash would
 #   deploy/cluster.sh start NAME    start one process again, on its address
 #   deploy/cluster.sh env           the cluster's addresses as shell variables
+#   deploy/cluster.sh clean         down, then drop its database and delete its
+#                                   JetStream streams (make test-cluster ends so)
 #
 # NAME is one of: gateway-0 gateway-1 auth limiter-0 limiter-1 billing-0
 # billing-1 router. Addresses are fixed, so a restarted process is where its
@@ -29,9 +31,11 @@
 #   CLUSTER_BIN=target/debug/rialto      the binary (make cluster builds it)
 #   CLUSTER_DIR=data/cluster             config, pids, logs (logs/NAME.log)
 #   CLUSTER_POSTGRES=postgres://postgres@127.0.0.1:5432
-#   CLUSTER_DATABASE=rialto_cluster      created when missing, kept by `down`
+#   CLUSTER_DATABASE=rialto_cluster      created when missing, kept by `down`,
+#                                        dropped by `clean`
 #   CLUSTER_NATS=nats://127.0.0.1:4222
-#   CLUSTER_BUS_PREFIX=rialto-cluster    NATS subjects and JetStream streams
+#   CLUSTER_BUS_PREFIX=rialto-cluster    NATS subjects and JetStream streams (those
+#                                        under it are deleted by `clean`)
 #   CLUSTER_PORT_OFFSET=0                added to every port above (100 for a second
 #                                        cluster beside the first: another
 #                                        CLUSTER_DIR, DATABASE, BUS_PREFIX too)
@@ -293,6 +297,74 @@ cmd_down() {
     say "down"
 }
 
+# The JetStream streams holding subjects under the prefix (the usage queue,
+# `<prefix>-usage`), deleted over the NATS protocol itself: the server's API
+# is request-reply on $JS.API.*, so python3's standard library suffices.
+delete_streams() {
+    command -v python3 >/dev/null || die "python3 not found (it deletes the JetStream streams)"
+    python3 - "$NATS" "$BUS_PREFIX" <<'PYTHON'
+import json, socket, sys
+
+url, prefix = sys.argv[1], sys.argv[2]
+host, port = url.removeprefix("nats://").rsplit(":", 1)
+sock = socket.create_connection((host, int(port)), timeout=10)
+reader = sock.makefile("rb")
+reader.readline()  # INFO
+sock.sendall(b'CONNECT {"verbose":false,"pedantic":false,"protocol":1}\r\nSUB _INBOX.cluster-clean 1\r\n')
+
+
+def request(subject, payload):
+    data = json.dumps(payload).encode() if payload is not None else b""
+    sock.sendall(b"PUB %s _INBOX.cluster-clean %d\r\n%s\r\n" % (subject.encode(), len(data), data))
+    while True:
+        line = reader.readline()
+        if not line:
+            sys.exit("cluster: NATS closed the connection")
+        if line.startswith(b"PING"):
+            sock.sendall(b"PONG\r\n")
+        elif line.startswith(b"-ERR"):
+            sys.exit(f"cluster: NATS: {line.decode().strip()}")
+        elif line.startswith((b"MSG ", b"HMSG ")):
+            size = int(line.split()[-1])
+            body = reader.read(size + 2)[:size]
+            if line.startswith(b"HMSG "):  # a status (503: no JetStream here)
+                sys.exit(f"cluster: JetStream did not answer {subject}: {body[:80]!r}")
+            return json.loads(body)
+
+
+names, offset = [], 0
+while True:
+    answer = request("$JS.API.STREAM.NAMES", {"subject": f"{prefix}.>", "offset": offset})
+    if "error" in answer:
+        sys.exit(f"cluster: listing JetStream streams: {answer['error']}")
+    found = answer.get("streams") or []
+    names += found
+    offset += len(found)
+    if not found or offset >= answer.get("total", 0):
+        break
+for name in names:
+    answer = request(f"$JS.API.STREAM.DELETE.{name}", None)
+    if not answer.get("success"):
+        sys.exit(f"cluster: deleting stream {name}: {answer.get('error')}")
+    print(f"cluster: deleted JetStream stream {name}")
+PYTHON
+}
+
+cmd_clean() {
+    cmd_down
+    if port_open "${NATS#nats://}"; then
+        delete_streams
+    else
+        say "NATS is not listening at $NATS: no streams deleted"
+    fi
+    command -v psql >/dev/null || die "psql not found (make services installs PostgreSQL)"
+    psql "${POSTGRES%/}/postgres" -qc "SET client_min_messages = warning" \
+        -c "DROP DATABASE IF EXISTS \"$DATABASE\" WITH (FORCE)" >/dev/null \
+        || die "cannot drop database $DATABASE at $POSTGRES"
+    rm -f "$CONFIG" "$DIR/cluster.env"
+    say "clean: database $DATABASE dropped, streams under $BUS_PREFIX deleted (logs kept in $DIR/logs)"
+}
+
 cmd_status() {
     local name pid state
     for name in "${NAMES[@]}"; do
@@ -305,6 +377,7 @@ cmd_status() {
 case ${1:-} in
 up) cmd_up ;;
 down) cmd_down ;;
+clean) cmd_clean ;;
 status) cmd_status ;;
 env)
     [[ -f $DIR/cluster.env ]] || die "no cluster here (deploy/cluster.sh up)"
