@@ -396,32 +396,6 @@ fn explained(load: &Load, outcomes: &[Outcome], t: &Timeline) {
                 );
                 "503 (owner down)"
             }
-            // KNOWN PRODUCT BUG, accepted only here: a gRPC call in flight
-            // to a replica at the instant it is killed fails with tonic's
-            // `Unknown` "transport error" (broken pipe), which
-            // `rialto_core::Error::from(tonic::Status)` maps to Internal, so
-            // the gateway answers 500 "An unknown error occurred" where a
-            // refused connection gets 503. It should be 503 too; until then
-            // only a request whose call could have been cut by the kill of
-            // its own replica may end so (and it must not be charged,
-            // checked below).
-            (Some(500), _) => {
-                let cut_by_limiter = load.limiter_of(o) == 1
-                    && overlaps(r, t.limiter_killed.began, t.limiter_killed.done);
-                let cut_by_billing = load.billing_of(o) == 0
-                    && overlaps(r, t.billing_killed.began, t.billing_killed.done);
-                assert!(
-                    (cut_by_limiter || cut_by_billing)
-                        && r.error.as_deref() == Some("An unknown error occurred"),
-                    "a 500 no kill explains: {r:?}"
-                );
-                println!(
-                    "cluster: kills: KNOWN BUG: request {:?}, in flight when its replica was \
-                     killed, answered 500 instead of 503",
-                    r.request_id
-                );
-                "500 (call cut by a kill: known bug, should be 503)"
-            }
             // No answer, or an answer cut: only from the killed gateway.
             (None, _) | (Some(200), false) => {
                 assert!(

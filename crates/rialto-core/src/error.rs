@@ -246,7 +246,13 @@ impl From<tonic::Status> for Error {
         match code {
             Some(code) => Self::new(code, status.message()),
             // Not one of ours: a transport failure or a peer that is down.
-            None if status.code() == tonic::Code::Unavailable => {
+            // A connection that breaks mid-call (a replica killed) comes
+            // back as Unknown with the transport error as its source,
+            // raised here, not by the peer.
+            None if status.code() == tonic::Code::Unavailable
+                || (status.code() == tonic::Code::Unknown
+                    && std::error::Error::source(&status).is_some()) =>
+            {
                 tracing::warn!(message = status.message(), "service unreachable over grpc");
                 Self::new(ErrorCode::Unavailable, "A required service is unavailable")
             }
@@ -265,6 +271,19 @@ impl From<tonic::Status> for Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_broken_connection_is_unavailable_not_internal() {
+        let broken = std::io::Error::new(std::io::ErrorKind::BrokenPipe, "connection reset");
+        let mut status = tonic::Status::unknown("transport error");
+        status.set_source(std::sync::Arc::new(broken));
+        assert_eq!(Error::from(status).code, ErrorCode::Unavailable);
+        // An Unknown the peer sent (no local source) stays internal.
+        assert_eq!(
+            Error::from(tonic::Status::unknown("peer")).code,
+            ErrorCode::Internal
+        );
+    }
 
     const ALL: &[ErrorCode] = &[
         ErrorCode::InvalidRequest,
