@@ -180,7 +180,7 @@ cluster-down: ## Stop the local cluster
 # Whatever the outcome, the cluster is stopped and its database and
 # JetStream streams deleted (`deploy/cluster.sh clean`); its logs stay in
 # data/cluster-test/logs until the next run.
-TEST_CLUSTER := CLUSTER_DIR=data/cluster-test CLUSTER_DATABASE=rialto_cluster_test CLUSTER_BUS_PREFIX=rialto-cluster-test
+TEST_CLUSTER := CLUSTER_BIN=$(TARGET_DIR)/debug/rialto CLUSTER_DIR=data/cluster-test CLUSTER_DATABASE=rialto_cluster_test CLUSTER_BUS_PREFIX=rialto-cluster-test
 
 test-cluster: toolchain native models services ## Start a local cluster, run the cluster test (scenarios, races, kills), stop and delete it
 	$(CARGO) build --locked -p rialto

@@ -49,8 +49,16 @@ set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-BIN=${CLUSTER_BIN:-target/debug/rialto}
 DIR=${CLUSTER_DIR:-data/cluster}
+# `start NAME` runs the binary `up` ran (recorded in pids/binary), wherever
+# CARGO_TARGET_DIR put it, unless CLUSTER_BIN says otherwise.
+if [[ -n ${CLUSTER_BIN:-} ]]; then
+    BIN=$CLUSTER_BIN
+elif [[ ${1:-} == start && -f $DIR/pids/binary ]]; then
+    BIN=$(cat "$DIR/pids/binary")
+else
+    BIN=target/debug/rialto
+fi
 POSTGRES=${CLUSTER_POSTGRES:-postgres://postgres@127.0.0.1:5432}
 DATABASE=${CLUSTER_DATABASE:-rialto_cluster}
 NATS=${CLUSTER_NATS:-nats://127.0.0.1:4222}
