@@ -230,7 +230,14 @@ pub struct LocalBilling {
     /// CLI, tests) every operation goes to the ledger directly.
     actors: Option<Arc<actors::LedgerActors>>,
     x402: x402::X402,
+    /// Where top-ups are announced (`<prefix>.billing.topups`).
+    events: Option<rialto_core::bus::Bus>,
 }
+
+/// Subject of top-up events, after the bus prefix: one JSON object per
+/// credit applied (`{owner, usd, diem, reference, source}`, source
+/// `operator` or `x402`), for dashboards, notifications and audits.
+pub const TOPUPS_SUBJECT: &str = "billing.topups";
 
 impl LocalBilling {
     pub fn new(config: &rialto_core::Config, db: rialto_core::db::Database) -> Self {
@@ -244,6 +251,25 @@ impl LocalBilling {
             ledger: ledger::Ledger::new(db),
             hold_ttl_ms: (config.billing.hold_ttl_secs as i64).saturating_mul(1000),
             actors: None,
+            events: None,
+        }
+    }
+
+    /// Announces every top-up applied on `bus`.
+    pub fn with_events(mut self, bus: rialto_core::bus::Bus) -> Self {
+        self.events = Some(bus);
+        self
+    }
+
+    /// Publishes a top-up event; a bus that is down loses the event, never
+    /// the credit (the ledger has it).
+    async fn announce_top_up(&self, event: serde_json::Value) {
+        if let Some(bus) = &self.events
+            && let Err(error) = bus
+                .publish(bus.subject(TOPUPS_SUBJECT), event.to_string().into())
+                .await
+        {
+            tracing::warn!(%error, "top-up event not published");
         }
     }
 
@@ -411,6 +437,13 @@ impl BillingService for LocalBilling {
         if let Some(actors) = &self.actors {
             actors.forget_cache(&request.owner);
         }
+        if applied {
+            self.announce_top_up(serde_json::json!({
+                "owner": request.owner, "usd": request.usd, "diem": request.diem,
+                "reference": reference, "source": "operator",
+            }))
+            .await;
+        }
         let balance = self.ledger.balance(&request.owner).await?;
         Ok(pb::CreditResponse {
             applied,
@@ -450,6 +483,13 @@ impl BillingService for LocalBilling {
             Ok(top_up) => {
                 if let Some(actors) = &self.actors {
                     actors.forget_cache(&wallet_owner(&top_up.wallet));
+                }
+                if top_up.applied {
+                    self.announce_top_up(serde_json::json!({
+                        "owner": wallet_owner(&top_up.wallet), "usd": top_up.amount_usd,
+                        "diem": "0", "reference": top_up.payment_id, "source": "x402",
+                    }))
+                    .await;
                 }
                 Ok(pb::TopUpResponse {
                     ok: true,
@@ -602,6 +642,35 @@ mod tests {
         let url = format!("sqlite://{}/billing.db", dir.path().display());
         let db = rialto_core::db::Database::connect(&url, 4).await.unwrap();
         (dir, LocalBilling::new(config, db))
+    }
+
+    /// A credit applied is announced once on the bus; its replay is not.
+    #[tokio::test]
+    async fn top_ups_are_announced_once() {
+        use futures_util::StreamExt;
+        let (_dir, billing) = billing(&config(0.15, 0.6)).await;
+        let bus = rialto_core::bus::Bus::in_process("test");
+        let mut events = bus
+            .subscribe(bus.subject(TOPUPS_SUBJECT), None)
+            .await
+            .unwrap();
+        let billing = billing.with_events(bus);
+        let credit = pb::CreditRequest {
+            owner: "acct-1".into(),
+            usd: "12.50".into(),
+            diem: "0".into(),
+            reference: "invoice-7".into(),
+        };
+        assert!(billing.credit(credit.clone()).await.unwrap().applied);
+        assert!(!billing.credit(credit).await.unwrap().applied);
+        let event: serde_json::Value =
+            serde_json::from_slice(&events.next().await.unwrap()).unwrap();
+        assert_eq!(event["owner"], "acct-1");
+        assert_eq!(event["usd"], "12.50");
+        assert_eq!(event["source"], "operator");
+        let replay =
+            tokio::time::timeout(std::time::Duration::from_millis(100), events.next()).await;
+        assert!(replay.is_err(), "a replayed credit is not announced again");
     }
 
     #[tokio::test]

@@ -175,7 +175,9 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
         }
     };
     let billing = if let Some(db) = db.clone().filter(|_| here.contains("billing")) {
-        let billing = LocalBilling::new(&config, db).with_ledger_actors();
+        let billing = LocalBilling::new(&config, db)
+            .with_ledger_actors()
+            .with_events(bus.clone());
         billing.spawn_sweeper();
         let billing = BillingClient::new(billing);
         rialto_billing::usage_queue::spawn_usage_consumer(billing.clone(), bus.clone());
