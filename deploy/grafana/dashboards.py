@@ -36,6 +36,7 @@ METRICS: dict[str, tuple[str, set[str]]] = {
     "rialto_backend_in_flight": ("gauge", {"model", "backend"}),
     "rialto_backend_requests_total": ("counter", {"model", "backend", "outcome"}),
     "rialto_nats_consumer_pending": ("gauge", {"stream", "consumer"}),
+    "rialto_log_lines_dropped_total": ("counter", set()),
 }
 # Labels Prometheus adds when it scrapes (kubernetes_sd relabelling, static
 # configs), usable in every query.

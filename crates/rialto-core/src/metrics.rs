@@ -113,6 +113,9 @@ pub struct Metrics {
     pub backend_in_flight: Family<BackendLabels, Gauge>,
     pub backend_requests: Family<BackendOutcomeLabels, Counter>,
     pub nats_consumer_pending: Family<ConsumerLabels, Gauge>,
+    /// Log lines dropped because stdout fell behind (set at scrape time by
+    /// `telemetry`).
+    pub log_lines_dropped: Counter,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -143,6 +146,7 @@ impl Metrics {
         let backend_in_flight = Family::default();
         let backend_requests = Family::default();
         let nats_consumer_pending = Family::default();
+        let log_lines_dropped = Counter::default();
         registry.register(
             "http_requests",
             "HTTP requests answered, by route, method and status",
@@ -208,6 +212,11 @@ impl Metrics {
             "Messages a JetStream consumer has not yet been delivered (its lag)",
             nats_consumer_pending.clone(),
         );
+        registry.register(
+            "log_lines_dropped",
+            "Log lines dropped because stdout fell 128,000 lines behind",
+            log_lines_dropped.clone(),
+        );
         Self {
             registry,
             hooks: Mutex::new(Vec::new()),
@@ -224,6 +233,7 @@ impl Metrics {
             backend_in_flight,
             backend_requests,
             nats_consumer_pending,
+            log_lines_dropped,
         }
     }
 

@@ -2,6 +2,10 @@
 //! when `OTEL_EXPORTER_OTLP_ENDPOINT` (or `..._TRACES_ENDPOINT`) is set,
 //! spans exported over OTLP (HTTP/JSON) to a collector.
 //!
+//! Log lines are formatted on the thread that logs and written to stdout by
+//! a thread of their own (`tracing-appender`'s non-blocking writer): a
+//! request never waits for stdout. [`shutdown`] writes out what is queued.
+//!
 //! One trace follows a request across processes: W3C `traceparent` is
 //! read from the incoming HTTP request, carried in gRPC metadata
 //! ([`inject`] on the client side, [`extract`] on the server side) and in
@@ -9,14 +13,19 @@
 //! never reach a log line or a span: they are `secrecy` types and are not
 //! recorded as fields.
 
-use std::sync::OnceLock;
+use std::io::{BufWriter, Stdout};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, OnceLock};
 
 use opentelemetry::propagation::{Extractor, Injector};
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::SdkTracerProvider;
+use tracing_appender::non_blocking::{ErrorCounter, NonBlocking, NonBlockingBuilder, WorkerGuard};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::EnvFilter;
+use tracing_subscriber::fmt::MakeWriter;
+use tracing_subscriber::fmt::writer::EitherWriter;
 use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
@@ -24,6 +33,34 @@ pub use opentelemetry::Context;
 
 /// The exporter's provider, flushed by [`shutdown`].
 static PROVIDER: OnceLock<SdkTracerProvider> = OnceLock::new();
+
+/// The log writer's thread, kept for the process's life: dropping its guard
+/// (in [`shutdown`]) writes out the queued lines and stops it.
+static LOG_WORKER: Mutex<Option<LogWorker>> = Mutex::new(None);
+
+/// Set by [`shutdown`]: from then on lines go to stdout synchronously, so
+/// what is logged after the writer's thread stopped is not lost.
+static LOG_STOPPED: AtomicBool = AtomicBool::new(false);
+
+struct LogWorker {
+    guard: WorkerGuard,
+    dropped: ErrorCounter,
+}
+
+/// Stdout through the non-blocking writer, or directly once it stopped.
+struct LogWriter(NonBlocking);
+
+impl<'a> MakeWriter<'a> for LogWriter {
+    type Writer = EitherWriter<NonBlocking, Stdout>;
+
+    fn make_writer(&'a self) -> Self::Writer {
+        if LOG_STOPPED.load(Ordering::Acquire) {
+            EitherWriter::B(std::io::stdout())
+        } else {
+            EitherWriter::A(self.0.clone())
+        }
+    }
+}
 
 /// Whether spans are exported: the OTLP endpoint is configured.
 pub fn exporting() -> bool {
@@ -50,14 +87,36 @@ pub fn init(format: &str, level: &str, service: &str) {
             let _ = PROVIDER.set(provider);
             tracing_opentelemetry::layer().with_tracer(tracer)
         });
-    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stdout);
+    // Lossy: when stdout falls 128,000 lines behind (a stalled log
+    // collector), a new line is dropped rather than the logging thread (an
+    // HTTP worker, serving every request on it) blocked until stdout drains:
+    // a log line is not worth stalling requests. Drops are not silent: they
+    // are counted in `rialto_log_lines_dropped_total` and reported on stderr
+    // at exit. The writer's thread writes each batch it finds queued in one
+    // write (the buffer), flushed when the queue is empty.
+    let (writer, guard) = NonBlockingBuilder::default()
+        .lossy(true)
+        .thread_name("rialto-log")
+        .finish(BufWriter::new(std::io::stdout()));
+    let dropped = writer.error_counter();
+    let fmt = tracing_subscriber::fmt::layer().with_writer(LogWriter(writer));
     let registry = tracing_subscriber::registry().with(filter).with(otel);
-    // A second init (tests) is harmless: keep the first subscriber.
-    let _ = if format == "json" {
+    // A second init (tests) is harmless: keep the first subscriber (the new
+    // writer's thread stops with its guard, dropped here).
+    let installed = if format == "json" {
         registry.with(fmt.json()).try_init()
     } else {
         registry.with(fmt).try_init()
     };
+    if installed.is_ok() {
+        let counter = dropped.clone();
+        crate::metrics::metrics().on_scrape(move |metrics| {
+            let now = counter.dropped_lines() as u64;
+            let seen = metrics.log_lines_dropped.get();
+            metrics.log_lines_dropped.inc_by(now.saturating_sub(seen));
+        });
+        *LOG_WORKER.lock().unwrap_or_else(|e| e.into_inner()) = Some(LogWorker { guard, dropped });
+    }
 }
 
 fn tracer_provider(service: &str) -> Option<SdkTracerProvider> {
@@ -87,10 +146,28 @@ fn tracer_provider(service: &str) -> Option<SdkTracerProvider> {
     )
 }
 
-/// Flushes the spans not yet exported; call once before the process exits.
+/// Flushes the spans not yet exported and writes out the queued log lines
+/// (waiting up to about a second for stdout); call once before the process
+/// exits. Lines logged afterwards are written synchronously.
 pub fn shutdown() {
     if let Some(provider) = PROVIDER.get() {
         let _ = provider.shutdown();
+    }
+    flush_logs();
+}
+
+/// Writes out the queued log lines and stops the writer's thread; later
+/// lines go to stdout synchronously.
+pub fn flush_logs() {
+    let worker = LOG_WORKER.lock().unwrap_or_else(|e| e.into_inner()).take();
+    let Some(LogWorker { guard, dropped }) = worker else {
+        return;
+    };
+    LOG_STOPPED.store(true, Ordering::Release);
+    drop(guard);
+    let lost = dropped.dropped_lines();
+    if lost > 0 {
+        eprintln!("rialto: {lost} log lines dropped (stdout fell behind)");
     }
 }
 
@@ -157,4 +234,36 @@ pub fn inject_current() -> Vec<(&'static str, String)> {
 /// The machine's host name, for `x-<brand>-host-name`.
 pub fn host_name() -> String {
     gethostname::gethostname().to_string_lossy().into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lines_go_through_the_writer_thread_until_flushed_then_straight_to_stdout() {
+        init("text", "info", "rialto-test");
+        tracing::info!("queued for the writer's thread");
+        assert!(
+            LOG_WORKER
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_some()
+        );
+        assert!(!LOG_STOPPED.load(Ordering::Acquire));
+        // Nothing was dropped, and the scrape says so.
+        let text = crate::metrics::metrics().render();
+        assert!(text.contains("rialto_log_lines_dropped_total 0"), "{text}");
+        flush_logs();
+        assert!(LOG_STOPPED.load(Ordering::Acquire));
+        assert!(
+            LOG_WORKER
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .is_none()
+        );
+        // After the flush a line is written synchronously, not lost.
+        tracing::info!("written directly");
+        flush_logs();
+    }
 }
