@@ -3,14 +3,25 @@
 //!
 //! - [`LimiterService`] is one replica's interface: admit into a window,
 //!   commit the real tokens, record and read limit hits. [`LocalLimiter`]
-//!   implements it with one actix actor per principal ([`actor`]) holding
-//!   sliding-log windows ([`window`]); [`grpc`] carries it across processes.
+//!   implements it with the sliding-log windows ([`window`]) of every
+//!   principal it holds in a sharded map of `std::sync::Mutex`es
+//!   ([`principals`]): a decision is one short synchronous critical section
+//!   on the caller's thread, with no `.await` between reading a window and
+//!   updating it, so a principal's concurrent requests are decided one at a
+//!   time, exactly. [`grpc`] carries the trait across processes.
 //! - [`RateLimiter`] is what the gateway holds: it resolves the limits of a
-//!   request from the configuration ([`policy`]), picks the replica owning
-//!   each window by a consistent hash, and sends commits and hits as events
-//!   on the bus.
+//!   request from the configuration ([`policy`]) and picks the replica
+//!   owning each window by a consistent hash. A window owned by the
+//!   [`LocalLimiter`] of this process is decided, committed and released in
+//!   place (no task, channel or thread hop, no owned copy of the request);
+//!   other replicas get the trait's messages, with commits and hits as
+//!   events on the bus.
 //! - [`abuse::AbuseGuard`] counts failed requests in the gateway itself: it
 //!   runs before anything else and must cost next to nothing.
+//!
+//! The limiter uses no actors (no actix dependency): its only background
+//! work is Tokio tasks (the idle sweeper, the bus subscribers, the log
+//! writer).
 
 use std::sync::Arc;
 
@@ -19,11 +30,11 @@ use rialto_core::Result;
 use rialto_proto::limiter::v1 as pb;
 
 pub mod abuse;
-pub mod actor;
 pub mod clock;
 pub mod grpc;
 mod local;
 pub mod policy;
+pub mod principals;
 mod rate_limiter;
 pub mod window;
 
@@ -56,11 +67,27 @@ pub trait LimiterService: Send + Sync + 'static {
 
 /// A cloneable handle on one limiter replica, local or remote.
 #[derive(Clone)]
-pub struct LimiterClient(Arc<dyn LimiterService>);
+pub struct LimiterClient {
+    service: Arc<dyn LimiterService>,
+    /// The same replica when it is a [`LocalLimiter`] of this process, so
+    /// [`RateLimiter`] can decide in place rather than through the trait.
+    local: Option<LocalLimiter>,
+}
 
 impl LimiterClient {
-    pub fn new(service: impl LimiterService) -> Self {
-        Self(Arc::new(service))
+    pub fn new<S: LimiterService>(service: S) -> Self {
+        let local = (&service as &dyn std::any::Any)
+            .downcast_ref::<LocalLimiter>()
+            .cloned();
+        Self {
+            service: Arc::new(service),
+            local,
+        }
+    }
+
+    /// The replica itself when it runs in this process.
+    pub fn local(&self) -> Option<&LocalLimiter> {
+        self.local.as_ref()
     }
 }
 
@@ -68,12 +95,14 @@ impl std::ops::Deref for LimiterClient {
     type Target = dyn LimiterService;
 
     fn deref(&self) -> &Self::Target {
-        self.0.as_ref()
+        self.service.as_ref()
     }
 }
 
 impl std::fmt::Debug for LimiterClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("LimiterClient")
+        f.debug_struct("LimiterClient")
+            .field("local", &self.local.is_some())
+            .finish()
     }
 }

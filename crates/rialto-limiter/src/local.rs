@@ -1,9 +1,9 @@
-//! The limiter replica in this process: principal actors, and the tasks
-//! that connect them to the bus and the rate-limit log.
+//! The limiter replica in this process: the sharded windows of the
+//! principals it holds ([`Principals`]), and the tasks that connect them to
+//! the bus and the rate-limit log.
 
 use std::sync::Arc;
 
-use actix::MailboxError;
 use async_trait::async_trait;
 use bytes::Bytes;
 use futures_util::StreamExt;
@@ -11,12 +11,12 @@ use prost::Message;
 use rialto_core::bus::Bus;
 use rialto_core::db::{Database, now_ms};
 
-use rialto_core::{Config, Error, Result};
+use rialto_core::{Config, Result};
 use rialto_proto::limiter::v1 as pb;
 use sqlx::Row;
 use tokio::sync::mpsc;
 
-use crate::actor::{Admit, Commit, HitSink, Registry};
+use crate::principals::{Admit, Commit, HitSink, Principals, spawn_sweeper};
 use crate::{COMMITS_SUBJECT, HITS_SUBJECT, LOG_PAGE, LOG_WRITERS, LimiterService};
 
 /// How long rate-limit log entries are kept.
@@ -26,9 +26,12 @@ const LOG_KEPT_PER_ACCOUNT: i64 = 200;
 /// Hits waiting to be published before new ones are dropped.
 const HIT_QUEUE: usize = 10_000;
 
+/// One limiter replica. Its decisions ([`decide`](Self::decide),
+/// [`apply`](Self::apply)) are synchronous and run on the caller's thread;
+/// the [`LimiterService`] methods wrap them for the trait and gRPC.
 #[derive(Clone)]
 pub struct LocalLimiter {
-    registry: Arc<Registry>,
+    principals: Arc<Principals>,
     hits: HitSink,
     db: Database,
 }
@@ -36,22 +39,28 @@ pub struct LocalLimiter {
 impl std::fmt::Debug for LocalLimiter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LocalLimiter")
-            .field("actors", &self.registry.len())
+            .field("principals", &self.principals.len())
             .finish()
     }
 }
 
 impl LocalLimiter {
-    /// Starts a replica: one arbiter per core for the actors, a task that
-    /// publishes their limit hits, one that applies the commits arriving on
+    /// Starts a replica: the sharded windows and their idle sweeper, a task
+    /// that publishes limit hits, one that applies the commits arriving on
     /// the bus, and one that writes the hits of its queue group to the log.
-    /// Must run inside an actix `System`.
+    /// Must run inside a Tokio runtime.
     pub async fn start(config: &Config, db: Database, bus: Bus) -> Result<Self> {
         let (hits, mut hit_events) = mpsc::channel::<pb::LimitHit>(HIT_QUEUE);
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let span_ms = (config.limits.window_secs as i64).saturating_mul(1000);
         let idle_ms = (config.limits.idle_secs as i64).saturating_mul(1000);
-        let registry = Registry::new(cores, span_ms, idle_ms, hits.clone());
+        let principals = Arc::new(Principals::new(
+            Principals::shards_for(cores),
+            span_ms,
+            idle_ms,
+            hits.clone(),
+        ));
+        spawn_sweeper(&principals);
 
         let hits_subject = bus.subject(HITS_SUBJECT);
         let mut written = bus
@@ -90,11 +99,13 @@ impl LocalLimiter {
             }
         });
 
-        let commit_registry = registry.clone();
+        // Every replica hears every commit and applies those of principals
+        // it holds; the others have nothing to do.
+        let commit_principals = principals.clone();
         tokio::spawn(async move {
             while let Some(payload) = commits.next().await {
                 match pb::CommitRequest::decode(payload) {
-                    Ok(request) => apply_commit(&commit_registry, request),
+                    Ok(request) => commit_principals.commit(&Commit::of(&request)),
                     Err(_) => tracing::warn!("undecodable commit on the bus"),
                 }
             }
@@ -104,20 +115,28 @@ impl LocalLimiter {
             );
         });
 
-        Ok(Self { registry, hits, db })
+        Ok(Self {
+            principals,
+            hits,
+            db,
+        })
     }
 
-    /// The actor registry, for tests.
-    pub fn registry(&self) -> &Arc<Registry> {
-        &self.registry
+    /// Decides one admission (or peek) now, on this thread: one short
+    /// critical section on the principal's shard.
+    pub fn decide(&self, request: &Admit<'_>) -> pb::AdmitResponse {
+        self.principals.admit(request)
     }
-}
 
-/// Applies a commit where this replica holds the principal's windows; other
-/// replicas hear the same event and have nothing to do.
-fn apply_commit(registry: &Registry, request: pb::CommitRequest) {
-    if let Some(actor) = registry.existing(&request.principal) {
-        actor.do_send(Commit(request));
+    /// Applies a commit or a release now, on this thread, where this replica
+    /// holds the principal's windows.
+    pub fn apply(&self, commit: &Commit<'_>) {
+        self.principals.commit(commit);
+    }
+
+    /// The windows this replica holds, for tests and metrics.
+    pub fn principals(&self) -> &Arc<Principals> {
+        &self.principals
     }
 }
 
@@ -161,24 +180,11 @@ async fn prune(db: &Database) -> Result<()> {
 #[async_trait]
 impl LimiterService for LocalLimiter {
     async fn admit(&self, request: pb::AdmitRequest) -> Result<pb::AdmitResponse> {
-        // An actor stops itself only when idle with empty windows; a request
-        // that reaches it as it stops goes to its successor, losing nothing.
-        let request = Arc::new(request);
-        for _ in 0..3 {
-            let actor = self.registry.get(&request.principal);
-            match actor.send(Admit(request.clone())).await {
-                Ok(response) => return Ok(response),
-                Err(MailboxError::Closed) => continue,
-                Err(MailboxError::Timeout) => break,
-            }
-        }
-        Err(Error::internal(
-            "the limiter's actor for this principal is unavailable",
-        ))
+        Ok(self.decide(&Admit::of(&request)))
     }
 
     async fn commit(&self, request: pb::CommitRequest) -> Result<pb::CommitResponse> {
-        apply_commit(&self.registry, request);
+        self.apply(&Commit::of(&request));
         Ok(pb::CommitResponse {})
     }
 
@@ -223,7 +229,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::{Caller, RateLimiter, Target};
+    use crate::{Caller, LimiterClient, RateLimiter, Target};
 
     const CONFIG: &str = r#"
 [limits]
@@ -237,14 +243,88 @@ id = "chat"
 "#;
 
     async fn limiter(dir: &tempfile::TempDir) -> (Config, LocalLimiter, RateLimiter) {
+        limiter_reached(dir, Reached::InPlace).await
+    }
+
+    /// How the gateway's `RateLimiter` reaches the replica.
+    #[derive(Clone, Copy, Debug)]
+    enum Reached {
+        /// As in `rialto serve`: decided and committed in place.
+        InPlace,
+        /// Through `LimiterService` messages, commits on the bus, as a
+        /// replica in another process is reached (minus the network).
+        Messages,
+    }
+
+    /// The replica behind the trait only, as gRPC would see it.
+    struct Messages(LimiterClient);
+
+    #[async_trait]
+    impl LimiterService for Messages {
+        async fn admit(&self, request: pb::AdmitRequest) -> Result<pb::AdmitResponse> {
+            self.0.admit(request).await
+        }
+        async fn commit(&self, request: pb::CommitRequest) -> Result<pb::CommitResponse> {
+            self.0.commit(request).await
+        }
+        async fn record_hits(
+            &self,
+            request: pb::RecordHitsRequest,
+        ) -> Result<pb::RecordHitsResponse> {
+            self.0.record_hits(request).await
+        }
+        async fn recent_hits(
+            &self,
+            request: pb::RecentHitsRequest,
+        ) -> Result<pb::RecentHitsResponse> {
+            self.0.recent_hits(request).await
+        }
+    }
+
+    async fn limiter_reached(
+        dir: &tempfile::TempDir,
+        reached: Reached,
+    ) -> (Config, LocalLimiter, RateLimiter) {
         let config = Config::from_toml(CONFIG).unwrap();
         let url = format!("sqlite://{}/limiter.db", dir.path().display());
         let db = Database::connect(&url, 2).await.unwrap();
         let bus = Bus::in_process("test");
         let local = LocalLimiter::start(&config, db, bus.clone()).await.unwrap();
-        let client = crate::LimiterClient::new(local.clone());
+        let client = LimiterClient::new(local.clone());
+        assert!(client.local().is_some());
+        let client = match reached {
+            Reached::InPlace => client,
+            Reached::Messages => {
+                let messages = LimiterClient::new(Messages(client));
+                assert!(messages.local().is_none());
+                messages
+            }
+        };
         let rate = RateLimiter::new(&config, vec![("local".into(), client)], Some(bus));
         (config, local, rate)
+    }
+
+    /// `tasks` concurrent admissions of key `k1` through `rate`; how many
+    /// were admitted.
+    async fn race(rate: &RateLimiter, config: &Config, tasks: usize) -> usize {
+        let model = config.model("chat").unwrap().clone();
+        let mut handles = Vec::new();
+        for i in 0..tasks {
+            let rate = rate.clone();
+            let model = model.clone();
+            handles.push(tokio::spawn(async move {
+                let admission = rate
+                    .admit(caller("k1"), Target::model(&model), &format!("r{i}"), 10)
+                    .await
+                    .unwrap();
+                admission.refusal.is_none()
+            }));
+        }
+        let mut admitted = 0;
+        for handle in handles {
+            admitted += usize::from(handle.await.unwrap());
+        }
+        admitted
     }
 
     fn caller(key_id: &str) -> Caller<'_> {
@@ -255,28 +335,12 @@ id = "chat"
         }
     }
 
-    #[actix_rt::test]
+    #[tokio::test]
     async fn two_hundred_concurrent_requests_against_50_rpm_admit_exactly_50() {
         let dir = tempfile::tempdir().unwrap();
         let (config, _local, rate) = limiter(&dir).await;
         let model = config.model("chat").unwrap().clone();
-        let mut tasks = Vec::new();
-        for i in 0..200 {
-            let rate = rate.clone();
-            let model = model.clone();
-            tasks.push(tokio::spawn(async move {
-                let admission = rate
-                    .admit(caller("k1"), Target::model(&model), &format!("r{i}"), 10)
-                    .await
-                    .unwrap();
-                admission.refusal.is_none()
-            }));
-        }
-        let mut admitted = 0;
-        for task in tasks {
-            admitted += usize::from(task.await.unwrap());
-        }
-        assert_eq!(admitted, 50);
+        assert_eq!(race(&rate, &config, 200).await, 50);
         // Another key of the same account has its own window.
         let other = rate
             .admit(caller("k2"), Target::model(&model), "other", 10)
@@ -289,10 +353,19 @@ id = "chat"
         assert_eq!(headers.tokens.unwrap().remaining, 9990);
     }
 
-    #[actix_rt::test]
+    #[tokio::test]
     async fn commits_correct_the_estimate_and_refusals_reach_the_log() {
+        commits_correct_the_estimate(Reached::InPlace).await;
+    }
+
+    #[tokio::test]
+    async fn commits_on_the_bus_correct_the_estimate_and_refusals_reach_the_log() {
+        commits_correct_the_estimate(Reached::Messages).await;
+    }
+
+    async fn commits_correct_the_estimate(reached: Reached) {
         let dir = tempfile::tempdir().unwrap();
-        let (config, local, rate) = limiter(&dir).await;
+        let (config, local, rate) = limiter_reached(&dir, reached).await;
         let model = config.model("chat").unwrap();
         let first = rate
             .admit(caller("k1"), Target::model(model), "r1", 9000)
@@ -320,7 +393,8 @@ id = "chat"
             "{}",
             refusal.message
         );
-        // The first request used 100 tokens: the commit travels on the bus.
+        // The first request used 100 tokens: the commit is applied in place,
+        // or travels on the bus to the replica holding the principal.
         rate.commit(first.ticket, 100);
         let mut remaining = 0;
         for _ in 0..100 {
@@ -357,7 +431,7 @@ id = "chat"
         assert_eq!(hits[0].model_id, "chat");
     }
 
-    #[actix_rt::test]
+    #[tokio::test]
     async fn the_log_keeps_the_newest_200_entries_of_an_account() {
         let dir = tempfile::tempdir().unwrap();
         let (_, local, _) = limiter(&dir).await;
@@ -398,8 +472,8 @@ id = "chat"
         assert_eq!(count, 200);
     }
 
-    #[actix_rt::test]
-    async fn idle_actors_stop_and_come_back_on_use() {
+    #[tokio::test]
+    async fn idle_principals_are_dropped_and_come_back_on_use() {
         let dir = tempfile::tempdir().unwrap();
         let config = Config::from_toml(
             "[limits]\nwindow_secs = 1\nidle_secs = 1\n[[models]]\nid = \"chat\"\n",
@@ -423,8 +497,8 @@ id = "chat"
         };
         assert!(local.admit(request.clone()).await.unwrap().admitted);
         assert!(!local.admit(request.clone()).await.unwrap().admitted);
-        assert_eq!(local.registry().len(), 1);
-        // Until its admitted request commits, the actor waits for it.
+        assert_eq!(local.principals().len(), 1);
+        // Until its admitted request commits, its windows wait for it.
         local
             .commit(pb::CommitRequest {
                 request_id: "r".into(),
@@ -436,9 +510,129 @@ id = "chat"
             })
             .await
             .unwrap();
-        // Window (1 s) and idle time (1 s) pass: the actor stops itself.
+        // Window (1 s) and idle time (1 s) pass: the sweeper drops them.
         tokio::time::sleep(Duration::from_millis(2600)).await;
-        assert_eq!(local.registry().len(), 0);
+        assert_eq!(local.principals().len(), 0);
         assert!(local.admit(request).await.unwrap().admitted);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+    async fn two_hundred_concurrent_requests_on_four_threads_admit_exactly_50() {
+        for reached in [Reached::InPlace, Reached::Messages] {
+            let dir = tempfile::tempdir().unwrap();
+            let (config, local, rate) = limiter_reached(&dir, reached).await;
+            assert_eq!(race(&rate, &config, 200).await, 50, "{reached:?}");
+            assert_eq!(local.principals().len(), 1);
+        }
+    }
+
+    /// Many OS threads deciding at once on one principal, with no runtime
+    /// between them and the windows: exactly the limit is admitted, and
+    /// releases made concurrently give back exactly the slots taken.
+    #[test]
+    fn many_threads_racing_on_one_principal_admit_exactly_the_limit() {
+        const THREADS: usize = 16;
+        const ATTEMPTS: usize = 40;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let local = runtime.block_on(async {
+            let config = Config::from_toml(CONFIG).unwrap();
+            let url = format!("sqlite://{}/limiter.db", dir.path().display());
+            let db = Database::connect(&url, 2).await.unwrap();
+            LocalLimiter::start(&config, db, Bus::in_process("t"))
+                .await
+                .unwrap()
+        });
+        let limit = pb::Limit {
+            requests: 50,
+            tokens: 0,
+            requests_per_day: 0,
+        };
+        // Each thread's admitted request ids.
+        let race = |round: usize| -> Vec<Vec<String>> {
+            let start = std::sync::Barrier::new(THREADS);
+            std::thread::scope(|scope| {
+                let threads: Vec<_> = (0..THREADS)
+                    .map(|t| {
+                        let (local, start) = (&local, &start);
+                        scope.spawn(move || {
+                            start.wait();
+                            (0..ATTEMPTS)
+                                .map(|i| format!("r{round}-{t}-{i}"))
+                                .filter(|id| {
+                                    local
+                                        .decide(&Admit {
+                                            request_id: id,
+                                            principal: "key:hot",
+                                            window: "chat",
+                                            limit,
+                                            estimated_tokens: 10,
+                                            account_id: "acct",
+                                            key_id: "hot",
+                                            tier: "standard",
+                                            peek: false,
+                                        })
+                                        .admitted
+                                })
+                                .collect::<Vec<_>>()
+                        })
+                    })
+                    .collect();
+                threads.into_iter().map(|t| t.join().unwrap()).collect()
+            })
+        };
+        let peek = || {
+            local
+                .decide(&Admit {
+                    request_id: "",
+                    principal: "key:hot",
+                    window: "chat",
+                    limit,
+                    estimated_tokens: 0,
+                    account_id: "",
+                    key_id: "",
+                    tier: "",
+                    peek: true,
+                })
+                .state
+                .unwrap()
+        };
+
+        let first = race(0);
+        assert_eq!(first.iter().map(Vec::len).sum::<usize>(), 50);
+        let state = peek();
+        assert_eq!(state.remaining_requests, 0);
+
+        // Every thread releases what it was admitted, all at once.
+        let start = std::sync::Barrier::new(THREADS);
+        std::thread::scope(|scope| {
+            for ids in &first {
+                let (local, start) = (&local, &start);
+                scope.spawn(move || {
+                    start.wait();
+                    for id in ids {
+                        local.apply(&Commit {
+                            request_id: id,
+                            principal: "key:hot",
+                            window: "chat",
+                            estimated_tokens: 10,
+                            used_tokens: 0,
+                            release: true,
+                        });
+                    }
+                });
+            }
+        });
+        assert_eq!(peek().remaining_requests, 50);
+
+        // The same race again: exactly the limit once more.
+        let second = race(1);
+        assert_eq!(second.iter().map(Vec::len).sum::<usize>(), 50);
+        assert_eq!(peek().remaining_requests, 0);
+        drop(runtime);
     }
 }

@@ -6,6 +6,12 @@
 //! the configured replica addresses: every gateway computes the same owner
 //! with no coordination, and adding or losing a replica moves only the
 //! principals it gains or held.
+//!
+//! A window whose owner is the [`LocalLimiter`](crate::LocalLimiter) of this
+//! process is decided in place: [`LocalLimiter::decide`] and
+//! [`LocalLimiter::apply`] on the caller's thread, with borrowed strings, no
+//! spawned task and no bus event. Only windows of other replicas go through
+//! [`LimiterService`](crate::LimiterService) messages.
 
 use std::sync::Arc;
 
@@ -17,7 +23,8 @@ use rialto_core::{Config, Error, ErrorCode, Result};
 use rialto_proto::limiter::v1 as pb;
 
 use crate::policy::{Caller, Policy, Scope, Target, WindowSpec};
-use crate::{COMMITS_SUBJECT, HITS_SUBJECT, LOG_PAGE, LimiterClient};
+use crate::principals::{Admit, Commit};
+use crate::{COMMITS_SUBJECT, HITS_SUBJECT, LOG_PAGE, LimiterClient, LocalLimiter};
 
 /// A cloneable handle: the policy, the replicas and the bus.
 #[derive(Clone, Debug)]
@@ -74,7 +81,11 @@ pub struct Admission {
 pub struct Ticket {
     request_id: String,
     estimated_tokens: u64,
-    held: Vec<(usize, String, String)>,
+    /// The window name (model id or `endpoint:<path>`), the same in every
+    /// principal held.
+    window: String,
+    /// (owner replica, principal) of each slot held.
+    held: Vec<(usize, String)>,
 }
 
 impl Ticket {
@@ -109,6 +120,11 @@ impl RateLimiter {
         owner_index(principal, self.0.replicas.iter().map(|r| r.seed))
     }
 
+    /// The replica at `index` when it is this process's own.
+    fn local(&self, index: usize) -> Option<&LocalLimiter> {
+        self.0.replicas.get(index).and_then(|r| r.client.local())
+    }
+
     fn replica(&self, index: usize) -> Result<&LimiterClient> {
         self.0
             .replicas
@@ -128,9 +144,18 @@ impl RateLimiter {
         estimated_tokens: u64,
     ) -> Result<Admission> {
         let windows = self.0.policy.windows(caller, target);
+        if windows.is_empty() {
+            record_decision("none");
+            return Ok(Admission {
+                headers: None,
+                refusal: None,
+                ticket: Ticket::default(),
+            });
+        }
         let mut ticket = Ticket {
             request_id: request_id.to_owned(),
             estimated_tokens,
+            window: target.window.to_owned(),
             held: Vec::with_capacity(windows.len()),
         };
         let mut shown: Option<(Scope, pb::WindowState)> = None;
@@ -141,29 +166,42 @@ impl RateLimiter {
         } in windows
         {
             let owner = self.owner(&principal);
-            let response = self
-                .replica(owner)?
-                .admit(pb::AdmitRequest {
-                    request_id: request_id.to_owned(),
-                    principal: principal.clone(),
-                    window: target.window.to_owned(),
-                    limit: Some(limit),
+            let response = match self.local(owner) {
+                // Decided here and now: no copy of the request, no hop.
+                Some(local) => Ok(local.decide(&Admit {
+                    request_id,
+                    principal: &principal,
+                    window: target.window,
+                    limit,
                     estimated_tokens,
-                    account_id: caller.account_id.to_owned(),
-                    key_id: caller.key_id.to_owned(),
-                    tier: caller.tier.to_owned(),
+                    account_id: caller.account_id,
+                    key_id: caller.key_id,
+                    tier: caller.tier,
                     peek: false,
-                })
-                .await;
+                })),
+                None => {
+                    self.replica(owner)?
+                        .admit(pb::AdmitRequest {
+                            request_id: request_id.to_owned(),
+                            principal: principal.clone(),
+                            window: target.window.to_owned(),
+                            limit: Some(limit),
+                            estimated_tokens,
+                            account_id: caller.account_id.to_owned(),
+                            key_id: caller.key_id.to_owned(),
+                            tier: caller.tier.to_owned(),
+                            peek: false,
+                        })
+                        .await
+                }
+            };
             let response = match response {
                 Ok(response) => response,
                 Err(error) => {
                     // The owner may have admitted before the call failed:
                     // release this window too (a release of nothing is
                     // a no-op).
-                    ticket
-                        .held
-                        .push((owner, principal, target.window.to_owned()));
+                    ticket.held.push((owner, principal));
                     self.release(ticket);
                     return Err(error);
                 }
@@ -195,9 +233,7 @@ impl RateLimiter {
                     ticket: Ticket::default(),
                 });
             }
-            ticket
-                .held
-                .push((owner, principal, target.window.to_owned()));
+            ticket.held.push((owner, principal));
             // Show the window closest to refusing.
             if shown
                 .as_ref()
@@ -223,16 +259,31 @@ impl RateLimiter {
     ) -> Result<Option<RateHeaders>> {
         let mut shown: Option<(Scope, pb::WindowState)> = None;
         for spec in self.0.policy.windows(caller, target) {
-            let response = self
-                .replica(self.owner(&spec.principal))?
-                .admit(pb::AdmitRequest {
-                    principal: spec.principal,
-                    window: target.window.to_owned(),
-                    limit: Some(spec.limit),
+            let owner = self.owner(&spec.principal);
+            let response = match self.local(owner) {
+                Some(local) => local.decide(&Admit {
+                    request_id: "",
+                    principal: &spec.principal,
+                    window: target.window,
+                    limit: spec.limit,
+                    estimated_tokens: 0,
+                    account_id: "",
+                    key_id: "",
+                    tier: "",
                     peek: true,
-                    ..Default::default()
-                })
-                .await?;
+                }),
+                None => {
+                    self.replica(owner)?
+                        .admit(pb::AdmitRequest {
+                            principal: spec.principal,
+                            window: target.window.to_owned(),
+                            limit: Some(spec.limit),
+                            peek: true,
+                            ..Default::default()
+                        })
+                        .await?
+                }
+            };
             let state = response.state.unwrap_or_default();
             if shown
                 .as_ref()
@@ -244,23 +295,45 @@ impl RateLimiter {
         Ok(shown.map(|(scope, state)| headers(scope, &state)))
     }
 
-    /// Tells the owners what the request used. Fire and forget: it runs off
-    /// the response path, as an event on the bus when the bus reaches the
-    /// replicas.
+    /// Tells the owners what the request used. A window of this process's
+    /// replica is corrected in place, before this returns; for the others
+    /// it is fire and forget, off the response path, as an event on the bus
+    /// when the bus reaches the replicas.
     pub fn commit(&self, ticket: Ticket, used_tokens: u64) {
         self.send_commits(ticket, used_tokens, false);
     }
 
     /// Gives back the slots of a request that never ran (a later window, or
-    /// billing, refused it). Sent to each owner directly, never on the bus
-    /// (at most once there): a lost release would hold a slot for a whole
-    /// window.
+    /// billing, refused it). Applied in place for this process's replica,
+    /// sent to each other owner directly, never on the bus (at most once
+    /// there): a lost release would hold a slot for a whole window.
     pub fn release(&self, ticket: Ticket) {
         self.send_commits(ticket, 0, true);
     }
 
     fn send_commits(&self, ticket: Ticket, used_tokens: u64, release: bool) {
-        if ticket.held.is_empty() {
+        let Ticket {
+            request_id,
+            estimated_tokens,
+            window,
+            mut held,
+        } = ticket;
+        // The owner is the replica of this process: applied now, in place.
+        held.retain(|(owner, principal)| match self.local(*owner) {
+            Some(local) => {
+                local.apply(&Commit {
+                    request_id: &request_id,
+                    principal,
+                    window: &window,
+                    estimated_tokens,
+                    used_tokens,
+                    release,
+                });
+                false
+            }
+            None => true,
+        });
+        if held.is_empty() {
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -268,16 +341,11 @@ impl RateLimiter {
         };
         let this = self.clone();
         runtime.spawn(async move {
-            let Ticket {
-                request_id,
-                estimated_tokens,
-                held,
-            } = ticket;
-            for (owner, principal, window) in held {
+            for (owner, principal) in held {
                 let request = pb::CommitRequest {
                     request_id: request_id.clone(),
                     principal,
-                    window,
+                    window: window.clone(),
                     used_tokens,
                     release,
                     estimated_tokens,

@@ -148,7 +148,7 @@ impl Window {
         self.requests += 1;
         self.tokens += estimate;
         // Days are counted only under a daily limit: otherwise the count
-        // would keep every principal's actor alive until midnight.
+        // would keep every principal's windows held until midnight.
         if limit.requests_per_day > 0 {
             self.day.1 += 1;
         }

@@ -1,29 +1,28 @@
 //! `bench-limiter`: what one rate-limit decision costs, in process.
 //!
-//! Runs the real limiter of `rialto serve` (a [`LocalLimiter`]: one actor per
-//! principal on one arbiter per core, a temporary SQLite database for the
-//! rate-limit log, the in-process bus for commits) behind the
-//! [`RateLimiter`] the gateway calls, inside an actix `System` on a
-//! multi-thread Tokio runtime with one worker per core (as in `rialto
-//! serve`), and measures:
+//! Runs the real limiter of `rialto serve` (a [`LocalLimiter`]: the windows
+//! of every principal in a sharded map of mutexes, decided in place on the
+//! caller's thread; a temporary SQLite database for the rate-limit log, the
+//! in-process bus) behind the [`RateLimiter`] the gateway calls, inside an
+//! actix `System` on a multi-thread Tokio runtime with one worker per core
+//! (as in `rialto serve`), and measures:
 //!
 //! - `window`: [`Window::admit`] on one thread, the data structure alone,
 //!   with a simulated clock (one decision per millisecond in a 60 s window:
 //!   60,000 live entries, expiring as fast as they are added);
-//!   `window_with_state` adds the `state` read the actor's handler makes
-//!   after each decision;
-//! - `many_keys`: [`RateLimiter::admit`] (policy, actor round trip) from
+//!   `window_with_state` adds the `state` read the limiter makes after each
+//!   decision;
+//! - `many_keys`: [`RateLimiter::admit`] (policy, shard lock, decision) from
 //!   `--concurrency` tasks over `--keys` principals; `many_keys_commit`
-//!   sends each admission's commit on the bus too, as a request does;
+//!   commits each admission too (applied in place), as a request does;
 //! - `one_key`: the same tasks all on one principal, so every decision
-//!   queues on one actor;
+//!   takes the same shard's lock;
 //! - `c1`: one task, admissions back to back, with the latency of each.
 //!
 //! Limits are far above the offered load, so everything is admitted (a
 //! refusal would be counted and reported). Rates are per second of wall
-//! time; `per_core_per_s` divides by the cores the arbiters use
-//! (`available_parallelism`), so it charges the callers' side of the round
-//! trip too. Prints one JSON object.
+//! time; `per_core_per_s` divides by the runtime's workers
+//! (`available_parallelism`). Prints one JSON object.
 
 use std::fmt::Write as _;
 use std::hint::black_box;
@@ -44,7 +43,7 @@ use rialto_limiter::{Caller, LimiterClient, LocalLimiter, RateLimiter, Target};
 use serde_json::{Value, json};
 
 #[derive(Parser)]
-#[command(about = "Cost of one rate-limit decision: the window alone and the actor round trip")]
+#[command(about = "Cost of one rate-limit decision: the window alone and through the limiter")]
 struct Cli {
     /// Seconds measured per scenario.
     #[arg(long, default_value_t = 5.0)]
@@ -83,7 +82,7 @@ struct Timing {
     measured: Duration,
 }
 
-/// One thread, no actor: `Window::admit` (and optionally `state`) with a
+/// One thread, no limiter around it: `Window::admit` (and optionally `state`) with a
 /// simulated clock advancing 1 ms per decision.
 fn window_decisions(timing: Timing, with_state: bool) -> Value {
     let limit = to_pb(Limit {
