@@ -257,13 +257,38 @@ impl Metrics {
     }
 
     pub fn record_http(&self, labels: HttpLabels, seconds: f64) {
-        self.http_duration.get_or_create(&labels).observe(seconds);
-        self.http_requests.get_or_create(&labels).inc();
+        self.http_handles(&labels).record(seconds);
+    }
+
+    /// The counter and histogram of one label set, looked up once: a caller
+    /// that keeps them records a request with no lookup and no allocation.
+    pub fn http_handles(&self, labels: &HttpLabels) -> HttpHandles {
+        HttpHandles {
+            requests: self.http_requests.get_or_create(labels).clone(),
+            duration: self.http_duration.get_or_create(labels).clone(),
+        }
     }
 
     pub fn record_grpc(&self, labels: GrpcLabels, seconds: f64) {
         self.grpc_duration.get_or_create(&labels).observe(seconds);
         self.grpc_requests.get_or_create(&labels).inc();
+    }
+}
+
+/// `rialto_http_requests_total` and `rialto_http_request_duration_seconds`
+/// of one (service, route, method, status): clones of the family's members
+/// (they share their values), from [`Metrics::http_handles`].
+#[derive(Debug, Clone)]
+pub struct HttpHandles {
+    requests: Counter,
+    duration: Histogram,
+}
+
+impl HttpHandles {
+    /// Counts one request that took `seconds`.
+    pub fn record(&self, seconds: f64) {
+        self.duration.observe(seconds);
+        self.requests.inc();
     }
 }
 

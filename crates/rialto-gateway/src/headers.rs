@@ -1,6 +1,9 @@
 //! Headers every response carries, and the request id that ties a response
 //! to its log lines.
 
+use std::cell::RefCell;
+use std::collections::{HashMap, HashSet};
+use std::sync::Mutex;
 use std::time::Instant;
 
 use actix_web::body::{EitherBody, MessageBody};
@@ -9,6 +12,7 @@ use actix_web::http::header::{CONTENT_ENCODING, HeaderName, HeaderValue};
 use actix_web::middleware::Next;
 use actix_web::{HttpMessage, web};
 use rialto_core::Brand;
+use rialto_core::metrics::{HttpHandles, HttpLabels};
 use tracing::Instrument;
 
 use crate::limits::{AbuseCheck, AbuseSubjects};
@@ -169,18 +173,12 @@ pub async fn stamp(
     let status = response.status().as_u16();
     // The route's pattern, never the raw path: a metric label's values
     // must stay few.
-    let route = response
-        .request()
-        .match_pattern()
-        .unwrap_or_else(|| "unmatched".to_owned());
-    span.record("http.route", route.as_str());
-    rialto_core::metrics::metrics().record_http(
-        rialto_core::metrics::HttpLabels {
-            service: "gateway",
-            route,
-            method: method_label(&method),
-            status,
-        },
+    let route = route_of(response.request());
+    span.record("http.route", route);
+    record_http(
+        route,
+        method_label(&method),
+        status,
         started.elapsed().as_secs_f64(),
     );
     let headers = response.headers_mut();
@@ -213,6 +211,81 @@ pub async fn stamp(
     Ok(response)
 }
 
+/// What this thread has resolved for the HTTP metrics: the route pattern of
+/// each raw path that is its own pattern (a route without parameters, such
+/// as `/api/v1/chat/completions`), and the metric handles of each (route,
+/// method, status) it has served. Per thread (actix-web's workers each run
+/// on one), so a hit takes no lock; both maps are bounded by the routes
+/// (paths that are not a pattern are never keys), the methods and the
+/// statuses.
+#[derive(Default)]
+struct RouteMetrics {
+    patterns: HashMap<Box<str>, &'static str>,
+    handles: HashMap<(&'static str, &'static str, u16), HttpHandles>,
+}
+
+thread_local! {
+    static ROUTE_METRICS: RefCell<RouteMetrics> = RefCell::default();
+}
+
+/// The route pattern `request` matched, or `unmatched`. A path that is its
+/// own pattern is found in this thread's map (no allocation, no matching);
+/// any other path is matched by actix's `match_pattern` (which builds a
+/// String) and its pattern interned.
+fn route_of(request: &actix_web::HttpRequest) -> &'static str {
+    let path = request.path();
+    if let Some(route) = ROUTE_METRICS.with_borrow(|cache| cache.patterns.get(path).copied()) {
+        return route;
+    }
+    let Some(pattern) = request.match_pattern() else {
+        return "unmatched";
+    };
+    let route = intern(&pattern);
+    // Which route a path matches depends on the path alone (guards do not
+    // take part in `match_pattern`), so the answer can be kept.
+    if pattern == path {
+        ROUTE_METRICS.with_borrow_mut(|cache| {
+            cache.patterns.insert(path.into(), route);
+        });
+    }
+    route
+}
+
+/// One `&'static str` per route pattern, for the whole process: there are
+/// as many as the routes `configure` lists, so leaking them is bounded.
+fn intern(pattern: &str) -> &'static str {
+    static PATTERNS: Mutex<Option<HashSet<&'static str>>> = Mutex::new(None);
+    let mut patterns = PATTERNS.lock().unwrap_or_else(|e| e.into_inner());
+    let patterns = patterns.get_or_insert_with(HashSet::new);
+    if let Some(interned) = patterns.get(pattern) {
+        return interned;
+    }
+    let interned: &'static str = Box::leak(pattern.into());
+    patterns.insert(interned);
+    interned
+}
+
+/// Counts one request in `rialto_http_requests_total` and
+/// `rialto_http_request_duration_seconds`: after the first request of a
+/// (route, method, status) on this thread, an increment and an observation
+/// on handles kept here, with no family lookup and no allocation.
+fn record_http(route: &'static str, method: &'static str, status: u16, seconds: f64) {
+    ROUTE_METRICS.with_borrow_mut(|cache| {
+        cache
+            .handles
+            .entry((route, method, status))
+            .or_insert_with(|| {
+                rialto_core::metrics::metrics().http_handles(&HttpLabels {
+                    service: "gateway",
+                    route: route.to_owned(),
+                    method,
+                    status,
+                })
+            })
+            .record(seconds);
+    });
+}
+
 /// A method as a metric label (static: no allocation per request).
 fn method_label(method: &actix_web::http::Method) -> &'static str {
     use actix_web::http::Method;
@@ -225,5 +298,98 @@ fn method_label(method: &actix_web::http::Method) -> &'static str {
         Method::HEAD => "HEAD",
         Method::OPTIONS => "OPTIONS",
         _ => "OTHER",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use actix_web::{App, HttpResponse, test};
+
+    fn count(text: &str, route: &str, status: u16) -> Option<u64> {
+        let series = format!(
+            r#"rialto_http_requests_total{{service="gateway",route="{route}",method="GET",status="{status}"}} "#
+        );
+        text.lines()
+            .find_map(|line| line.strip_prefix(series.as_str()))
+            .and_then(|value| value.trim().parse().ok())
+    }
+
+    #[actix_web::test]
+    async fn requests_are_counted_by_route_pattern_with_handles_resolved_once() {
+        let app = test::init_service(
+            App::new()
+                .wrap(actix_web::middleware::from_fn(stamp))
+                .route(
+                    "/stamp-test/plain",
+                    web::get().to(|| async { HttpResponse::Ok().finish() }),
+                )
+                .route(
+                    "/stamp-test/things/{id}",
+                    web::get().to(|| async { HttpResponse::Accepted().finish() }),
+                ),
+        )
+        .await;
+        for uri in [
+            "/stamp-test/plain",
+            "/stamp-test/plain",
+            "/stamp-test/plain",
+            "/stamp-test/things/1",
+            "/stamp-test/things/2",
+        ] {
+            let response =
+                test::call_service(&app, test::TestRequest::get().uri(uri).to_request()).await;
+            assert!(response.status().is_success(), "{uri}");
+        }
+        let text = rialto_core::metrics::metrics().render();
+        assert_eq!(count(&text, "/stamp-test/plain", 200), Some(3), "{text}");
+        assert_eq!(
+            count(&text, "/stamp-test/things/{id}", 202),
+            Some(2),
+            "{text}"
+        );
+        assert!(
+            text.contains(r#"rialto_http_request_duration_seconds_count{service="gateway",route="/stamp-test/plain",method="GET",status="200"} 3"#),
+            "{text}"
+        );
+        // The parameterless route's path is remembered, the others' are not.
+        ROUTE_METRICS.with_borrow(|cache| {
+            assert_eq!(
+                cache.patterns.get("/stamp-test/plain"),
+                Some(&"/stamp-test/plain")
+            );
+            assert!(!cache.patterns.contains_key("/stamp-test/things/1"));
+            assert!(
+                cache
+                    .handles
+                    .contains_key(&("/stamp-test/things/{id}", "GET", 202))
+            );
+        });
+        // One interned string per pattern.
+        assert!(std::ptr::eq(
+            intern("/stamp-test/things/{id}"),
+            intern("/stamp-test/things/{id}")
+        ));
+    }
+
+    #[actix_web::test]
+    async fn an_unmatched_path_is_one_label_and_never_a_key() {
+        let app = test::init_service(App::new().wrap(actix_web::middleware::from_fn(stamp))).await;
+        let response = test::call_service(
+            &app,
+            test::TestRequest::get()
+                .uri("/stamp-test/nowhere/42")
+                .to_request(),
+        )
+        .await;
+        assert_eq!(response.status().as_u16(), 404);
+        let text = rialto_core::metrics::metrics().render();
+        assert!(
+            count(&text, "unmatched", 404).is_some_and(|n| n >= 1),
+            "{text}"
+        );
+        ROUTE_METRICS.with_borrow(|cache| {
+            assert!(!cache.patterns.contains_key("/stamp-test/nowhere/42"));
+        });
     }
 }
