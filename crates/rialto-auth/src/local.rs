@@ -1,8 +1,18 @@
 //! The auth service backed by the database, with an in-memory cache of
 //! authenticated keys so the request path makes no database round trip.
+//!
+//! A cached key is trusted for [`KEY_RECHECK`] after the read that last
+//! confirmed it began. A background task re-reads every key used in the last
+//! [`KEEP_WARM`], all in one query per pass, every [`RECHECK_PASS`]: it
+//! refreshes what changed (tier, spending cap, expiry) and drops what was
+//! deleted or expired, so a key in use never waits for its re-check. Only a
+//! key not in the cache (new, idle past [`KEEP_WARM`], revoked) or one the
+//! passes failed to confirm in time (the database slow or down) is read on
+//! the request path; that fallback is what makes the bound hold whatever
+//! the background task does.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -20,10 +30,21 @@ type SecretHash = [u8; 32];
 
 /// How often buffered `last_used_at` times are written to the database.
 const LAST_USED_FLUSH: Duration = Duration::from_secs(5);
-/// How long a cached key is trusted before the database is asked again. This
-/// bounds how long a key deleted through *another* auth replica keeps working;
-/// deletions through this replica take effect at once.
+/// How long a cached key is trusted after the read that confirmed it began.
+/// This bounds how long a key deleted through *another* auth replica keeps
+/// working when the revocation event does not arrive; deletions through this
+/// replica take effect at once.
 const KEY_RECHECK: Duration = Duration::from_secs(1);
+/// How often the background pass re-reads the cached keys in use: well inside
+/// [`KEY_RECHECK`], so a pass (one query) has half a second to finish before
+/// a request would have to read the key itself.
+const RECHECK_PASS: Duration = Duration::from_millis(500);
+/// A key unused this long leaves the cache (and the passes); its next
+/// request reads it again.
+const KEEP_WARM: Duration = Duration::from_secs(60);
+/// Most keys re-read by one statement; statements are built for powers of two
+/// up to this, so a handful of them are prepared.
+const RECHECK_BATCH: usize = 256;
 
 pub struct LocalAuth {
     inner: Arc<Inner>,
@@ -42,15 +63,61 @@ struct Inner {
     /// Bumped by every deletion; a lookup that started before a deletion
     /// must not put what it read into the cache.
     generation: AtomicU64,
-    /// key id -> last use, flushed in batches off the request path.
+    /// key id -> last use of keys that left the cache before their use was
+    /// flushed (uses of cached keys live in their entries).
     last_used: Mutex<HashMap<String, i64>>,
+    /// Lookups made on the request path (a key not in the cache, or not
+    /// confirmed in time): what the background passes are there to avoid.
+    request_path_reads: AtomicU64,
 }
 
-#[derive(Clone)]
 struct CachedKey {
     principal: pb::Principal,
     expires_at_ms: Option<i64>,
+    /// When the read that last confirmed the key began.
     checked_at: Instant,
+    /// Shared by the entry's versions (a refresh, a reload).
+    usage: Arc<KeyUse>,
+}
+
+/// A cached key's use: set by each request with one atomic update (none when
+/// it already holds this millisecond), no lock; written to `last_used_at_ms`
+/// every [`LAST_USED_FLUSH`].
+struct KeyUse {
+    key_id: String,
+    last_used_ms: AtomicI64,
+    flushed_ms: AtomicI64,
+}
+
+impl KeyUse {
+    fn new(key_id: String) -> Self {
+        Self {
+            key_id,
+            last_used_ms: AtomicI64::new(0),
+            flushed_ms: AtomicI64::new(0),
+        }
+    }
+
+    /// Records a use at `now` (Unix milliseconds).
+    fn used(&self, now: i64) {
+        if self.last_used_ms.load(Ordering::Relaxed) < now {
+            self.last_used_ms.fetch_max(now, Ordering::AcqRel);
+        }
+    }
+
+    /// The last use not yet written, if any, marking it written.
+    fn take_unflushed(&self) -> Option<i64> {
+        let used = self.last_used_ms.load(Ordering::Acquire);
+        (self.flushed_ms.fetch_max(used, Ordering::AcqRel) < used).then_some(used)
+    }
+}
+
+/// What one background pass read: the keys it asked for, and those found.
+struct Recheck {
+    generation: u64,
+    started: Instant,
+    asked: Vec<SecretHash>,
+    found: HashMap<SecretHash, (pb::Principal, Option<i64>)>,
 }
 
 /// Whether a presented secret could be one of ours at all: keys are
@@ -73,6 +140,7 @@ impl LocalAuth {
             cache: RwLock::new(HashMap::new()),
             generation: AtomicU64::new(0),
             last_used: Mutex::new(HashMap::new()),
+            request_path_reads: AtomicU64::new(0),
         });
         let weak = Arc::downgrade(&inner);
         tokio::spawn(async move {
@@ -82,6 +150,17 @@ impl LocalAuth {
                 let Some(inner) = weak.upgrade() else { break };
                 inner.flush_last_used().await;
                 inner.sweep_nonces().await;
+            }
+        });
+        let weak = Arc::downgrade(&inner);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(RECHECK_PASS);
+            // A slow pass is followed by a full interval, not a burst.
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(inner) = weak.upgrade() else { break };
+                inner.recheck().await;
             }
         });
         Self {
@@ -161,9 +240,24 @@ impl Inner {
         // A lookup in flight must not put back what was revoked.
         self.generation.fetch_add(1, Ordering::AcqRel);
         let mut cache = self.cache.write().unwrap_or_else(|p| p.into_inner());
-        match revocation {
-            Revocation::Key(id) => cache.retain(|_, key| key.principal.key_id != *id),
-            Revocation::Account(id) => cache.retain(|_, key| key.principal.account_id != *id),
+        cache.retain(|_, key| {
+            let keep = match revocation {
+                Revocation::Key(id) => key.principal.key_id != *id,
+                Revocation::Account(id) => key.principal.account_id != *id,
+            };
+            if !keep {
+                self.orphan_use(key);
+            }
+            keep
+        });
+    }
+
+    /// Keeps the unflushed use of an entry leaving the cache.
+    fn orphan_use(&self, key: &CachedKey) {
+        if let Some(at) = key.usage.take_unflushed() {
+            let mut pending = lock(&self.last_used);
+            let entry = pending.entry(key.usage.key_id.clone()).or_insert(at);
+            *entry = (*entry).max(at);
         }
     }
 }
@@ -244,10 +338,13 @@ impl Inner {
         })
     }
 
-    /// Reads a key by the hash of its secret and caches it; a key that is
-    /// gone is dropped from the cache.
-    async fn load_key(&self, digest: SecretHash) -> Result<CachedKey> {
+    /// Reads a key by the hash of its secret and caches it, used at `now`
+    /// unless it has expired; a key that is gone is dropped from the cache.
+    /// The request path's read.
+    async fn load_key(&self, digest: SecretHash, now: i64) -> Result<(pb::Principal, Option<i64>)> {
+        self.request_path_reads.fetch_add(1, Ordering::Relaxed);
         let generation = self.generation.load(Ordering::Acquire);
+        let started = Instant::now();
         let row = sqlx::query(
             "SELECT k.id, k.account_id, k.key_type, k.expires_at_ms, k.secret_sha256, \
              a.tier, k.limit_usd_nanos, k.limit_diem_nanos, k.limit_period \
@@ -264,36 +361,158 @@ impl Inner {
             None => Vec::new(),
         };
         let (Some(row), true) = (row, bool::from(stored.as_slice().ct_eq(&digest))) else {
-            self.cache
-                .write()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&digest);
+            let mut cache = self.cache.write().unwrap_or_else(|p| p.into_inner());
+            if let Some(gone) = cache.remove(&digest) {
+                self.orphan_use(&gone);
+            }
             return Err(Error::unauthenticated());
         };
-        let key_type: String = row.try_get("key_type")?;
-        let key = CachedKey {
-            principal: pb::Principal {
-                account_id: row.try_get("account_id")?,
-                key_id: row.try_get("id")?,
-                key_type: key_type_from_name(&key_type) as i32,
-                tier: row.try_get("tier")?,
-                key_limit: limit_from_row(&row)?,
-                wallet: String::new(),
-            },
-            expires_at_ms: row.try_get("expires_at_ms")?,
-            checked_at: Instant::now(),
-        };
+        let (principal, expires_at_ms) = principal_from_row(&row)?;
         let mut cache = self.cache.write().unwrap_or_else(|p| p.into_inner());
+        // The use so far of a key read again (its entry was not confirmed in
+        // time) stays with it.
+        let usage = match cache.get(&digest) {
+            Some(old) if old.usage.key_id == principal.key_id => old.usage.clone(),
+            _ => Arc::new(KeyUse::new(principal.key_id.clone())),
+        };
+        // Set before the entry is visible, so no pass takes it for idle.
+        if expires_at_ms.is_none_or(|at| at > now) {
+            usage.used(now);
+        }
         // Checked under the write lock: a deletion bumps the generation before
         // it purges, so either we see the bump or it sees our entry.
         if self.generation.load(Ordering::Acquire) == generation {
-            cache.insert(digest, key.clone());
+            cache.insert(
+                digest,
+                CachedKey {
+                    principal: principal.clone(),
+                    expires_at_ms,
+                    checked_at: started,
+                    usage,
+                },
+            );
         }
-        Ok(key)
+        Ok((principal, expires_at_ms))
+    }
+
+    /// One background pass: drops the keys idle past [`KEEP_WARM`], re-reads
+    /// the others in one query and applies what it read.
+    async fn recheck(&self) {
+        let Some(asked) = self.keys_to_recheck() else {
+            return;
+        };
+        match self.read_keys(asked).await {
+            Ok(read) => self.apply_recheck(read),
+            Err(error) => {
+                // The entries age; past KEY_RECHECK requests read their keys
+                // themselves.
+                tracing::warn!(%error, "cached keys not re-checked");
+            }
+        }
+    }
+
+    /// The keys used in the last [`KEEP_WARM`]; the others leave the cache.
+    fn keys_to_recheck(&self) -> Option<Vec<SecretHash>> {
+        let idle_before = now_ms().saturating_sub(KEEP_WARM.as_millis() as i64);
+        let warm = |key: &CachedKey| key.usage.last_used_ms.load(Ordering::Acquire) >= idle_before;
+        let (asked, idle) = {
+            let cache = self.cache.read().unwrap_or_else(|p| p.into_inner());
+            let asked: Vec<SecretHash> = cache
+                .iter()
+                .filter(|(_, key)| warm(key))
+                .map(|(digest, _)| *digest)
+                .collect();
+            let idle = asked.len() < cache.len();
+            (asked, idle)
+        };
+        if idle {
+            let mut cache = self.cache.write().unwrap_or_else(|p| p.into_inner());
+            cache.retain(|_, key| {
+                let keep = warm(key);
+                if !keep {
+                    self.orphan_use(key);
+                }
+                keep
+            });
+        }
+        (!asked.is_empty()).then_some(asked)
+    }
+
+    /// Reads `asked` from the database, [`RECHECK_BATCH`] at a time.
+    async fn read_keys(&self, asked: Vec<SecretHash>) -> Result<Recheck> {
+        let generation = self.generation.load(Ordering::Acquire);
+        let started = Instant::now();
+        let mut found = HashMap::with_capacity(asked.len());
+        for chunk in asked.chunks(RECHECK_BATCH) {
+            // Padded to a power of two with repeats: few distinct statements.
+            let size = chunk.len().next_power_of_two();
+            let mut query = sqlx::query(sqlx::AssertSqlSafe(recheck_sql(size)));
+            for i in 0..size {
+                query = query.bind(hex::encode(chunk[i.min(chunk.len() - 1)]));
+            }
+            for row in query.fetch_all(self.db.pool()).await? {
+                let stored = hex::decode(row.try_get::<String, _>("secret_sha256")?)
+                    .ok()
+                    .and_then(|bytes| SecretHash::try_from(bytes).ok());
+                if let Some(digest) = stored {
+                    found.insert(digest, principal_from_row(&row)?);
+                }
+            }
+        }
+        Ok(Recheck {
+            generation,
+            started,
+            asked,
+            found,
+        })
+    }
+
+    /// Applies a pass's reads: keys gone or expired leave the cache, the
+    /// others are refreshed (a changed tier, cap or expiry included) and
+    /// trusted from the moment the pass's read began. A pass that started
+    /// before a revocation refreshes nothing (it may have read what was
+    /// revoked); its removals still apply.
+    fn apply_recheck(&self, mut read: Recheck) {
+        let now = now_ms();
+        let mut cache = self.cache.write().unwrap_or_else(|p| p.into_inner());
+        let current = self.generation.load(Ordering::Acquire) == read.generation;
+        for digest in &read.asked {
+            let Some(entry) = cache.get_mut(digest) else {
+                continue;
+            };
+            match read.found.remove(digest) {
+                Some((principal, expires_at_ms))
+                    if expires_at_ms.is_none_or(|at| at > now)
+                        && principal.key_id == entry.usage.key_id =>
+                {
+                    if current && entry.checked_at < read.started {
+                        entry.principal = principal;
+                        entry.expires_at_ms = expires_at_ms;
+                        entry.checked_at = read.started;
+                    }
+                }
+                _ => {
+                    if let Some(gone) = cache.remove(digest) {
+                        self.orphan_use(&gone);
+                    }
+                }
+            }
+        }
     }
 
     async fn flush_last_used(&self) {
-        let pending = std::mem::take(&mut *lock(&self.last_used));
+        let mut pending = std::mem::take(&mut *lock(&self.last_used));
+        for key in self
+            .cache
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+        {
+            if let Some(at) = key.usage.take_unflushed() {
+                let entry = pending.entry(key.usage.key_id.clone()).or_insert(at);
+                *entry = (*entry).max(at);
+            }
+        }
         for (key_id, at) in pending {
             let result = sqlx::query(
                 "UPDATE api_keys SET last_used_at_ms = $1 WHERE id = $2 \
@@ -319,17 +538,50 @@ impl Inner {
             tracing::warn!(%error, "could not sweep wallet nonces");
         }
     }
+}
 
-    fn record_use(&self, key_id: &str) {
-        let mut pending = lock(&self.last_used);
-        let now = now_ms();
-        match pending.get_mut(key_id) {
-            Some(at) => *at = now,
-            None => {
-                pending.insert(key_id.to_owned(), now);
-            }
-        }
-    }
+/// The re-check's statement for `size` keys (a power of two up to
+/// [`RECHECK_BATCH`]), built once: placeholders only, no input in the text.
+fn recheck_sql(size: usize) -> &'static str {
+    static STATEMENTS: std::sync::OnceLock<Vec<String>> = std::sync::OnceLock::new();
+    let statements = STATEMENTS.get_or_init(|| {
+        (0..=RECHECK_BATCH.trailing_zeros())
+            .map(|power| {
+                let placeholders = (1..=1usize << power)
+                    .map(|i| format!("${i}"))
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                format!(
+                    "SELECT k.id, k.account_id, k.key_type, k.expires_at_ms, k.secret_sha256, \
+                     a.tier, k.limit_usd_nanos, k.limit_diem_nanos, k.limit_period \
+                     FROM api_keys k JOIN accounts a ON a.id = k.account_id \
+                     WHERE k.secret_sha256 IN ({placeholders})"
+                )
+            })
+            .collect()
+    });
+    let index = size.next_power_of_two().trailing_zeros() as usize;
+    statements
+        .get(index)
+        .or(statements.last())
+        .map_or("", String::as_str)
+}
+
+/// A key's principal and expiry from its row (the columns of the key
+/// lookups).
+fn principal_from_row(row: &sqlx::any::AnyRow) -> Result<(pb::Principal, Option<i64>)> {
+    let key_type: String = row.try_get("key_type")?;
+    Ok((
+        pb::Principal {
+            account_id: row.try_get("account_id")?,
+            key_id: row.try_get("id")?,
+            key_type: key_type_from_name(&key_type) as i32,
+            tier: row.try_get("tier")?,
+            key_limit: limit_from_row(row)?,
+            wallet: String::new(),
+        },
+        row.try_get("expires_at_ms")?,
+    ))
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -405,25 +657,36 @@ impl AuthService for LocalAuth {
             return Err(Error::unauthenticated());
         }
         let digest = hash(&request.api_key);
+        let now = now_ms();
+        // A key the passes confirmed within KEY_RECHECK: no database, and
+        // its use is one atomic update under the read lock.
         let cached = inner
             .cache
             .read()
             .unwrap_or_else(|p| p.into_inner())
             .get(&digest)
             .filter(|key| key.checked_at.elapsed() < KEY_RECHECK)
-            .cloned();
-        let key = match cached {
-            Some(key) => key,
-            None => inner.load_key(digest).await?,
+            .map(|key| {
+                let expired = key.expires_at_ms.is_some_and(|at| at <= now);
+                if !expired {
+                    key.usage.used(now);
+                }
+                (expired, key.principal.clone())
+            });
+        let (expired, principal) = match cached {
+            Some(cached) => cached,
+            None => {
+                let (principal, expires_at_ms) = inner.load_key(digest, now).await?;
+                (expires_at_ms.is_some_and(|at| at <= now), principal)
+            }
         };
-        if key.expires_at_ms.is_some_and(|at| at <= now_ms()) {
+        if expired {
             return Err(Error::new(
                 ErrorCode::Unauthenticated,
                 "Authentication failed: the API key has expired",
             ));
         }
-        inner.record_use(&key.principal.key_id);
-        Ok(key.principal)
+        Ok(principal)
     }
 
     async fn create_account(
@@ -988,6 +1251,169 @@ mod tests {
         assert!(auth.authenticate(authn(&key.secret)).await.is_err());
     }
 
+    fn request_path_reads(auth: &LocalAuth) -> u64 {
+        auth.inner.request_path_reads.load(Ordering::Relaxed)
+    }
+
+    /// A key in steady use is re-checked by the background passes only: no
+    /// request after the first reads the database, and a deletion made
+    /// elsewhere (no event) is still refused within the re-check interval.
+    #[tokio::test]
+    async fn a_key_in_use_is_rechecked_in_the_background_and_a_deletion_still_lands_in_time() {
+        let (auth, _dir) = service().await;
+        let (account_id, _) = account(&auth).await;
+        let key = inference_key(&auth, &account_id, None).await;
+        auth.authenticate(authn(&key.secret)).await.unwrap();
+        assert_eq!(request_path_reads(&auth), 1);
+        // Well past KEY_RECHECK, requests every 20 ms never wait for a read.
+        let until = Instant::now() + KEY_RECHECK * 2 + RECHECK_PASS;
+        while Instant::now() < until {
+            auth.authenticate(authn(&key.secret)).await.unwrap();
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(
+            request_path_reads(&auth),
+            1,
+            "a cached key was read on the request path"
+        );
+        sqlx::query("DELETE FROM api_keys WHERE id = $1")
+            .bind(key.record.unwrap().id)
+            .execute(auth.inner.db.pool())
+            .await
+            .unwrap();
+        let deleted = Instant::now();
+        while auth.authenticate(authn(&key.secret)).await.is_ok() {
+            assert!(
+                deleted.elapsed() < KEY_RECHECK,
+                "a key deleted elsewhere still works after the re-check interval"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// A tier, cap or expiry changed elsewhere (no event) reaches the cached
+    /// principal through the passes; an expiry moved into the past refuses.
+    #[tokio::test]
+    async fn changes_made_elsewhere_reach_the_cache_in_the_background() {
+        let (auth, _dir) = service().await;
+        let (account_id, _) = account(&auth).await;
+        let key = inference_key(&auth, &account_id, None).await;
+        let principal = auth.authenticate(authn(&key.secret)).await.unwrap();
+        assert_eq!(principal.tier, "standard");
+        sqlx::query("UPDATE accounts SET tier = 'partner' WHERE id = $1")
+            .bind(&account_id)
+            .execute(auth.inner.db.pool())
+            .await
+            .unwrap();
+        let changed = Instant::now();
+        loop {
+            let principal = auth.authenticate(authn(&key.secret)).await.unwrap();
+            if principal.tier == "partner" {
+                break;
+            }
+            assert!(changed.elapsed() < KEY_RECHECK, "the tier never changed");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(request_path_reads(&auth), 1);
+        sqlx::query("UPDATE api_keys SET expires_at_ms = $1 WHERE id = $2")
+            .bind(now_ms() - 1)
+            .bind(key.record.unwrap().id)
+            .execute(auth.inner.db.pool())
+            .await
+            .unwrap();
+        // The pass drops it; the next request reads it and is refused.
+        let expired = Instant::now();
+        while auth.authenticate(authn(&key.secret)).await.is_ok() {
+            assert!(
+                expired.elapsed() < KEY_RECHECK,
+                "an expired key still works"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// A pass that read a key before it was deleted (or its account
+    /// re-tiered) through this replica does not bring back what it read.
+    #[tokio::test]
+    async fn a_pass_that_read_before_a_revocation_does_not_undo_it() {
+        let (auth, _dir) = service().await;
+        let (account_id, _) = account(&auth).await;
+        let key = inference_key(&auth, &account_id, None).await;
+        let other = inference_key(&auth, &account_id, None).await;
+        auth.authenticate(authn(&key.secret)).await.unwrap();
+        auth.authenticate(authn(&other.secret)).await.unwrap();
+        let asked = auth.inner.keys_to_recheck().unwrap();
+        let read = auth.inner.read_keys(asked).await.unwrap();
+        auth.delete_api_key(pb::DeleteApiKeyRequest {
+            account_id: account_id.clone(),
+            id: key.record.unwrap().id,
+        })
+        .await
+        .unwrap();
+        auth.inner.apply_recheck(read);
+        assert!(auth.authenticate(authn(&key.secret)).await.is_err());
+
+        let asked = auth.inner.keys_to_recheck().unwrap();
+        let read = auth.inner.read_keys(asked).await.unwrap();
+        auth.set_account_tier(pb::SetAccountTierRequest {
+            account_id,
+            tier: "partner".into(),
+        })
+        .await
+        .unwrap();
+        auth.inner.apply_recheck(read);
+        let principal = auth.authenticate(authn(&other.secret)).await.unwrap();
+        assert_eq!(principal.tier, "partner");
+    }
+
+    /// Without a pass in time (the database slow, the task stalled), a
+    /// cached key is read on the request path again: the bound does not
+    /// depend on the background task.
+    #[tokio::test]
+    async fn an_entry_not_confirmed_in_time_is_read_on_the_request_path() {
+        let (auth, _dir) = service().await;
+        let (account_id, _) = account(&auth).await;
+        let key = inference_key(&auth, &account_id, None).await;
+        auth.authenticate(authn(&key.secret)).await.unwrap();
+        sqlx::query("DELETE FROM api_keys WHERE id = $1")
+            .bind(key.record.unwrap().id)
+            .execute(auth.inner.db.pool())
+            .await
+            .unwrap();
+        for entry in auth.inner.cache.write().unwrap().values_mut() {
+            entry.checked_at = Instant::now().checked_sub(KEY_RECHECK).unwrap();
+        }
+        assert!(auth.authenticate(authn(&key.secret)).await.is_err());
+        assert_eq!(request_path_reads(&auth), 2);
+    }
+
+    #[tokio::test]
+    async fn idle_keys_leave_the_cache_with_their_use_kept() {
+        let (auth, _dir) = service().await;
+        let (account_id, secret) = account(&auth).await;
+        auth.authenticate(authn(&secret)).await.unwrap();
+        let used = {
+            let cache = auth.inner.cache.read().unwrap();
+            let entry = cache.values().next().unwrap();
+            let used = entry.usage.last_used_ms.load(Ordering::Acquire);
+            // As if it were used KEEP_WARM ago.
+            entry
+                .usage
+                .last_used_ms
+                .store(used - KEEP_WARM.as_millis() as i64 - 1, Ordering::Release);
+            used - KEEP_WARM.as_millis() as i64 - 1
+        };
+        assert!(auth.inner.keys_to_recheck().is_none());
+        assert!(auth.inner.cache.read().unwrap().is_empty());
+        auth.inner.flush_last_used().await;
+        let keys = auth
+            .list_api_keys(pb::ListApiKeysRequest { account_id })
+            .await
+            .unwrap()
+            .keys;
+        assert_eq!(keys[0].last_used_at_ms, Some(used));
+    }
+
     #[tokio::test]
     async fn garbage_secrets_are_refused_without_a_query() {
         assert!(!plausible_secret("short"));
@@ -1014,11 +1440,28 @@ mod tests {
         let (account_id, secret) = account(&auth).await;
         auth.authenticate(authn(&secret)).await.unwrap();
         auth.inner.flush_last_used().await;
-        let keys = auth
-            .list_api_keys(pb::ListApiKeysRequest { account_id })
+        let last_used = || async {
+            auth.list_api_keys(pb::ListApiKeysRequest {
+                account_id: account_id.clone(),
+            })
             .await
             .unwrap()
-            .keys;
-        assert!(keys[0].last_used_at_ms.is_some());
+            .keys[0]
+                .last_used_at_ms
+        };
+        let first = last_used().await.unwrap();
+        // A use whose entry left the cache (its account re-tiered) before
+        // the flush is still written.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        auth.authenticate(authn(&secret)).await.unwrap();
+        auth.set_account_tier(pb::SetAccountTierRequest {
+            account_id: account_id.clone(),
+            tier: "partner".into(),
+        })
+        .await
+        .unwrap();
+        assert!(auth.inner.cache.read().unwrap().is_empty());
+        auth.inner.flush_last_used().await;
+        assert!(last_used().await.unwrap() > first);
     }
 }
