@@ -8,6 +8,7 @@
 
 mod billing;
 mod chat;
+mod crash;
 mod keys;
 mod limits;
 mod local_models;

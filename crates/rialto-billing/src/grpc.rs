@@ -38,6 +38,15 @@ impl Billing for BillingGrpc {
         Ok(Response::new(self.0.hold(request.into_inner()).await?))
     }
 
+    async fn checkpoint(
+        &self,
+        request: Request<pb::CheckpointRequest>,
+    ) -> Result<Response<pb::CheckpointResponse>, Status> {
+        Ok(Response::new(
+            self.0.checkpoint(request.into_inner()).await?,
+        ))
+    }
+
     async fn settle(
         &self,
         request: Request<pb::SettleRequest>,
@@ -118,6 +127,10 @@ impl BillingService for RemoteBilling {
 
     async fn hold(&self, request: pb::HoldRequest) -> Result<pb::HoldResponse> {
         Ok(self.0.clone().hold(request).await?.into_inner())
+    }
+
+    async fn checkpoint(&self, request: pb::CheckpointRequest) -> Result<pb::CheckpointResponse> {
+        Ok(self.0.clone().checkpoint(request).await?.into_inner())
     }
 
     async fn settle(&self, request: pb::SettleRequest) -> Result<pb::Cost> {

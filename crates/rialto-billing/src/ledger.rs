@@ -1215,7 +1215,7 @@ async fn insert_usage_records(
     Ok(())
 }
 
-fn uuid_like() -> String {
+pub(crate) fn uuid_like() -> String {
     hex::encode(rialto_core::ids::random_bytes::<16>())
 }
 

@@ -18,12 +18,13 @@ use rialto_core::{Error, ErrorCode, ModelConfig, Result};
 use rialto_proto::billing::v1 as pb;
 use rust_decimal::Decimal;
 
-pub mod actors;
+pub mod book;
 pub mod grpc;
 pub mod ledger;
 pub mod replicas;
 pub mod solana;
 pub mod usage_queue;
+pub mod writer;
 pub mod x402;
 
 /// Billing in domain terms.
@@ -35,6 +36,8 @@ pub trait BillingService: Send + Sync + 'static {
     async fn hold(&self, request: pb::HoldRequest) -> Result<pb::HoldResponse>;
     /// Charges the real usage against the request's hold; idempotent.
     async fn settle(&self, request: pb::SettleRequest) -> Result<pb::Cost>;
+    /// Records what a running stream used so far and renews its hold.
+    async fn checkpoint(&self, request: pb::CheckpointRequest) -> Result<pb::CheckpointResponse>;
     /// Adds credit once per reference.
     async fn credit(&self, request: pb::CreditRequest) -> Result<pb::CreditResponse>;
     async fn get_balance(&self, request: pb::GetBalanceRequest) -> Result<pb::Balance>;
@@ -226,9 +229,9 @@ pub struct LocalBilling {
     prices: HashMap<String, Prices>,
     ledger: ledger::Ledger,
     hold_ttl_ms: i64,
-    /// One actor per owner ([`actors`]) when started; without them (the
-    /// CLI, tests) every operation goes to the ledger directly.
-    actors: Option<Arc<actors::LedgerActors>>,
+    /// The owners this process decides for, in memory ([`book`]), and
+    /// their durable writer.
+    book: book::Book,
     x402: x402::X402,
     /// Where top-ups are announced (`<prefix>.billing.topups`).
     events: Option<rialto_core::bus::Bus>,
@@ -248,9 +251,12 @@ impl LocalBilling {
                 .map(|m| (m.id.clone(), Prices::from_model(m)))
                 .collect(),
             x402: x402::X402::new(&config.x402, db.clone()),
+            book: book::Book::start(
+                db.clone(),
+                (config.billing.stream_lease_secs as i64).saturating_mul(1000),
+            ),
             ledger: ledger::Ledger::new(db),
             hold_ttl_ms: (config.billing.hold_ttl_secs as i64).saturating_mul(1000),
-            actors: None,
             events: None,
         }
     }
@@ -273,31 +279,39 @@ impl LocalBilling {
         }
     }
 
-    /// Serves each ledger owner through an actor of its own (one arbiter
-    /// per core). Must be called where an actix `System` runs.
-    pub fn with_ledger_actors(mut self) -> Self {
-        let shards = std::thread::available_parallelism().map_or(1, |n| n.get());
-        self.actors = Some(actors::LedgerActors::start(self.ledger.clone(), shards));
-        self
-    }
-
-    /// Releases expired holds, forever (a crashed gateway's holds must not
-    /// keep credit reserved): every ten seconds, or twice a hold's lifetime
-    /// when that is shorter.
+    /// Expires holds past their time (a stream's is charged its last
+    /// checkpoint), drops idle owners, and, after a restart, loads owners
+    /// whose streams' holds outlived their lease so they are charged: for
+    /// ever, every second.
     pub fn spawn_sweeper(&self) {
-        let ledger = self.ledger.clone();
-        let period = (self.hold_ttl_ms / 2).clamp(100, 10_000) as u64;
+        let book = self.book.clone();
         tokio::spawn(async move {
-            let mut every = tokio::time::interval(std::time::Duration::from_millis(period));
+            let mut every = tokio::time::interval(std::time::Duration::from_secs(1));
+            let mut ticks = 0u64;
             loop {
                 every.tick().await;
-                match ledger.expire(rialto_core::db::now_ms()).await {
-                    Ok(0) => {}
-                    Ok(n) => tracing::info!(holds = n, "released expired holds"),
-                    Err(error) => tracing::warn!(%error, "cannot expire holds"),
+                if ticks.is_multiple_of(5)
+                    && let Err(error) = book.recover(rialto_core::db::now_ms()).await
+                {
+                    tracing::warn!(%error, "cannot recover open holds");
+                }
+                ticks += 1;
+                match book.sweep(rialto_core::db::now_ms()) {
+                    0 => {}
+                    n => tracing::info!(holds = n, "expired holds"),
                 }
             }
         });
+    }
+
+    /// The in-memory ledger (for tests and benchmarks).
+    pub fn book(&self) -> &book::Book {
+        &self.book
+    }
+
+    /// The database ledger (reads, credits).
+    pub fn ledger(&self) -> &ledger::Ledger {
+        &self.ledger
     }
 
     fn prices(&self, model_id: &str) -> Result<&Prices> {
@@ -330,28 +344,16 @@ impl BillingService for LocalBilling {
             Some(limit) => Some(key_cap(limit, now)?),
             None => None,
         };
-        let outcome = match &self.actors {
-            Some(actors) => {
-                let hold = actors::Hold {
-                    request_id: request.request_id.clone(),
-                    amount: to_nanos(most)?,
-                    expires_at_ms: expires,
-                    cap,
-                };
-                actors.send(&request.owner, hold).await??
-            }
-            None => {
-                self.ledger
-                    .hold_for_key(
-                        &request.owner,
-                        &request.request_id,
-                        to_nanos(most)?,
-                        expires,
-                        cap.as_ref(),
-                    )
-                    .await?
-            }
+        let order = book::HoldOrder {
+            request_id: &request.request_id,
+            amount: to_nanos(most)?,
+            expires_at_ms: expires,
+            cap: cap.as_ref(),
+            durable: request.durable,
+            model_id: &request.model_id,
         };
+        let outcome = self.book.hold(&request.owner, &order).await?;
+        let key_period = cap.map(|c| c.period).unwrap_or_default();
         Ok(match outcome {
             ledger::HoldOutcome::Placed { usd, diem, before } => pb::HoldResponse {
                 placed: true,
@@ -360,6 +362,7 @@ impl BillingService for LocalBilling {
                 held_usd: from_nanos(usd),
                 held_diem: from_nanos(diem),
                 key_limit_reached: String::new(),
+                key_period,
             },
             ledger::HoldOutcome::KeyLimitReached { before, currency } => pb::HoldResponse {
                 placed: false,
@@ -384,28 +387,29 @@ impl BillingService for LocalBilling {
     async fn settle(&self, request: pb::SettleRequest) -> Result<pb::Cost> {
         let usage = request.usage.unwrap_or_default();
         let cost = self.prices(&request.model_id)?.cost(&usage);
-        let detail = ledger::UsageDetail {
+        if request.owner.is_empty() {
+            return Err(Error::invalid("a settlement names its ledger owner"));
+        }
+        let held = if request.held_usd.is_empty() && request.held_diem.is_empty() {
+            None
+        } else {
+            Some((
+                parse_amount("held_usd", &request.held_usd)?,
+                parse_amount("held_diem", &request.held_diem)?,
+            ))
+        };
+        let key = Some((request.key_id.as_str(), request.key_period.as_str()))
+            .filter(|(id, period)| !id.is_empty() && !period.is_empty());
+        let order = book::SettleOrder {
+            request_id: &request.request_id,
+            cost: to_nanos(cost)?,
             model_id: &request.model_id,
             prompt_tokens: i64::try_from(usage.prompt_tokens).unwrap_or(i64::MAX),
             completion_tokens: i64::try_from(usage.completion_tokens).unwrap_or(i64::MAX),
+            held,
+            key,
         };
-        let settled = match self.actors.as_ref().filter(|_| !request.owner.is_empty()) {
-            Some(actors) => {
-                let settle = actors::Settle {
-                    request_id: request.request_id.clone(),
-                    cost: to_nanos(cost)?,
-                    model_id: request.model_id.clone(),
-                    prompt_tokens: detail.prompt_tokens,
-                    completion_tokens: detail.completion_tokens,
-                };
-                actors.send(&request.owner, settle).await??
-            }
-            None => {
-                self.ledger
-                    .settle_usage(&request.request_id, to_nanos(cost)?, &detail)
-                    .await?
-            }
-        };
+        let settled = self.book.settle(&request.owner, &order).await?;
         match settled {
             ledger::SettleOutcome::Settled { usd, diem, .. } => Ok(pb::Cost {
                 usd: from_nanos(usd),
@@ -423,6 +427,20 @@ impl BillingService for LocalBilling {
         }
     }
 
+    async fn checkpoint(&self, request: pb::CheckpointRequest) -> Result<pb::CheckpointResponse> {
+        let usage = request.usage.unwrap_or_default();
+        let cost = to_nanos(self.prices(&request.model_id)?.cost(&usage))?;
+        let tokens = (
+            i64::try_from(usage.prompt_tokens).unwrap_or(i64::MAX),
+            i64::try_from(usage.completion_tokens).unwrap_or(i64::MAX),
+        );
+        let recorded = self
+            .book
+            .checkpoint(&request.owner, &request.request_id, cost, tokens)
+            .await?;
+        Ok(pb::CheckpointResponse { recorded })
+    }
+
     async fn credit(&self, request: pb::CreditRequest) -> Result<pb::CreditResponse> {
         let usd = parse_amount("usd", &request.usd)?;
         let diem = parse_amount("diem", &request.diem)?;
@@ -434,9 +452,7 @@ impl BillingService for LocalBilling {
             .ledger
             .credit(&request.owner, usd, diem, reference)
             .await?;
-        if let Some(actors) = &self.actors {
-            actors.forget_cache(&request.owner);
-        }
+        self.book.refresh_now(&request.owner).await?;
         if applied {
             self.announce_top_up(serde_json::json!({
                 "owner": request.owner, "usd": request.usd, "diem": request.diem,
@@ -444,7 +460,10 @@ impl BillingService for LocalBilling {
             }))
             .await;
         }
-        let balance = self.ledger.balance(&request.owner).await?;
+        let balance = match self.book.snapshot(&request.owner) {
+            Some(snapshot) => snapshot.balance,
+            None => self.ledger.balance(&request.owner).await?,
+        };
         Ok(pb::CreditResponse {
             applied,
             balance: Some(balance_pb(&balance)),
@@ -452,8 +471,8 @@ impl BillingService for LocalBilling {
     }
 
     async fn get_balance(&self, request: pb::GetBalanceRequest) -> Result<pb::Balance> {
-        let snapshot = match &self.actors {
-            Some(actors) => actors.send(&request.owner, actors::Read).await??,
+        let snapshot = match self.book.snapshot(&request.owner) {
+            Some(snapshot) => snapshot,
             None => self.ledger.snapshot(&request.owner).await?,
         };
         let mut balance = balance_pb(&snapshot.balance);
@@ -464,9 +483,7 @@ impl BillingService for LocalBilling {
     async fn set_stake(&self, request: pb::SetStakeRequest) -> Result<pb::Balance> {
         let per_day = parse_amount("diem_per_day", &request.diem_per_day)?;
         self.ledger.set_stake(&request.owner, per_day).await?;
-        if let Some(actors) = &self.actors {
-            actors.forget_cache(&request.owner);
-        }
+        self.book.refresh_now(&request.owner).await?;
         self.get_balance(pb::GetBalanceRequest {
             owner: request.owner,
         })
@@ -481,9 +498,7 @@ impl BillingService for LocalBilling {
             .await
         {
             Ok(top_up) => {
-                if let Some(actors) = &self.actors {
-                    actors.forget_cache(&wallet_owner(&top_up.wallet));
-                }
+                self.book.refresh_now(&wallet_owner(&top_up.wallet)).await?;
                 if top_up.applied {
                     self.announce_top_up(serde_json::json!({
                         "owner": wallet_owner(&top_up.wallet), "usd": top_up.amount_usd,
@@ -727,6 +742,7 @@ mod tests {
             prompt_tokens: 1000,
             max_completion_tokens: 1000,
             key_limit: None,
+            durable: false,
         };
         // At most 1000 * $1/M + 1000 * $2/M = $0.003: fits in 0.001 DIEM + $0.003.
         let placed = billing.hold(hold("r1")).await.unwrap();
@@ -744,6 +760,7 @@ mod tests {
             model_id: "m".into(),
             usage: Some(usage),
             owner: owner.clone(),
+            ..Default::default()
         };
         // $0.0015: 0.001 DIEM first, then $0.0005.
         let cost = billing.settle(settle.clone()).await.unwrap();
@@ -789,7 +806,7 @@ mod tests {
     async fn ledger_actors_serve_ten_of_a_thousand() {
         let config = config(1.0, 0.0);
         let (_dir, billing) = billing(&config).await;
-        let billing = Arc::new(billing.with_ledger_actors());
+        let billing = Arc::new(billing);
         let owner = "account:actors".to_owned();
         billing
             .credit(pb::CreditRequest {
@@ -820,6 +837,7 @@ mod tests {
                     prompt_tokens: 1000,
                     max_completion_tokens: 0,
                     key_limit: None,
+                    durable: false,
                 };
                 (i, billing.hold(hold).await.unwrap())
             }
@@ -840,6 +858,7 @@ mod tests {
                     ..Default::default()
                 }),
                 owner: owner.clone(),
+                ..Default::default()
             };
             [request.clone(), request].map(|request| {
                 let billing = billing.clone();

@@ -57,6 +57,10 @@ impl BillingService for ReplicatedBilling {
         self.owner(&request.owner).settle(request).await
     }
 
+    async fn checkpoint(&self, request: pb::CheckpointRequest) -> Result<pb::CheckpointResponse> {
+        self.owner(&request.owner).checkpoint(request).await
+    }
+
     async fn credit(&self, request: pb::CreditRequest) -> Result<pb::CreditResponse> {
         self.owner(&request.owner).credit(request).await
     }

@@ -209,11 +209,21 @@ pub struct BillingConfig {
     /// Seconds an unsettled hold (a crashed gateway's) lives before it is
     /// released; longer than the longest request.
     pub hold_ttl_secs: u64,
+    /// Seconds a stream's hold lives past its last checkpoint: a stream
+    /// whose gateway died is charged its last checkpoint after this.
+    pub stream_lease_secs: u64,
+    /// How often a running stream records what it used so far
+    /// (milliseconds).
+    pub checkpoint_ms: u64,
 }
 
 impl Default for BillingConfig {
     fn default() -> Self {
-        Self { hold_ttl_secs: 900 }
+        Self {
+            hold_ttl_secs: 900,
+            stream_lease_secs: 30,
+            checkpoint_ms: 2000,
+        }
     }
 }
 

@@ -41,6 +41,9 @@ impl Database {
         let pool = AnyPoolOptions::new()
             .max_connections(max_connections.max(1))
             .acquire_timeout(Duration::from_secs(10))
+            // No ping per acquire: a broken connection fails its statement
+            // and is dropped, and the request path saves a round trip.
+            .test_before_acquire(false)
             .after_connect(move |conn, _meta| {
                 Box::pin(async move {
                     if kind == DatabaseKind::Sqlite {
@@ -52,6 +55,9 @@ impl Database {
                         conn.execute("PRAGMA journal_mode = WAL").await?;
                         conn.execute("PRAGMA foreign_keys = ON").await?;
                         conn.execute("PRAGMA synchronous = NORMAL").await?;
+                        // No commit runs a WAL checkpoint: the checkpointer
+                        // task does (`spawn_checkpointer`).
+                        conn.execute("PRAGMA wal_autocheckpoint = 0").await?;
                     }
                     Ok(())
                 })
@@ -68,6 +74,28 @@ impl Database {
 
     pub fn kind(&self) -> DatabaseKind {
         self.kind
+    }
+
+    /// On SQLite, checkpoints the WAL every `every` from a task of its own
+    /// (connections never checkpoint in a commit); nothing on PostgreSQL.
+    pub fn spawn_checkpointer(&self, every: Duration) {
+        if self.kind != DatabaseKind::Sqlite {
+            return;
+        }
+        let pool = self.pool.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            loop {
+                tick.tick().await;
+                // PASSIVE: copies what no reader needs, never waits for one.
+                if let Err(error) = sqlx::query("PRAGMA wal_checkpoint(PASSIVE)")
+                    .fetch_all(&pool)
+                    .await
+                {
+                    tracing::warn!(%error, "WAL checkpoint failed");
+                }
+            }
+        });
     }
 }
 

@@ -55,6 +55,8 @@ struct Exchange {
     /// A signed-in wallet's USD balance before the request, for
     /// `X-Balance-Remaining`.
     wallet_usd_before: Option<rust_decimal::Decimal>,
+    /// How often the stream checkpoints its usage.
+    checkpoint_every: std::time::Duration,
 }
 
 /// `X-Balance-Remaining`: a wallet's USD balance after the request.
@@ -83,6 +85,9 @@ pub(crate) struct Settlement {
     /// What the hold reserved (exact decimals).
     held_usd: String,
     held_diem: String,
+    /// The capped key and the period its hold counted in, if any.
+    key_id: String,
+    key_period: String,
     prices: rialto_billing::Prices,
 }
 
@@ -106,7 +111,31 @@ impl Settlement {
             model_id: self.model_id.clone(),
             usage: Some(usage.billed()),
             owner: self.owner.clone(),
+            held_usd: self.held_usd.clone(),
+            held_diem: self.held_diem.clone(),
+            key_id: self.key_id.clone(),
+            key_period: self.key_period.clone(),
         }
+    }
+
+    /// Records what a running stream used so far (off the stream's path):
+    /// a crash from here on still charges at least this much.
+    fn checkpoint(&self, usage: &Usage) {
+        if !self.held {
+            return;
+        }
+        let billing = self.billing.clone();
+        let request = billing_pb::CheckpointRequest {
+            request_id: self.request_id.clone(),
+            owner: self.owner.clone(),
+            model_id: self.model_id.clone(),
+            usage: Some(usage.billed()),
+        };
+        tokio::spawn(async move {
+            if let Err(error) = billing.checkpoint(request).await {
+                tracing::warn!(%error, "stream checkpoint failed");
+            }
+        });
     }
 
     /// Charges `usage` against the hold (and commits its tokens to the
@@ -308,8 +337,11 @@ async fn complete_or_stream(
         principal,
         model,
         &request_id,
-        chat.prompt_tokens_estimate,
-        chat.estimated_tokens,
+        Reservation {
+            prompt_tokens: chat.prompt_tokens_estimate,
+            total_tokens: chat.estimated_tokens,
+            durable: chat.stream,
+        },
     )
     .await?;
 
@@ -325,6 +357,7 @@ async fn complete_or_stream(
         chat,
         settlement,
         wallet_usd_before,
+        checkpoint_every: gateway.checkpoint_every,
     };
     if exchange.chat.stream {
         stream(gateway, model, router_request, exchange).await
@@ -342,32 +375,90 @@ pub(crate) struct Admitted {
     pub(crate) wallet_usd_before: Option<rust_decimal::Decimal>,
 }
 
+/// How much of the limiter and of the ledger a request asks for.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Reservation {
+    /// The prompt's estimated tokens.
+    pub(crate) prompt_tokens: u64,
+    /// Prompt and completion together.
+    pub(crate) total_tokens: u64,
+    /// A stream's hold: written before the first token, so a crash after
+    /// it still charges the stream.
+    pub(crate) durable: bool,
+}
+
 /// Admits a request to `model` through the limiter (its rate-limit headers
-/// go on the response) and holds the most it can cost in the ledger;
-/// refuses it (429, 402) when either says no. `estimated_tokens` counts
-/// prompt and completion together.
+/// go on the response) and holds the most it can cost in the ledger, both
+/// at once (in a split deployment each is a call to another process);
+/// refuses it (429, 402) when either says no, and gives back what the
+/// other one granted.
 pub(crate) async fn admit(
     gateway: &Gateway,
     request: &HttpRequest,
     principal: &auth_pb::Principal,
     model: &ModelEntry,
     request_id: &str,
-    prompt_tokens_estimate: u64,
-    estimated_tokens: u64,
+    reservation: Reservation,
 ) -> Result<Admitted, ApiError> {
     let limiter = &gateway.services.limiter;
-    let admission = limiter
-        .admit(
-            crate::caller(principal),
-            Target::model(&model.config),
-            request_id,
-            estimated_tokens,
-        )
-        .await?;
+    let owner = crate::ledger_owner(principal);
+    let admitting = limiter.admit(
+        crate::caller(principal),
+        Target::model(&model.config),
+        request_id,
+        reservation.total_tokens,
+    );
+    let holding = gateway.services.billing.hold(billing_pb::HoldRequest {
+        owner: owner.clone(),
+        request_id: request_id.to_owned(),
+        model_id: model.config.id.clone(),
+        prompt_tokens: reservation.prompt_tokens,
+        max_completion_tokens: reservation
+            .total_tokens
+            .saturating_sub(reservation.prompt_tokens),
+        key_limit: crate::key_limit(&principal.key_id, principal.key_limit.as_ref()),
+        durable: reservation.durable,
+    });
+    let (admission, hold) = futures_util::future::join(admitting, holding).await;
+    let prices = rialto_billing::Prices::from_model(&model.config);
+    // A hold the limiter's refusal makes useless is released at once.
+    let release_hold = |hold: &billing_pb::HoldResponse| {
+        if !(hold.placed && hold.reserved) {
+            return;
+        }
+        let mut orphan = Settlement {
+            limiter: limiter.clone(),
+            ticket: None,
+            billing: gateway.services.billing.clone(),
+            usage_queue: gateway.services.usage_queue.clone(),
+            owner: owner.clone(),
+            request_id: request_id.to_owned(),
+            model_id: model.config.id.clone(),
+            held: true,
+            held_usd: hold.held_usd.clone(),
+            held_diem: hold.held_diem.clone(),
+            key_id: principal.key_id.clone(),
+            key_period: hold.key_period.clone(),
+            prices: prices.clone(),
+        };
+        orphan.release();
+    };
+    let admission = match admission {
+        Ok(admission) => admission,
+        Err(error) => {
+            if let Ok(hold) = &hold {
+                release_hold(hold);
+            }
+            return Err(error.into());
+        }
+    };
     if let Some(headers) = admission.headers {
         request.extensions_mut().insert(RateLimitHeaders(headers));
     }
     if let Some(refusal) = admission.refusal {
+        if let Ok(hold) = &hold {
+            release_hold(hold);
+        }
         return Err(refusal.into());
     }
     // From here on the limiter hears back however the request ends.
@@ -376,27 +467,16 @@ pub(crate) async fn admit(
         ticket: Some(admission.ticket),
         billing: gateway.services.billing.clone(),
         usage_queue: gateway.services.usage_queue.clone(),
-        owner: crate::ledger_owner(principal),
+        owner,
         request_id: request_id.to_owned(),
         model_id: model.config.id.clone(),
         held: false,
         held_usd: String::new(),
         held_diem: String::new(),
-        prices: rialto_billing::Prices::from_model(&model.config),
+        key_id: String::new(),
+        key_period: String::new(),
+        prices,
     };
-    // Reserve the most the request can cost; refuse it if the balance can't.
-    let hold = gateway
-        .services
-        .billing
-        .hold(billing_pb::HoldRequest {
-            owner: settlement.owner.clone(),
-            request_id: request_id.to_owned(),
-            model_id: model.config.id.clone(),
-            prompt_tokens: prompt_tokens_estimate,
-            max_completion_tokens: estimated_tokens.saturating_sub(prompt_tokens_estimate),
-            key_limit: crate::key_limit(&principal.key_id, principal.key_limit.as_ref()),
-        })
-        .await;
     let hold = match hold {
         Ok(hold) => hold,
         Err(error) => {
@@ -446,6 +526,10 @@ pub(crate) async fn admit(
     settlement.held = hold.reserved;
     settlement.held_usd = hold.held_usd;
     settlement.held_diem = hold.held_diem;
+    if !hold.key_period.is_empty() {
+        settlement.key_id.clone_from(&principal.key_id);
+        settlement.key_period = hold.key_period;
+    }
     let wallet_usd_before = if principal.wallet.is_empty() {
         None
     } else {
@@ -604,6 +688,8 @@ async fn relay(
     let estimate = |usage: &Option<Value>, text: usize| {
         usage_or_estimate(usage.as_ref(), exchange.chat.prompt_tokens_estimate, text)
     };
+    let mut checkpointed = tokio::time::Instant::now();
+    let mut content_chunks = 0u64;
     loop {
         let event = tokio::select! {
             biased;
@@ -660,7 +746,19 @@ async fn relay(
             // A usage-only chunk: folded into our final chunk.
             continue;
         }
-        completion_text += delta_chars(chunk.get("choices"));
+        let chars = delta_chars(chunk.get("choices"));
+        completion_text += chars;
+        content_chunks += u64::from(chars > 0);
+        if checkpointed.elapsed() >= exchange.checkpoint_every {
+            checkpointed = tokio::time::Instant::now();
+            // The least the stream has used: a token per chunk of text so
+            // far and no prompt (estimates could overshoot the upstream's
+            // own count), so a crash never charges more than the stream
+            // would have cost.
+            exchange
+                .settlement
+                .checkpoint(&Usage::completion_only(content_chunks));
+        }
         chunk.insert("id".into(), json!(exchange.completion_id));
         chunk.insert("object".into(), json!("chat.completion.chunk"));
         chunk.insert("model".into(), json!(exchange.chat.model_id));
@@ -740,6 +838,17 @@ impl Usage {
             cached: 0,
             cache_write: 0,
             json: json!({"prompt_tokens": prompt, "total_tokens": prompt}),
+        }
+    }
+
+    /// Completion tokens only, no `json` (a stream's checkpoint).
+    fn completion_only(completion: u64) -> Self {
+        Self {
+            prompt: 0,
+            completion,
+            cached: 0,
+            cache_write: 0,
+            json: Value::Null,
         }
     }
 

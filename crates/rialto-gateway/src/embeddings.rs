@@ -7,7 +7,9 @@ use rialto_core::ErrorCode;
 use rialto_proto::router::v1 as router_pb;
 use serde_json::{Value, json};
 
-use crate::chat::{Admitted, BALANCE_REMAINING, Usage, admit, invalid_answer, model_headers};
+use crate::chat::{
+    Admitted, BALANCE_REMAINING, Reservation, Usage, admit, invalid_answer, model_headers,
+};
 use crate::headers::RequestId;
 use crate::{ApiError, Details, Gateway, ModelEntry, authenticate, parse_json, read_body};
 
@@ -33,8 +35,11 @@ pub async fn create(
         &principal,
         model,
         &request_id,
-        prompt_estimate,
-        prompt_estimate,
+        Reservation {
+            prompt_tokens: prompt_estimate,
+            total_tokens: prompt_estimate,
+            durable: false,
+        },
     )
     .await?;
     let routed = gateway

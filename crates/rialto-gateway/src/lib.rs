@@ -94,6 +94,8 @@ pub struct Gateway {
     configured_characters: Vec<rialto_core::config::CharacterConfig>,
     /// Whether `file` URLs may point inside the operator's network.
     file_urls_allow_private: bool,
+    /// How often a running stream checkpoints what it used so far.
+    checkpoint_every: std::time::Duration,
 }
 
 impl std::fmt::Debug for Gateway {
@@ -151,6 +153,9 @@ impl Gateway {
             ))),
             configured_characters: config.characters.clone(),
             file_urls_allow_private: config.gateway.file_urls_allow_private,
+            checkpoint_every: std::time::Duration::from_millis(
+                config.billing.checkpoint_ms.max(100),
+            ),
             client_address_header: match config.gateway.client_address_header.as_str() {
                 "" => None,
                 name => Some(

@@ -124,6 +124,9 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
     } else {
         None
     };
+    if let Some(db) = &db {
+        db.spawn_checkpointer(std::time::Duration::from_secs(1));
+    }
     let auth = if let Some(db) = db.clone().filter(|_| here.contains("auth")) {
         AuthClient::new(
             LocalAuth::new(db, &brand.key_prefix)
@@ -175,9 +178,7 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
         }
     };
     let billing = if let Some(db) = db.clone().filter(|_| here.contains("billing")) {
-        let billing = LocalBilling::new(&config, db)
-            .with_ledger_actors()
-            .with_events(bus.clone());
+        let billing = LocalBilling::new(&config, db).with_events(bus.clone());
         billing.spawn_sweeper();
         let billing = BillingClient::new(billing);
         rialto_billing::usage_queue::spawn_usage_consumer(billing.clone(), bus.clone());

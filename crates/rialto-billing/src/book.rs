@@ -1,0 +1,1176 @@
+//! The ledger decided in memory: one [`Owner`] per ledger owner (account
+//! or wallet) in this process holds the authoritative balance, the open
+//! holds, the capped keys' spend and the DIEM epoch, and decides holds,
+//! settlements and checkpoints synchronously under its own mutex: no
+//! database round trip, no await, no other owner's lock.
+//!
+//! What must survive a kill is handed to the [`writer`](crate::writer) as a
+//! [`Record`] and made durable in batches; a caller that must not answer
+//! before its record is durable (a settlement, a stream's opening hold)
+//! waits for the batch carrying it, never for anyone else's statements.
+//! A hold of a non-streamed request is not written at all: if the process
+//! dies before its settlement, the answer it held for was never served.
+//!
+//! **Ownership.** An owner is loaded into memory by the writer, in order
+//! with the writes queued before it, and the load bumps the owner's
+//! `fence` in `ledgers`. Every batched write is conditional on the fence it
+//! was decided under, so a replica that lost an owner to another (the
+//! rendezvous placement moved it) cannot write for it any more: its
+//! records fail, its in-memory owner is dropped, and the next request
+//! loads the owner afresh.
+//!
+//! **Memory and the database.** The in-memory balance is the database's
+//! balance plus the effects of the records queued and not yet committed
+//! (`unflushed`). Credits, top-ups and stakes are written to the database
+//! directly (by any process: the CLI, another replica's x402 top-up), and
+//! an owner picks them up by a refresh that the writer reads inside a
+//! batch, so the sum stays exact: `usd = database + unflushed`.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasher, RandomState};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use rialto_core::db::{Database, now_ms};
+use rialto_core::{Error, ErrorCode, Result};
+use sqlx::Row;
+use tokio::sync::oneshot;
+
+use crate::ledger::{Balance, HoldOutcome, KeyCap, SettleOutcome, Snapshot};
+use crate::writer::{self, Job, Loaded, Record, RecordKind, Written};
+
+/// How often an owner in use reads back what changed in the database
+/// without it (credits from elsewhere, stakes).
+const REFRESH_EVERY: Duration = Duration::from_secs(1);
+/// An owner with nothing open is dropped from memory after this long idle.
+const IDLE: Duration = Duration::from_secs(60);
+
+/// A hold to place.
+#[derive(Debug, Clone)]
+pub struct HoldOrder<'a> {
+    pub request_id: &'a str,
+    /// Nano-units: the most the request can cost.
+    pub amount: i64,
+    pub expires_at_ms: i64,
+    pub cap: Option<&'a KeyCap>,
+    /// A stream's hold: durable before the caller answers.
+    pub durable: bool,
+    pub model_id: &'a str,
+}
+
+/// A settlement to make.
+#[derive(Debug, Clone)]
+pub struct SettleOrder<'a> {
+    pub request_id: &'a str,
+    /// Nano-units the usage costs.
+    pub cost: i64,
+    pub model_id: &'a str,
+    pub prompt_tokens: i64,
+    pub completion_tokens: i64,
+    /// What the hold reserved, as the caller knows it: bounds a settlement
+    /// of a hold this process does not know (it restarted).
+    pub held: Option<(i64, i64)>,
+    /// The capped key and period the hold counted in.
+    pub key: Option<(&'a str, &'a str)>,
+}
+
+/// An open hold in memory.
+#[derive(Debug, Clone)]
+pub(crate) struct OpenHold {
+    pub usd: i64,
+    pub diem: i64,
+    pub expires_at_ms: i64,
+    pub key: Option<KeyRef>,
+    /// Written to `holds` (a stream's): its close is written too.
+    pub durable: bool,
+    /// What the stream used at its last checkpoint, nano-units and tokens.
+    pub checkpoint: i64,
+    pub checkpoint_tokens: (i64, i64),
+    pub model_id: Arc<str>,
+}
+
+/// A capped key's period, as the owner's key map names it.
+pub(crate) type KeyRef = Arc<(String, String)>;
+
+/// What a capped key spent and holds in one period.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct KeySpend {
+    pub usd: i64,
+    pub diem: i64,
+    pub usd_held: i64,
+    pub diem_held: i64,
+}
+
+/// One owner's state. Changed only under its mutex, by synchronous code.
+#[derive(Debug)]
+pub(crate) struct State {
+    /// False once dropped (fenced out, a write failed, idle): callers go
+    /// to a fresh owner.
+    pub live: bool,
+    pub fence: i64,
+    pub balance: Balance,
+    pub diem_epoch: i64,
+    pub stake: Option<i64>,
+    pub holds: HashMap<Box<str>, OpenHold>,
+    pub keys: HashMap<KeyRef, KeySpend>,
+    /// Balance effects of records queued and not yet committed: (usd, diem).
+    pub unflushed: (i64, i64),
+    /// Records queued and not yet committed.
+    pub pending: u32,
+    refreshed_at: Instant,
+    refreshing: bool,
+    last_active: Instant,
+}
+
+/// A ledger owner in this process.
+#[derive(Debug)]
+pub(crate) struct Owner {
+    pub name: Arc<str>,
+    state: Mutex<Option<State>>,
+    loading: tokio::sync::Mutex<()>,
+}
+
+impl Owner {
+    pub(crate) fn lock(&self) -> MutexGuard<'_, Option<State>> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Every owner this process holds, and the writer that makes them durable.
+#[derive(Clone)]
+pub struct Book {
+    shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Book {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Book").finish_non_exhaustive()
+    }
+}
+
+/// One shard of the owners in memory.
+type Shard = Mutex<HashMap<Arc<str>, Arc<Owner>>>;
+
+pub(crate) struct Shared {
+    shards: Box<[Shard]>,
+    hasher: RandomState,
+    writer: writer::Handle,
+    db: Database,
+    /// How long a stream's hold lives after its last checkpoint.
+    lease_ms: i64,
+}
+
+impl Book {
+    /// Starts the writer (a task on the current Tokio runtime).
+    pub fn start(db: Database, lease_ms: i64) -> Self {
+        let shards = std::thread::available_parallelism().map_or(1, |n| n.get()) * 8;
+        let writer = writer::start(db.clone());
+        Self {
+            shared: Arc::new(Shared {
+                shards: (0..shards).map(|_| Mutex::new(HashMap::new())).collect(),
+                hasher: RandomState::new(),
+                writer,
+                db,
+                lease_ms,
+            }),
+        }
+    }
+
+    fn shard(&self, owner: &str) -> MutexGuard<'_, HashMap<Arc<str>, Arc<Owner>>> {
+        let index = self.shared.hasher.hash_one(owner) as usize % self.shared.shards.len();
+        self.shared.shards[index]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The owner's entry, created (not loaded) when missing.
+    fn entry(&self, owner: &str) -> Arc<Owner> {
+        let mut shard = self.shard(owner);
+        if let Some(found) = shard.get(owner) {
+            return found.clone();
+        }
+        let name: Arc<str> = owner.into();
+        let created = Arc::new(Owner {
+            name: name.clone(),
+            state: Mutex::new(None),
+            loading: tokio::sync::Mutex::new(()),
+        });
+        shard.insert(name, created.clone());
+        created
+    }
+
+    /// The owner's entry if it is in memory and loaded.
+    fn loaded(&self, owner: &str) -> Option<Arc<Owner>> {
+        let found = self.shard(owner).get(owner).cloned()?;
+        let live = found.lock().as_ref().is_some_and(|s| s.live);
+        live.then_some(found)
+    }
+
+    /// Drops `owner` from memory if `entry` is still its entry.
+    pub(crate) fn drop_owner(shared: &Shared, entry: &Arc<Owner>) {
+        let index = shared.hasher.hash_one(&*entry.name) as usize % shared.shards.len();
+        let mut shard = shared.shards[index]
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if shard
+            .get(&entry.name)
+            .is_some_and(|e| Arc::ptr_eq(e, entry))
+        {
+            shard.remove(&entry.name);
+        }
+    }
+
+    /// Runs `decide` on the owner's loaded state, loading it first when
+    /// needed (through the writer, so after every write queued before).
+    async fn with_owner<T>(
+        &self,
+        owner: &str,
+        mut decide: impl FnMut(&Arc<Owner>, &mut State) -> Result<T>,
+    ) -> Result<T> {
+        for _ in 0..3 {
+            let entry = self.entry(owner);
+            if entry.lock().is_none() {
+                let _loading = entry.loading.lock().await;
+                if entry.lock().is_none() {
+                    let loaded = self.load(&entry).await?;
+                    *entry.lock() = Some(loaded);
+                }
+            }
+            let mut guard = entry.lock();
+            let Some(state) = guard.as_mut().filter(|s| s.live) else {
+                // Dropped meanwhile: a fresh entry.
+                drop(guard);
+                Self::drop_owner(&self.shared, &entry);
+                continue;
+            };
+            state.last_active = Instant::now();
+            self.maybe_refresh(&entry, state);
+            return decide(&entry, state);
+        }
+        Err(Error::new(
+            ErrorCode::Unavailable,
+            "The ledger of this account is moving between billing replicas; retry",
+        ))
+    }
+
+    async fn load(&self, entry: &Arc<Owner>) -> Result<State> {
+        let (done, loaded) = oneshot::channel();
+        self.shared.writer.send(Job::Load {
+            owner: entry.name.clone(),
+            done,
+        })?;
+        let Loaded {
+            fence,
+            balance,
+            diem_epoch,
+            stake,
+            holds,
+        } = loaded.await.map_err(|_| writer::stopped())??;
+        let mut state = State {
+            live: true,
+            fence,
+            balance,
+            diem_epoch,
+            stake,
+            holds: HashMap::new(),
+            keys: HashMap::new(),
+            unflushed: (0, 0),
+            pending: 0,
+            refreshed_at: Instant::now(),
+            refreshing: false,
+            last_active: Instant::now(),
+        };
+        for (request_id, hold, key) in holds {
+            let key = match key {
+                Some(key) => Some(self.key_ref(&mut state, key).await?),
+                None => None,
+            };
+            state
+                .holds
+                .insert(request_id.into(), OpenHold { key, ..hold });
+        }
+        Ok(state)
+    }
+
+    /// The owner's entry for a capped key's period, read from the database
+    /// the first time (before any of its records exist in this process).
+    async fn key_ref(&self, state: &mut State, key: (String, String)) -> Result<KeyRef> {
+        if let Some((found, _)) = state.keys.get_key_value(&key) {
+            return Ok(found.clone());
+        }
+        let spend = read_key_spend(&self.shared.db, &key.0, &key.1).await?;
+        let key = Arc::new(key);
+        state.keys.insert(key.clone(), spend);
+        Ok(key)
+    }
+
+    /// Makes sure the owner's entry knows the key's spend, reading it once.
+    async fn ensure_key(&self, owner: &str, key: Option<(&str, &str)>) -> Result<()> {
+        let Some((key_id, period)) = key else {
+            return Ok(());
+        };
+        let wanted = (key_id.to_owned(), period.to_owned());
+        let known = self
+            .with_owner(owner, |_, state| Ok(state.keys.contains_key(&wanted)))
+            .await?;
+        if known {
+            return Ok(());
+        }
+        let spend = read_key_spend(&self.shared.db, key_id, period).await?;
+        self.with_owner(owner, |_, state| {
+            state.keys.entry(Arc::new(wanted.clone())).or_insert(spend);
+            Ok(())
+        })
+        .await
+    }
+
+    /// Queues a refresh of the owner's balance when it is due.
+    fn maybe_refresh(&self, entry: &Arc<Owner>, state: &mut State) {
+        if state.refreshing || state.refreshed_at.elapsed() < REFRESH_EVERY {
+            return;
+        }
+        state.refreshing = true;
+        state.pending += 1;
+        let job = Job::Write {
+            record: Record::refresh(entry.clone(), state.fence),
+            done: None,
+        };
+        if self.shared.writer.send(job).is_err() {
+            state.refreshing = false;
+            state.pending -= 1;
+        }
+    }
+
+    /// Asks for a refresh now (a credit or stake was written), if the owner
+    /// is in memory, and waits for it.
+    pub async fn refresh_now(&self, owner: &str) -> Result<()> {
+        let Some(entry) = self.loaded(owner) else {
+            return Ok(());
+        };
+        let (done, written) = oneshot::channel();
+        {
+            let mut guard = entry.lock();
+            let Some(state) = guard.as_mut().filter(|s| s.live) else {
+                return Ok(());
+            };
+            state.refreshing = true;
+            state.pending += 1;
+            self.shared.writer.send(Job::Write {
+                record: Record::refresh(entry.clone(), state.fence),
+                done: Some(done),
+            })?;
+        }
+        written.await.map_err(|_| writer::stopped())?.map(|_| ())
+    }
+
+    /// The owner's snapshot from memory, when it is loaded here.
+    pub fn snapshot(&self, owner: &str) -> Option<Snapshot> {
+        let entry = self.loaded(owner)?;
+        let guard = entry.lock();
+        let state = guard.as_ref()?;
+        Some(Snapshot {
+            balance: state.balance,
+            diem_epoch: state.diem_epoch,
+            stake: state.stake,
+        })
+    }
+
+    /// Places a hold, deciding from memory; a durable one is written before
+    /// this returns.
+    pub async fn hold(&self, owner: &str, order: &HoldOrder<'_>) -> Result<HoldOutcome> {
+        let key = order.cap.map(|c| (c.key_id.as_str(), c.period.as_str()));
+        self.ensure_key(owner, key).await?;
+        let outcome = self.try_hold(owner, order).await?;
+        if !matches!(
+            outcome,
+            HoldOutcome::Insufficient { .. } | HoldOutcome::KeyLimitReached { .. }
+        ) {
+            return Ok(outcome);
+        }
+        // A refusal is decided on what the database has now: a credit
+        // written elsewhere a moment ago (the CLI, a top-up on another
+        // replica) counts.
+        self.refresh_now(owner).await?;
+        self.try_hold(owner, order).await
+    }
+
+    async fn try_hold(&self, owner: &str, order: &HoldOrder<'_>) -> Result<HoldOutcome> {
+        let lease_ms = self.shared.lease_ms;
+        let (outcome, wait) = self
+            .with_owner(owner, |entry, state| {
+                start_epoch(entry, state, &self.shared.writer, today());
+                let decided = decide_hold(state, order, lease_ms);
+                let HoldDecision::Placed { usd, diem, before } = decided else {
+                    return Ok((decided.outcome(), None));
+                };
+                if !order.durable || usd + diem == 0 {
+                    return Ok((HoldOutcome::Placed { usd, diem, before }, None));
+                }
+                let hold = state
+                    .holds
+                    .get(order.request_id)
+                    .cloned()
+                    .ok_or_else(|| Error::internal("a placed hold is missing"))?;
+                let record = Record::open(entry.clone(), state.fence, order.request_id, &hold);
+                let done = queue(&self.shared.writer, state, record, true)?;
+                Ok((HoldOutcome::Placed { usd, diem, before }, done))
+            })
+            .await?;
+        match wait {
+            None => Ok(outcome),
+            Some(written) => match written.await.map_err(|_| writer::stopped())?? {
+                Written::Applied => Ok(outcome),
+                Written::Duplicate => Ok(HoldOutcome::Duplicate),
+            },
+        }
+    }
+
+    /// Settles `request_id`: charges its cost against its hold (DIEM first,
+    /// never more than was held) and releases the rest, durably before
+    /// this returns. A hold this process does not know (it restarted, or
+    /// the hold expired) is settled from what the balance has now, at most
+    /// what the caller says was held. Once: a repeat is `NotOpen`.
+    pub async fn settle(&self, owner: &str, order: &SettleOrder<'_>) -> Result<SettleOutcome> {
+        self.ensure_key(owner, order.key).await?;
+        let wait = self
+            .with_owner(owner, |entry, state| {
+                let (record, outcome) = decide_settle(entry, state, order);
+                match record {
+                    Some(record) => Ok((outcome, queue(&self.shared.writer, state, record, true)?)),
+                    None => Ok((outcome, None)),
+                }
+            })
+            .await?;
+        match wait {
+            (outcome, None) => Ok(outcome),
+            (outcome, Some(written)) => match written.await.map_err(|_| writer::stopped())?? {
+                Written::Applied => Ok(outcome),
+                // Settled before (another process, or a retry).
+                Written::Duplicate => Ok(SettleOutcome::NotOpen),
+            },
+        }
+    }
+
+    /// Records what a stream used so far and extends its hold's lease.
+    /// Returns false when the hold is not open and durable here.
+    pub async fn checkpoint(
+        &self,
+        owner: &str,
+        request_id: &str,
+        cost: i64,
+        tokens: (i64, i64),
+    ) -> Result<bool> {
+        let lease_ms = self.shared.lease_ms;
+        self.with_owner(owner, |entry, state| {
+            let fence = state.fence;
+            let Some(hold) = state.holds.get_mut(request_id).filter(|h| h.durable) else {
+                return Ok(false);
+            };
+            hold.checkpoint = cost.clamp(0, hold.usd + hold.diem).max(hold.checkpoint);
+            hold.checkpoint_tokens = tokens;
+            hold.expires_at_ms = now_ms().saturating_add(lease_ms);
+            let record = Record::checkpoint(entry.clone(), fence, request_id, hold);
+            queue(&self.shared.writer, state, record, false)?;
+            Ok(true)
+        })
+        .await
+    }
+
+    /// Expires holds past their time (a durable one is charged its last
+    /// checkpoint) and drops idle owners. Returns how many holds expired.
+    pub fn sweep(&self, now_ms: i64) -> usize {
+        let owners: Vec<Arc<Owner>> = self
+            .shared
+            .shards
+            .iter()
+            .flat_map(|shard| {
+                let shard = shard.lock().unwrap_or_else(|e| e.into_inner());
+                shard.values().cloned().collect::<Vec<_>>()
+            })
+            .collect();
+        let mut expired = 0;
+        for entry in owners {
+            let mut guard = entry.lock();
+            let Some(state) = guard.as_mut().filter(|s| s.live) else {
+                continue;
+            };
+            let due: Vec<Box<str>> = state
+                .holds
+                .iter()
+                .filter(|(_, h)| h.expires_at_ms <= now_ms)
+                .map(|(id, _)| id.clone())
+                .collect();
+            for request_id in due {
+                let Some(hold) = state.holds.get(&request_id).cloned() else {
+                    continue;
+                };
+                expired += 1;
+                let order = SettleOrder {
+                    request_id: &request_id,
+                    cost: hold.checkpoint,
+                    model_id: &hold.model_id,
+                    prompt_tokens: hold.checkpoint_tokens.0,
+                    completion_tokens: hold.checkpoint_tokens.1,
+                    held: None,
+                    key: None,
+                };
+                let (record, _) = decide_settle(&entry, state, &order);
+                if let Some(mut record) = record {
+                    record.kind = RecordKind::Expire;
+                    if let Err(error) = queue(&self.shared.writer, state, record, false) {
+                        tracing::warn!(%error, "cannot queue an expired hold");
+                    }
+                }
+            }
+            let idle =
+                state.holds.is_empty() && state.pending == 0 && state.last_active.elapsed() >= IDLE;
+            if idle {
+                state.live = false;
+                drop(guard);
+                Self::drop_owner(&self.shared, &entry);
+            }
+        }
+        expired
+    }
+
+    /// Loads owners that have durable holds past their lease and are not in
+    /// memory (this process restarted): the next sweep charges them.
+    pub async fn recover(&self, now_ms: i64) -> Result<usize> {
+        let rows = sqlx::query(
+            "SELECT DISTINCT owner FROM holds WHERE state = 'open' AND expires_at_ms <= $1 \
+             LIMIT 100",
+        )
+        .bind(now_ms)
+        .fetch_all(self.shared.db.pool())
+        .await?;
+        let mut loaded = 0;
+        for row in rows {
+            let owner: String = row.try_get(0)?;
+            if self.loaded(&owner).is_none() {
+                self.with_owner(&owner, |_, _| Ok(())).await?;
+                loaded += 1;
+            }
+        }
+        Ok(loaded)
+    }
+
+    /// Waits until every record queued so far is committed.
+    pub async fn flush(&self) -> Result<()> {
+        let (done, flushed) = oneshot::channel();
+        self.shared.writer.send(Job::Flush { done })?;
+        flushed.await.map_err(|_| writer::stopped())
+    }
+
+    /// The writer's batch sizes so far: (batches, records).
+    pub fn batches(&self) -> (u64, u64) {
+        self.shared.writer.batches()
+    }
+}
+
+/// Today's UTC day number.
+fn today() -> i64 {
+    now_ms().div_euclid(86_400_000)
+}
+
+/// Queues `record` for the writer, counting it as unflushed; returns the
+/// receiver of its outcome when `wait`.
+fn queue(
+    writer: &writer::Handle,
+    state: &mut State,
+    record: Record,
+    wait: bool,
+) -> Result<Option<oneshot::Receiver<Result<Written>>>> {
+    let (done, written) = if wait {
+        let (done, written) = oneshot::channel();
+        (Some(done), Some(written))
+    } else {
+        (None, None)
+    };
+    let (usd, diem) = record.balance_delta();
+    writer.send(Job::Write { record, done })?;
+    state.pending += 1;
+    state.unflushed.0 += usd;
+    state.unflushed.1 += diem;
+    Ok(written)
+}
+
+/// Starts `day`'s DIEM epoch if the owner stakes and it is due: the DIEM
+/// balance becomes the day's allocation plus what open holds reserve of it
+/// (nothing rolls over).
+fn start_epoch(entry: &Arc<Owner>, state: &mut State, writer: &writer::Handle, day: i64) {
+    let Some(per_day) = state.stake else {
+        return;
+    };
+    if state.diem_epoch >= day {
+        return;
+    }
+    let new = per_day.saturating_add(state.balance.diem_held);
+    let delta = new - state.balance.diem;
+    state.balance.diem = new;
+    state.diem_epoch = day;
+    let record = Record::epoch(entry.clone(), state.fence, day, delta);
+    if let Err(error) = queue(writer, state, record, false) {
+        tracing::warn!(%error, "cannot queue a DIEM epoch");
+    }
+}
+
+enum HoldDecision {
+    Placed {
+        usd: i64,
+        diem: i64,
+        before: Balance,
+    },
+    Refused(HoldOutcome),
+}
+
+impl HoldDecision {
+    fn outcome(self) -> HoldOutcome {
+        match self {
+            Self::Placed { usd, diem, before } => HoldOutcome::Placed { usd, diem, before },
+            Self::Refused(outcome) => outcome,
+        }
+    }
+}
+
+/// Decides a hold: DIEM first up to what is available and what the key's
+/// cap allows, the rest in USD; refuses what the balance or the cap cannot
+/// cover. A placed hold is in `state.holds` when this returns.
+fn decide_hold(state: &mut State, order: &HoldOrder<'_>, lease_ms: i64) -> HoldDecision {
+    let before = state.balance;
+    let amount = order.amount.max(0);
+    if amount == 0 {
+        // A free request reserves nothing, and settles to nothing.
+        return HoldDecision::Placed {
+            usd: 0,
+            diem: 0,
+            before,
+        };
+    }
+    if state.holds.contains_key(order.request_id) {
+        return HoldDecision::Refused(HoldOutcome::Duplicate);
+    }
+    let key = order.cap.and_then(|cap| {
+        let wanted = (cap.key_id.clone(), cap.period.clone());
+        state
+            .keys
+            .get_key_value(&wanted)
+            .map(|(k, spend)| (k.clone(), *spend, cap))
+    });
+    let room = |cap: Option<i64>, used: i64| cap.map_or(i64::MAX, |c| c - used);
+    let (usd_room, diem_room) = match &key {
+        Some((_, spend, cap)) => (
+            room(cap.usd, spend.usd + spend.usd_held),
+            room(cap.diem, spend.diem + spend.diem_held),
+        ),
+        None => (i64::MAX, i64::MAX),
+    };
+    let diem_usable = before.diem_available().max(0);
+    let diem = amount.min(diem_usable).min(diem_room.max(0));
+    let usd = amount - diem;
+    if usd > before.usd_available() {
+        // DIEM the key may not spend would have paid: the cap refused.
+        return HoldDecision::Refused(if amount.min(diem_usable) > diem {
+            HoldOutcome::KeyLimitReached {
+                before,
+                currency: "DIEM",
+            }
+        } else {
+            HoldOutcome::Insufficient { before }
+        });
+    }
+    if usd > usd_room {
+        return HoldDecision::Refused(HoldOutcome::KeyLimitReached {
+            before,
+            currency: "USD",
+        });
+    }
+    state.balance.usd_held += usd;
+    state.balance.diem_held += diem;
+    if let Some((key, _, _)) = &key
+        && let Some(spend) = state.keys.get_mut(key)
+    {
+        spend.usd_held += usd;
+        spend.diem_held += diem;
+    }
+    let expires_at_ms = if order.durable {
+        // A stream's hold lives on its lease, renewed by its checkpoints.
+        now_ms().saturating_add(lease_ms).min(order.expires_at_ms)
+    } else {
+        order.expires_at_ms
+    };
+    state.holds.insert(
+        order.request_id.into(),
+        OpenHold {
+            usd,
+            diem,
+            expires_at_ms,
+            key: key.map(|(k, _, _)| k),
+            durable: order.durable,
+            checkpoint: 0,
+            checkpoint_tokens: (0, 0),
+            model_id: order.model_id.into(),
+        },
+    );
+    HoldDecision::Placed { usd, diem, before }
+}
+
+/// Decides a settlement in memory; the record to write, if any.
+fn decide_settle(
+    entry: &Arc<Owner>,
+    state: &mut State,
+    order: &SettleOrder<'_>,
+) -> (Option<Record>, SettleOutcome) {
+    let cost = order.cost.max(0);
+    let Some(hold) = state.holds.remove(order.request_id) else {
+        return decide_late_settle(entry, state, order, cost);
+    };
+    let diem = cost.min(hold.diem);
+    let usd = (cost - diem).min(hold.usd);
+    let written_off = cost - diem - usd;
+    state.balance.usd_held -= hold.usd;
+    state.balance.diem_held -= hold.diem;
+    state.balance.usd -= usd;
+    state.balance.diem -= diem;
+    if let Some(key) = &hold.key
+        && let Some(spend) = state.keys.get_mut(key)
+    {
+        spend.usd += usd;
+        spend.diem += diem;
+        spend.usd_held -= hold.usd;
+        spend.diem_held -= hold.diem;
+    }
+    let outcome = SettleOutcome::Settled {
+        usd,
+        diem,
+        written_off,
+    };
+    if !hold.durable && usd == 0 && diem == 0 && written_off == 0 {
+        // Nothing was ever written and nothing is charged.
+        return (None, outcome);
+    }
+    let record = Record::close(
+        entry.clone(),
+        state.fence,
+        RecordKind::Settle,
+        order,
+        [usd, diem, written_off],
+        Some(&hold),
+    );
+    (Some(record), outcome)
+}
+
+/// A settlement of a hold this process does not hold open: charged from
+/// what the balance has available now, at most what was held.
+fn decide_late_settle(
+    entry: &Arc<Owner>,
+    state: &mut State,
+    order: &SettleOrder<'_>,
+    cost: i64,
+) -> (Option<Record>, SettleOutcome) {
+    let most = order
+        .held
+        .map_or(cost, |(usd, diem)| usd.saturating_add(diem));
+    let chargeable = cost.min(most);
+    let diem = chargeable.min(state.balance.diem_available().max(0));
+    let usd = (chargeable - diem).min(state.balance.usd_available().max(0));
+    let written_off = cost - diem - usd;
+    if usd == 0 && diem == 0 {
+        // Nothing to take (or settled before): the caller reads what the
+        // journal has.
+        return (None, SettleOutcome::NotOpen);
+    }
+    state.balance.usd -= usd;
+    state.balance.diem -= diem;
+    let key = order.key.and_then(|(key_id, period)| {
+        let wanted = (key_id.to_owned(), period.to_owned());
+        state.keys.get_key_value(&wanted).map(|(k, _)| k.clone())
+    });
+    if let Some(key) = &key
+        && let Some(spend) = state.keys.get_mut(key)
+    {
+        spend.usd += usd;
+        spend.diem += diem;
+    }
+    let late = OpenHold {
+        usd: 0,
+        diem: 0,
+        expires_at_ms: 0,
+        key,
+        durable: false,
+        checkpoint: 0,
+        checkpoint_tokens: (0, 0),
+        model_id: order.model_id.into(),
+    };
+    let record = Record::close(
+        entry.clone(),
+        state.fence,
+        RecordKind::Settle,
+        order,
+        [usd, diem, written_off],
+        Some(&late),
+    );
+    (
+        Some(record),
+        SettleOutcome::Settled {
+            usd,
+            diem,
+            written_off,
+        },
+    )
+}
+
+/// What a capped key spent and holds in `period`, from the database.
+async fn read_key_spend(db: &Database, key_id: &str, period: &str) -> Result<KeySpend> {
+    let row = sqlx::query(
+        "SELECT usd_nanos, diem_nanos, usd_held_nanos, diem_held_nanos FROM key_spend \
+         WHERE key_id = $1 AND period = $2",
+    )
+    .bind(key_id)
+    .bind(period)
+    .fetch_optional(db.pool())
+    .await?;
+    Ok(match row {
+        Some(row) => KeySpend {
+            usd: row.try_get(0)?,
+            diem: row.try_get(1)?,
+            usd_held: row.try_get(2)?,
+            diem_held: row.try_get(3)?,
+        },
+        None => KeySpend::default(),
+    })
+}
+
+/// The writer's side of an owner: called with the batch committed.
+impl State {
+    /// A refresh read the database's balance inside a batch: the memory is
+    /// that plus what is still queued.
+    pub(crate) fn refreshed(&mut self, usd: i64, diem: i64, stake: Option<i64>) {
+        self.balance.usd = usd + self.unflushed.0;
+        self.balance.diem = diem + self.unflushed.1;
+        self.stake = stake;
+        self.refreshing = false;
+        self.refreshed_at = Instant::now();
+    }
+
+    pub(crate) fn key_mut(&mut self, key: &KeyRef) -> Option<&mut KeySpend> {
+        self.keys.get_mut(key)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ledger::Ledger;
+
+    const NANO: i64 = 1_000_000_000;
+
+    async fn sqlite() -> (tempfile::TempDir, Database) {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}/book.db", dir.path().display());
+        (dir, Database::connect(&url, 8).await.unwrap())
+    }
+
+    /// A fresh PostgreSQL database, dropped by the returned guard's future.
+    async fn postgres() -> (Database, impl std::future::Future<Output = ()>) {
+        let server = std::env::var("E2E_POSTGRES_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into());
+        let name = format!("rialto_book_{}", crate::ledger::uuid_like());
+        let admin = move |sql: String, server: String| async move {
+            use sqlx::Connection;
+            let mut conn = sqlx::postgres::PgConnection::connect(&format!("{server}/postgres"))
+                .await
+                .unwrap();
+            sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                .execute(&mut conn)
+                .await
+                .unwrap();
+            conn.close().await.unwrap();
+        };
+        admin(format!("CREATE DATABASE {name}"), server.clone()).await;
+        let db = Database::connect(&format!("{server}/{name}"), 8)
+            .await
+            .unwrap();
+        let pool = db.pool().clone();
+        let drop = async move {
+            pool.close().await;
+            admin(format!("DROP DATABASE {name} WITH (FORCE)"), server).await;
+        };
+        (db, drop)
+    }
+
+    fn hold(request_id: &str, amount: i64, durable: bool) -> HoldOrder<'_> {
+        HoldOrder {
+            request_id,
+            amount,
+            expires_at_ms: now_ms() + 60_000,
+            cap: None,
+            durable,
+            model_id: "m",
+        }
+    }
+
+    fn settle(request_id: &str, cost: i64) -> SettleOrder<'_> {
+        SettleOrder {
+            request_id,
+            cost,
+            model_id: "m",
+            prompt_tokens: 10,
+            completion_tokens: 20,
+            held: None,
+            key: None,
+        }
+    }
+
+    /// The database agrees with itself and with memory: balance = journal.
+    async fn reconcile(book: &Book, ledger: &Ledger, owner: &str) -> Balance {
+        book.flush().await.unwrap();
+        let stored = ledger.balance(owner).await.unwrap();
+        assert_eq!(stored, ledger.journal_sums(owner).await.unwrap());
+        stored
+    }
+
+    /// 1,000 holds at once from two threads against a balance for 10: ten
+    /// placed; each settled twice at once, charged once.
+    async fn ten_of_a_thousand(db: Database) {
+        let ledger = Ledger::new(db.clone());
+        let book = Book::start(db, 30_000);
+        ledger
+            .credit("account:a", 10 * NANO, 0, "seed")
+            .await
+            .unwrap();
+        let tasks: Vec<_> = (0..1000)
+            .map(|i| {
+                let book = book.clone();
+                tokio::spawn(async move {
+                    let id = format!("r{i}");
+                    let placed = book.hold("account:a", &hold(&id, NANO, i % 2 == 0)).await;
+                    (id, placed.unwrap())
+                })
+            })
+            .collect();
+        let mut placed = Vec::new();
+        for task in tasks {
+            let (id, outcome) = task.await.unwrap();
+            if matches!(outcome, HoldOutcome::Placed { .. }) {
+                placed.push(id);
+            }
+        }
+        assert_eq!(placed.len(), 10);
+        let settles: Vec<_> = placed
+            .iter()
+            .flat_map(|id| [id.clone(), id.clone()])
+            .map(|id| {
+                let book = book.clone();
+                tokio::spawn(async move { book.settle("account:a", &settle(&id, NANO / 2)).await })
+            })
+            .collect();
+        let mut charged = 0;
+        for task in settles {
+            if let SettleOutcome::Settled { usd, .. } = task.await.unwrap().unwrap() {
+                charged += usd;
+            }
+        }
+        assert_eq!(charged, 5 * NANO, "each hold charged exactly once");
+        let stored = reconcile(&book, &ledger, "account:a").await;
+        assert_eq!((stored.usd, stored.usd_held), (5 * NANO, 0));
+        assert_eq!(book.snapshot("account:a").unwrap().balance, stored);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn ten_of_a_thousand_on_sqlite() {
+        let (_dir, db) = sqlite().await;
+        ten_of_a_thousand(db).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn ten_of_a_thousand_on_postgres() {
+        let (db, drop) = postgres().await;
+        ten_of_a_thousand(db).await;
+        drop.await;
+    }
+
+    /// A stream's hold is durable; the process dies; after a restart its
+    /// hold is charged its last checkpoint once its lease ends, and a usage
+    /// record arriving afterwards charges nothing more.
+    #[tokio::test]
+    async fn a_stream_cut_by_a_crash_is_charged_its_last_checkpoint() {
+        let (_dir, db) = sqlite().await;
+        let ledger = Ledger::new(db.clone());
+        ledger
+            .credit("account:s", 10 * NANO, 0, "seed")
+            .await
+            .unwrap();
+        let book = Book::start(db.clone(), 200);
+        let placed = book.hold("account:s", &hold("s1", 4 * NANO, true)).await;
+        assert!(matches!(placed.unwrap(), HoldOutcome::Placed { usd, .. } if usd == 4 * NANO));
+        // Durable before the first token: the database has the hold.
+        assert_eq!(
+            ledger.balance("account:s").await.unwrap().usd_held,
+            4 * NANO
+        );
+        assert!(
+            book.checkpoint("account:s", "s1", NANO, (5, 7))
+                .await
+                .unwrap()
+        );
+        book.flush().await.unwrap();
+        // The process dies: nothing of it survives but the database.
+        drop(book);
+        let book = Book::start(db.clone(), 200);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(book.recover(now_ms()).await.unwrap(), 1);
+        assert_eq!(book.sweep(now_ms()), 1);
+        let stored = reconcile(&book, &ledger, "account:s").await;
+        assert_eq!((stored.usd, stored.usd_held), (9 * NANO, 0));
+        assert_eq!(ledger.charged("s1").await.unwrap(), (NANO, 0));
+        // The stream's real usage arrives late: settled already.
+        let late = book
+            .settle("account:s", &settle("s1", 3 * NANO))
+            .await
+            .unwrap();
+        assert!(matches!(late, SettleOutcome::NotOpen));
+        let stored = reconcile(&book, &ledger, "account:s").await;
+        assert_eq!(stored.usd, 9 * NANO);
+    }
+
+    /// A settlement of a hold this process never knew (billing restarted
+    /// between the hold and the settlement) charges at most what was held.
+    #[tokio::test]
+    async fn a_settlement_after_a_restart_charges_at_most_the_hold() {
+        let (_dir, db) = sqlite().await;
+        let ledger = Ledger::new(db.clone());
+        ledger
+            .credit("account:r", 10 * NANO, 0, "seed")
+            .await
+            .unwrap();
+        let book = Book::start(db.clone(), 30_000);
+        let order = SettleOrder {
+            held: Some((2 * NANO, 0)),
+            ..settle("r1", 3 * NANO)
+        };
+        let settled = book.settle("account:r", &order).await.unwrap();
+        assert_eq!(
+            settled,
+            SettleOutcome::Settled {
+                usd: 2 * NANO,
+                diem: 0,
+                written_off: NANO
+            }
+        );
+        // Again (a redelivered record): nothing more.
+        assert_eq!(
+            book.settle("account:r", &order).await.unwrap(),
+            SettleOutcome::NotOpen
+        );
+        let stored = reconcile(&book, &ledger, "account:r").await;
+        assert_eq!(stored.usd, 8 * NANO);
+        assert_eq!(book.snapshot("account:r").unwrap().balance.usd, 8 * NANO);
+    }
+
+    /// Credits written to the database by someone else (the CLI, another
+    /// replica's top-up) reach the owner in memory.
+    #[tokio::test]
+    async fn credits_from_elsewhere_reach_memory() {
+        let (_dir, db) = sqlite().await;
+        let ledger = Ledger::new(db.clone());
+        let book = Book::start(db.clone(), 30_000);
+        let refused = book.hold("account:c", &hold("c1", NANO, false)).await;
+        assert!(matches!(refused.unwrap(), HoldOutcome::Insufficient { .. }));
+        ledger
+            .credit("account:c", 2 * NANO, 0, "cli")
+            .await
+            .unwrap();
+        book.refresh_now("account:c").await.unwrap();
+        let placed = book.hold("account:c", &hold("c2", NANO, false)).await;
+        assert!(matches!(placed.unwrap(), HoldOutcome::Placed { .. }));
+        // And with no refresh asked for: within a second of use.
+        ledger
+            .credit("account:c", 5 * NANO, 0, "cli-2")
+            .await
+            .unwrap();
+        tokio::time::sleep(REFRESH_EVERY + Duration::from_millis(50)).await;
+        let _ = book.hold("account:c", &hold("c3", 0, false)).await.unwrap();
+        book.flush().await.unwrap();
+        assert_eq!(book.snapshot("account:c").unwrap().balance.usd, 7 * NANO);
+    }
+
+    /// Two replicas believe they own one ledger: the one that loaded it
+    /// last holds the fence, and the other can no longer write for it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_replica_that_lost_an_owner_cannot_write_for_it() {
+        let (db, drop_db) = postgres().await;
+        let ledger = Ledger::new(db.clone());
+        ledger
+            .credit("account:f", 10 * NANO, 0, "seed")
+            .await
+            .unwrap();
+        let first = Book::start(db.clone(), 30_000);
+        let second = Book::start(db.clone(), 30_000);
+        let placed = first.hold("account:f", &hold("f1", 2 * NANO, false)).await;
+        assert!(matches!(placed.unwrap(), HoldOutcome::Placed { .. }));
+        // Ownership moves: the second replica loads the owner.
+        let placed = second.hold("account:f", &hold("f2", 2 * NANO, false)).await;
+        assert!(matches!(placed.unwrap(), HoldOutcome::Placed { .. }));
+        // The first replica's settlement is fenced out, not written.
+        let fenced = first.settle("account:f", &settle("f1", NANO)).await;
+        assert_eq!(fenced.unwrap_err().code, ErrorCode::Unavailable);
+        assert_eq!(ledger.charged("f1").await.unwrap(), (0, 0));
+        // The second one's goes through.
+        second
+            .settle("account:f", &settle("f2", NANO))
+            .await
+            .unwrap();
+        assert_eq!(ledger.charged("f2").await.unwrap(), (NANO, 0));
+        // Requests racing on both replicas: whichever writes, nothing is
+        // lost or doubled, and the balance stays the journal's.
+        let mut tasks = Vec::new();
+        for i in 0..40 {
+            let book = if i % 2 == 0 {
+                first.clone()
+            } else {
+                second.clone()
+            };
+            tasks.push(tokio::spawn(async move {
+                let id = format!("x{i}");
+                match book.hold("account:f", &hold(&id, NANO / 10, false)).await {
+                    Ok(HoldOutcome::Placed { .. }) => {
+                        book.settle("account:f", &settle(&id, NANO / 20)).await.ok()
+                    }
+                    _ => None,
+                }
+            }));
+        }
+        let mut charged = 0;
+        for task in tasks {
+            if let Some(SettleOutcome::Settled { usd, .. }) = task.await.unwrap() {
+                charged += usd;
+            }
+        }
+        first.flush().await.unwrap();
+        second.flush().await.unwrap();
+        let stored = ledger.balance("account:f").await.unwrap();
+        assert_eq!(stored, ledger.journal_sums("account:f").await.unwrap());
+        assert_eq!(stored.usd, 9 * NANO - charged);
+        // The writers give their connections back when their books go.
+        drop((first, second));
+        drop_db.await;
+    }
+
+    /// A staking owner's DIEM is allocated once per day, from memory.
+    #[tokio::test]
+    async fn a_stake_allocates_diem_once_a_day() {
+        let (_dir, db) = sqlite().await;
+        let ledger = Ledger::new(db.clone());
+        ledger.set_stake("account:d", 3 * NANO).await.unwrap();
+        let book = Book::start(db.clone(), 30_000);
+        let placed = book.hold("account:d", &hold("d1", 2 * NANO, false)).await;
+        assert!(
+            matches!(placed.unwrap(), HoldOutcome::Placed { usd: 0, diem, .. } if diem == 2 * NANO)
+        );
+        let placed = book.hold("account:d", &hold("d2", 2 * NANO, false)).await;
+        assert!(matches!(placed.unwrap(), HoldOutcome::Insufficient { .. }));
+        book.settle("account:d", &settle("d1", NANO)).await.unwrap();
+        let stored = reconcile(&book, &ledger, "account:d").await;
+        assert_eq!(stored.diem, 2 * NANO);
+    }
+}
