@@ -37,12 +37,12 @@ test: k8s-validate toolchain native models services venv bench-venv ## Every che
 	python3 bench/run.py --smoke --profile debug --target-dir $(TARGET_DIR)
 	$(MAKE) --no-print-directory test-cluster
 
-bench: toolchain native models services bench-venv ## Benchmark suite (about 12 min; PostgreSQL for bench-ledger): writes BENCHMARKS.md and bench/results/*.json
-	$(CARGO) build --release --locked -p rialto -p rialto-bench
+bench: toolchain native models services bench-venv ## Benchmark suite (about 13 min, and ~6 min once to build llama-bench; PostgreSQL for bench-ledger): writes BENCHMARKS.md and bench/results/*.json
+	$(CARGO) build --release --locked -p rialto -p rialto-bench -p rialto-local --bins --example tokens_per_second
 	python3 bench/run.py --profile release --target-dir $(TARGET_DIR)
 
 bench-smoke: toolchain native models bench-venv ## Every benchmark scenario for about a second (make test runs it)
-	$(CARGO) build --locked -p rialto -p rialto-bench
+	$(CARGO) build --locked -p rialto -p rialto-bench -p rialto-local --bins --example tokens_per_second
 	python3 bench/run.py --smoke --profile debug --target-dir $(TARGET_DIR)
 
 bench-venv: $(BENCH_VENV)/.installed ## LiteLLM proxy 1.109.1, the comparison in make bench

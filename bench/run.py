@@ -22,13 +22,29 @@ limiter is skipped) and one with all prices 0 (its hold is 0: no ledger
 write). The differences from `bench-fast` are the limiter's and billing's
 shares of the added latency.
 
+And the built-in model (SmolLM2-135M-Instruct, Q4_1 GGUF, on the CPU): prompt
+and generation tokens per second of Rialto's engine (`rialto-local`'s
+`tokens_per_second` example) next to llama.cpp's own `llama-bench` on the
+same file (built once from the PyPI sdist of llama-cpp-python, with the SIMD
+flags and threading of the crate's llama.cpp, into ~/.cache/rialto/), and the
+same model through the HTTP API (`rialto serve` on the built-in catalog, streamed
+chats: time to first token and generated tokens per second as a client sees them).
+
 `make bench` writes BENCHMARKS.md and bench/results/<time>.json;
 `make bench-smoke` (part of `make test`) runs every scenario for about a
-second into a temporary folder so the harness cannot rot. Standard library only.
+second into a temporary folder so the harness cannot rot (the built-in model:
+one repetition of the example and one streamed chat; no llama-bench). Standard
+library only.
+
+`--only local-model` runs the built-in model's step alone into its own results
+file; `--from-results FULL.json PART.json` rewrites BENCHMARKS.md from a full
+run with the later files' sections added or replaced.
 """
 
 import argparse
 import datetime
+import glob
+import http.client
 import json
 import os
 import re
@@ -38,12 +54,29 @@ import signal
 import socket
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHAT = [{"role": "user", "content": "Say something short."}]
+
+# The built-in chat model (`make models` fetches it) and how it is measured:
+# the request of crates/rialto-local/examples/tokens_per_second.rs, whose
+# system message starts with the repetition's number so that the KV cache
+# reuses only the template's first tokens.
+CHAT_MODEL = os.path.join("models", "SmolLM2-135M-Instruct.Q4_1.gguf")
+CHAT_MODEL_ID = "smollm2-135m"
+LOCAL_SYSTEM = "{} You are a helpful assistant who answers questions about science."
+LOCAL_USER = "Explain in a few sentences why the sky looks blue during the day and red at sunset."
+GENERATED_TOKENS = 64
+# llama.cpp's own figure: llama-bench from this sdist's vendor/llama.cpp
+# (the llama-cpp-sys-2 crate ships llama.cpp without its tools/).
+LLAMA_CPP_PYTHON = "0.3.36"
+LLAMA_BENCH_CACHE = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"),
+                                 "rialto", "llama-bench")
 
 
 def free_port():
@@ -85,6 +118,207 @@ def post_json(url, body, headers=None):
                                      headers={"Content-Type": "application/json", **(headers or {})})
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.loads(response.read())
+
+
+def inference_key(base, operator):
+    """An INFERENCE key of a new account credited $1,000,000, through the admin API."""
+    account = post_json(f"{base}/admin/v1/accounts", {"name": "bench"}, {"Authorization": f"Bearer {operator}"})
+    post_json(f"{base}/admin/v1/accounts/{account['id']}/credits", {"usd": "1000000", "reference": "bench-seed"},
+              {"Authorization": f"Bearer {operator}"})
+    return post_json(f"{base}/api/v1/api_keys", {"apiKeyType": "INFERENCE", "description": "bench"},
+                     {"Authorization": f"Bearer {account['api_key']['key']}"})["data"]["apiKey"]
+
+
+def stream_chat(url, headers, body):
+    """One streamed chat as a client sees it: time to the first content
+    chunk, and generated tokens per second from the first content chunk to
+    the last ((completion tokens - 1) over that time: the first token's
+    time is the prompt's), with the usage of the final chunk."""
+    parts = urllib.parse.urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=300)
+    started = time.perf_counter()
+    connection.request("POST", parts.path, body=json.dumps(body),
+                       headers={"Content-Type": "application/json", **headers})
+    response = connection.getresponse()
+    if response.status != 200:
+        raise RuntimeError(f"streamed chat answered {response.status}: {response.read()[:500]!r}")
+    first = last = usage = None
+    chunks = 0
+    for line in response:
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            break
+        event = json.loads(data)
+        if "error" in event:
+            raise RuntimeError(f"streamed chat failed: {event['error']}")
+        if any(choice.get("delta", {}).get("content") for choice in event.get("choices", [])):
+            last = time.perf_counter()
+            first = first or last
+            chunks += 1
+        usage = event.get("usage") or usage
+    connection.close()
+    if first is None or usage is None:
+        raise RuntimeError(f"streamed chat sent no content or no usage (usage {usage})")
+    tokens = usage["completion_tokens"]
+    return {"first_token_ms": round((first - started) * 1e3, 1), "total_ms": round((last - started) * 1e3, 1),
+            "prompt_tokens": usage["prompt_tokens"],
+            "cached_tokens": (usage.get("prompt_tokens_details") or {}).get("cached_tokens"),
+            "completion_tokens": tokens, "content_chunks": chunks,
+            "generation_tokens_per_second": round((tokens - 1) / (last - first), 1) if last > first else None}
+
+
+def engine_run(example, model, repetitions):
+    """Rialto's engine: the `tokens_per_second` example's JSON."""
+    out = subprocess.run([example, model, str(repetitions)], capture_output=True, text=True, cwd=ROOT,
+                         timeout=120 + 60 * repetitions)
+    if out.returncode != 0:
+        raise RuntimeError(f"tokens_per_second failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def llama_bench_run(executable, model, prompt_tokens, threads, repetitions):
+    """llama.cpp's own figures: `llama-bench -p P -n 64 -t T -r R -o json`."""
+    argv = [executable, "-m", model, "-p", str(prompt_tokens), "-n", str(GENERATED_TOKENS), "-t", str(threads),
+            "-r", str(repetitions), "-o", "json"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120 + 60 * repetitions)
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} failed: {out.stderr[-2000:]}")
+    tests = json.loads(out.stdout)
+    prompt = next(t for t in tests if t["n_prompt"] and not t["n_gen"])
+    generation = next(t for t in tests if t["n_gen"] and not t["n_prompt"])
+    return {"command": " ".join(["llama-bench", *argv[1:]]),
+            "prompt_tokens_per_second": round(prompt["avg_ts"], 1), "prompt_stddev": round(prompt["stddev_ts"], 1),
+            "generation_tokens_per_second": round(generation["avg_ts"], 1),
+            "generation_stddev": round(generation["stddev_ts"], 1),
+            **{key: prompt.get(key) for key in ("build_commit", "build_number", "n_threads", "n_batch", "n_ubatch",
+                                                "flash_attn", "type_k", "type_v", "poll", "cpu_info")}}
+
+
+def cargo_ggml_flags():
+    """The GGML_* switches .cargo/config.toml's [env] gives the crate's llama.cpp build."""
+    flags, section = {}, None
+    with open(os.path.join(ROOT, ".cargo", "config.toml")) as f:
+        for line in f:
+            line = line.split("#", 1)[0].strip()
+            if line.startswith("["):
+                section = line
+            elif section == "[env]":
+                match = re.match(r'(GGML_\w+)\s*=\s*"(\w+)"$', line)
+                if match:
+                    flags[match.group(1)] = match.group(2)
+    return flags
+
+
+def llama_cpp_versions(llama_cpp):
+    """ggml's and libllama's versions in a llama.cpp source tree."""
+    def version(path, prefix):
+        try:
+            with open(path) as f:
+                text = f.read()
+        except OSError:
+            return None
+        parts = [re.search(rf"set\({prefix}_VERSION_{part}\s+(\d+)\)", text) for part in ("MAJOR", "MINOR", "PATCH")]
+        return ".".join(m.group(1) for m in parts) if all(parts) else None
+    return {"ggml": version(os.path.join(llama_cpp, "ggml", "CMakeLists.txt"), "GGML"),
+            "libllama": version(os.path.join(llama_cpp, "CMakeLists.txt"), "LLAMA")}
+
+
+def crate_ggml_flags():
+    """How the crate's llama.cpp is built: the SIMD switches of
+    .cargo/config.toml, and no OpenMP (rialto-local's llama-cpp-2 has its
+    default features, openmp among them, off: ggml's own thread pool)."""
+    return {**cargo_ggml_flags(), "GGML_NATIVE": "OFF", "GGML_OPENMP": "OFF"}
+
+
+def crate_llama_cpp(profile_dir):
+    """The llama.cpp Rialto runs: llama-cpp-sys-2's version in Cargo.lock,
+    the crate's source commit and the versions of the llama.cpp it vendors
+    (the crate records no llama.cpp commit), its build flags, and the CMake
+    build type its build script chose in `profile_dir` (the cmake crate picks
+    RelWithDebInfo, -O2 -g, when the profile has debug info)."""
+    with open(os.path.join(ROOT, "Cargo.lock")) as f:
+        match = re.search(r'name = "llama-cpp-sys-2"\nversion = "([^"]+)"', f.read())
+    version = match.group(1) if match else "?"
+    info = {"source": f"llama-cpp-sys-2 {version}", "flags": crate_ggml_flags()}
+    types = set()
+    for cache in glob.glob(os.path.join(profile_dir, "build", "llama-cpp-sys-2-*", "out", "build", "CMakeCache.txt")):
+        with open(cache) as f:
+            found = re.search(r"^CMAKE_BUILD_TYPE:\w+=(.*)$", f.read(), re.M)
+        if found:
+            types.add(found.group(1))
+    info["build_type"] = " or ".join(sorted(types)) or None
+    home = os.environ.get("CARGO_HOME") or os.path.expanduser("~/.cargo")
+    for crate in sorted(glob.glob(os.path.join(home, "registry", "src", "*", f"llama-cpp-sys-2-{version}"))):
+        info.update(llama_cpp_versions(os.path.join(crate, "llama.cpp")))
+        try:
+            with open(os.path.join(crate, ".cargo_vcs_info.json")) as f:
+                info["crate_commit"] = json.load(f)["git"]["sha1"][:7]
+        except (OSError, KeyError, ValueError):
+            pass
+        break
+    return info
+
+
+def build_llama_bench(flags):
+    """llama-bench from llama-cpp-python's sdist on PyPI (its vendor/llama.cpp
+    has tools/llama-bench), built with `flags` into LLAMA_BENCH_CACHE once."""
+    source = os.path.join(LLAMA_BENCH_CACHE, f"llama_cpp_python-{LLAMA_CPP_PYTHON}")
+    llama_cpp = os.path.join(source, "vendor", "llama.cpp")
+    tag = "_".join(f"{name.removeprefix('GGML_').lower()}-{value.lower()}" for name, value in sorted(flags.items()))
+    build = os.path.join(LLAMA_BENCH_CACHE, f"build-{LLAMA_CPP_PYTHON}_{tag}")
+    executable = os.path.join(build, "bin", "llama-bench")
+    if os.path.exists(executable):
+        return executable
+    os.makedirs(LLAMA_BENCH_CACHE, exist_ok=True)
+    if not os.path.exists(os.path.join(llama_cpp, "tools", "llama-bench", "llama-bench.cpp")):
+        print(f"   fetching llama-cpp-python=={LLAMA_CPP_PYTHON}'s sdist from PyPI (once)", flush=True)
+        download = tempfile.mkdtemp(dir=LLAMA_BENCH_CACHE)
+        try:
+            subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
+                            "--no-deps", "--no-binary", ":all:", f"llama-cpp-python=={LLAMA_CPP_PYTHON}",
+                            "-d", download], check=True)
+            with tarfile.open(os.path.join(download, f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz")) as sdist:
+                if hasattr(tarfile, "data_filter"):
+                    sdist.extractall(download, filter="data")
+                else:
+                    sdist.extractall(download)
+            shutil.rmtree(source, ignore_errors=True)
+            os.replace(os.path.join(download, f"llama_cpp_python-{LLAMA_CPP_PYTHON}"), source)
+        finally:
+            shutil.rmtree(download, ignore_errors=True)
+    log = build + ".log"
+    print(f"   building llama-bench ({tag}) into {build} (once, ~5 minutes on 2 cores; log {log})", flush=True)
+    with open(log, "w") as out:
+        for argv in (["cmake", "-S", llama_cpp, "-B", build, "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_CURL=OFF",
+                      "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+                      "-DLLAMA_BUILD_SERVER=OFF", *(f"-D{name}={value}" for name, value in sorted(flags.items()))],
+                     ["cmake", "--build", build, f"-j{os.cpu_count() or 2}", "--target", "llama-bench"]):
+            if subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT).returncode != 0:
+                sys.exit(f"building llama-bench failed: see {log}")
+    return executable
+
+
+def llama_bench_build_info(executable):
+    """Where a llama-bench came from: its build folder's CMake cache (source, GGML_* switches)."""
+    info = {}
+    try:
+        with open(os.path.join(os.path.dirname(os.path.dirname(executable)), "CMakeCache.txt")) as f:
+            cache = f.read()
+    except OSError:
+        return info
+    home = re.search(r"^CMAKE_HOME_DIRECTORY:INTERNAL=(.*)$", cache, re.M)
+    if home:
+        info["source_dir"] = home.group(1)
+        info.update(llama_cpp_versions(home.group(1)))
+        package = re.search(r"llama_cpp_python-([\w.]+)", home.group(1))
+        info["source"] = f"llama-cpp-python {package.group(1)} sdist" if package else home.group(1)
+    info["flags"] = {name: "ON" if value.upper() in ("ON", "TRUE", "1") else "OFF" for name, value in
+                     re.findall(r"^(GGML_(?:NATIVE|OPENMP|AVX|AVX2|AVX512|FMA|F16C|BMI2)):BOOL=(\w+)$", cache, re.M)}
+    build_type = re.search(r"^CMAKE_BUILD_TYPE:\w+=(.*)$", cache, re.M)
+    info["build_type"] = build_type.group(1) if build_type else None
+    return info
 
 
 class Processes:
@@ -289,13 +523,7 @@ class Suite:
                 addr = procs.start("gateway", rialto, announce=r"gateway listening on http://(\S+)")
             base = f"http://{addr}"
             wait_http(f"{base}/healthz", 30)
-            account = post_json(f"{base}/admin/v1/accounts", {"name": "bench"},
-                                {"Authorization": f"Bearer {operator}"})
-            post_json(f"{base}/admin/v1/accounts/{account['id']}/credits",
-                      {"usd": "1000000", "reference": "bench-seed"},
-                      {"Authorization": f"Bearer {operator}"})
-            key = post_json(f"{base}/api/v1/api_keys", {"apiKeyType": "INFERENCE", "description": "bench"},
-                            {"Authorization": f"Bearer {account['api_key']['key']}"})["data"]["apiKey"]
+            key = inference_key(base, operator)
             watched = None if split else ["gateway"]
             result = self.measure(name, lambda m: (f"{base}/api/v1/chat/completions", f"bench-{m}"),
                                   {"Authorization": f"Bearer {key}"}, procs, watched)
@@ -421,16 +649,113 @@ class Suite:
         finally:
             procs.stop()
 
+    # -- the built-in model ---------------------------------------------
+
+    def local_model(self):
+        """Prompt and generation tokens per second of the built-in model:
+        Rialto's engine (the `tokens_per_second` example) and llama-bench on
+        the same GGUF, taking turns for `rounds` rounds (not llama-bench in
+        smoke mode); then the same model through the HTTP API."""
+        print("== built-in model: tokens per second", flush=True)
+        model = os.path.join(ROOT, CHAT_MODEL)
+        if not os.path.exists(model):
+            sys.exit(f"{model} is missing: `make models` fetches it (make bench and make test do)")
+        example = self.binary(os.path.join("examples", "tokens_per_second"))
+        repetitions, rounds = (1, 1) if self.smoke else (5, 5)
+        # Built (once) before anything is measured.
+        benches = [] if self.smoke else [*self.llama_bench_builds(), *self.args.llama_bench_also]
+        ours, theirs = [], {label: [] for label, _ in benches}
+        for number in range(rounds):
+            ours.append(engine_run(example, model, repetitions))
+            for label, executable in benches:
+                theirs[label].append(llama_bench_run(executable, model, ours[0]["prompt_tokens_evaluated"],
+                                                     ours[0]["threads"], repetitions))
+            print(f"   round {number + 1}: Rialto {ours[-1]['prompt_tokens_per_second']} / "
+                  f"{ours[-1]['generation_tokens_per_second']} tok/s (prompt / generation)"
+                  + "".join(f"; llama-bench {label} {theirs[label][-1]['prompt_tokens_per_second']} / "
+                            f"{theirs[label][-1]['generation_tokens_per_second']}" for label, _ in benches),
+                  flush=True)
+        figures = lambda runs: {key: round(median([r[key] for r in runs]), 1)
+                                for key in ("prompt_tokens_per_second", "generation_tokens_per_second")}
+        result = {"model": CHAT_MODEL, "model_mb": round(os.path.getsize(model) / 1e6, 1),
+                  "threads": ours[0]["threads"], "prompt_tokens": ours[0]["prompt_tokens_evaluated"],
+                  "generated_tokens": ours[0]["generated_tokens"], "repetitions": repetitions, "rounds": rounds,
+                  "rialto": {"llama_cpp": crate_llama_cpp(self.bin), "rounds": ours, **figures(ours)},
+                  "llama_bench": [{"label": label, "binary": executable, "build": llama_bench_build_info(executable),
+                                   "rounds": theirs[label], **figures(theirs[label])} for label, executable in benches]}
+        if self.smoke:
+            result["llama_bench_note"] = "not run in smoke mode"
+        result["http"] = self.local_http()
+        return result
+
+    def llama_bench_builds(self):
+        """llama-bench built like the crate's llama.cpp: (label, executable)."""
+        return [("same build as ours", build_llama_bench(crate_ggml_flags()))]
+
+    def local_http(self):
+        """The built-in model through the HTTP API: `rialto serve` on the
+        built-in catalog (no [[models]] in its config), the example's
+        request streamed to `smollm2-135m`, one at a time."""
+        print("== built-in model through the HTTP API (streamed chats)", flush=True)
+        procs = Processes(self.workdir)
+        # The catalog's paths are relative to the working directory.
+        if not os.path.exists(os.path.join(self.workdir, "models")):
+            os.symlink(os.path.join(ROOT, "models"), os.path.join(self.workdir, "models"))
+        config = os.path.join(self.workdir, "local-model.toml")
+        operator = secrets.token_hex(16)
+        with open(config, "w") as f:
+            f.write(f'[gateway]\nlisten = "127.0.0.1:0"\n[grpc]\nlisten = "127.0.0.1:0"\n'
+                    f'token = "{secrets.token_hex(16)}"\n'
+                    f'[database]\nurl = "sqlite://{self.workdir}/local-{secrets.token_hex(4)}.db"\n'
+                    f'[operator]\ntoken = "{operator}"\n[log]\nlevel = "info"\n')
+        # (Smoke: one short answer, to check the path.)
+        warmup, requests, max_tokens = (0, 1, 16) if self.smoke else (1, 5, GENERATED_TOKENS)
+        try:
+            addr = procs.start("local-model", [self.binary("rialto"), "--config", config, "serve"],
+                               announce=r"gateway listening on http://(\S+)")
+            base = f"http://{addr}"
+            wait_http(f"{base}/healthz", 60)
+            headers = {"Authorization": f"Bearer {inference_key(base, operator)}"}
+            runs = []
+            for number in range(warmup + requests):
+                messages = [{"role": "system", "content": LOCAL_SYSTEM.format(number)},
+                            {"role": "user", "content": LOCAL_USER}]
+                run = stream_chat(f"{base}/api/v1/chat/completions", headers,
+                                  {"model": CHAT_MODEL_ID, "messages": messages, "max_tokens": max_tokens,
+                                   "temperature": 0, "stream": True})
+                if number >= warmup:
+                    runs.append(run)
+            peak = procs.memory_mb(["local-model"], "VmHWM")
+        finally:
+            procs.stop()
+        result = {"requests": len(runs), "warmup_requests": warmup, "max_tokens": max_tokens, "runs": runs,
+                  "peak_rss_mb": peak,
+                  "prompt_tokens": runs[0]["prompt_tokens"], "completion_tokens": runs[0]["completion_tokens"],
+                  "first_token_ms": round(median([r["first_token_ms"] for r in runs]), 1),
+                  "generation_tokens_per_second": round(median([r["generation_tokens_per_second"] for r in runs]), 1)}
+        print(f"   first token p50 {result['first_token_ms']} ms, {result['generation_tokens_per_second']} generated "
+              f"tok/s as the client sees them, peak RSS {peak} MB", flush=True)
+        return result
+
+    def run_only(self, step):
+        """One step alone (`--only`): its results section."""
+        started = time.time()
+        results = {"local-model": lambda: {"local_model": self.local_model()}}[step]()
+        elapsed = round(time.time() - started)
+        shutil.rmtree(self.workdir, ignore_errors=True)
+        return results, elapsed
+
     def run(self):
         started = time.time()
         # First, on a quiet machine: no upstream or gateway is running yet.
+        local_model = self.local_model()
         limiter = self.limiter_bench()
         ledger = self.ledger_bench()
         self.start_upstreams()
         try:
             results = {"floor": self.floor(), "one-process": self.rialto(split=False),
                        "split": self.rialto(split=True), "litellm": self.litellm(), "limiter": limiter,
-                       "ledger": ledger}
+                       "ledger": ledger, "local_model": local_model}
         finally:
             self.upstream.stop()
         elapsed = round(time.time() - started)
@@ -479,6 +804,8 @@ def report(results, meta):
         f"- **Machine**: {meta['machine']['cpus']} CPUs ({meta['machine']['cpu_model']}), "
         f"{meta['machine']['memory_gib']} GiB, Linux {meta['machine']['kernel']}.",
         f"- **Command**: `{meta['command']}`.",
+        *(f"- **Added from** `{added['results_file']}` (measured on its own, see its section): "
+          + ", ".join(f"`{section}`" for section in added["sections"]) + "." for added in meta.get("added", [])),
         "- **Cores**: nothing is pinned: the load generator, the mock upstreams and the system under test "
         "share the same 2 cores in every scenario (Rialto's gateway runs 2 HTTP workers, LiteLLM 2 worker "
         "processes), so each system gets the same CPUs.",
@@ -549,6 +876,7 @@ def report(results, meta):
 
     lines += limiter_report(results, floor)
     lines += ledger_report(results, floor)
+    lines += local_model_report(results, meta)
 
     one, split = results["one-process"], results["split"]
     added = lambda r, q: r["c1_fast"]["latency_us"][q] - floor["c1_fast"]["latency_us"][q]
@@ -745,6 +1073,137 @@ def ledger_report(results, floor):
     return lines
 
 
+def labelled_binary(text):
+    label, _, path = text.rpartition("=")
+    if not label or not path:
+        raise argparse.ArgumentTypeError("expected LABEL=PATH")
+    return label, os.path.abspath(path)
+
+
+def merge_results(files):
+    """The first file's results (a full run) with each later file's
+    sections added or replacing its own; a section taken from a later file
+    keeps that file's meta under its "meta" key."""
+    with open(files[0]) as f:
+        saved = json.load(f)
+    results, meta = saved["results"], dict(saved["meta"])
+    if "floor" not in results:
+        sys.exit(f"{files[0]} is not a full run's results: give a full run's file first")
+    meta["added"] = []
+    for path in files[1:]:
+        with open(path) as f:
+            part = json.load(f)
+        for section, value in part["results"].items():
+            results[section] = {**value, "meta": value.get("meta") or part["meta"]}
+        meta["added"].append({"results_file": part["meta"]["results_file"], "sections": sorted(part["results"])})
+    return results, meta
+
+
+OPTIMIZATION = {"Release": "-O3", "RelWithDebInfo": "-O2 -g", "MinSizeRel": "-Os", "Debug": "-O0 -g"}
+
+
+def build_label(flags, build_type=None):
+    """A llama.cpp build's switches in words."""
+    kind = f"{build_type} ({OPTIMIZATION[build_type]}); " if build_type in OPTIMIZATION else \
+        (f"{build_type}; " if build_type else "")
+    if flags.get("GGML_NATIVE") == "ON":
+        simd = "-march=native"
+    else:
+        simd = ", ".join(name.removeprefix("GGML_") for name in ("GGML_AVX", "GGML_AVX2", "GGML_AVX512", "GGML_FMA",
+                                                                 "GGML_F16C", "GGML_BMI2") if flags.get(name) == "ON")
+    threading = "OpenMP" if flags.get("GGML_OPENMP") == "ON" else "ggml's thread pool (no OpenMP)"
+    return f"{kind}{simd or 'no SIMD switches'}; {threading}"
+
+
+def local_model_report(results, meta):
+    """The built-in model's section; empty for results of runs before it."""
+    local = results.get("local_model")
+    if not local:
+        return []
+    own = local.get("meta") or meta
+    ours, benches, http = local["rialto"], local["llama_bench"], local.get("http")
+    prompt, generated, threads, reps = (local["prompt_tokens"], local["generated_tokens"], local["threads"],
+                                        local["repetitions"])
+    when = ""
+    if own is not meta:
+        box = own["machine"]
+        when = (f"Measured on its own: {own['date']}, commit `{own['commit']}`, {box['cpus']} CPUs "
+                f"({box['cpu_model']}), Linux {box['kernel']}, `{own['command']}`, {own['elapsed_s']} s; raw figures "
+                f"in `{own['results_file']}`. ")
+    lines = ["", f"## Built-in model: tokens per second ({os.path.basename(local['model'])}, CPU)", "",
+             when + f"`{local['model']}` ({local['model_mb']} MB) on {threads} threads (the machine's "
+             f"{own['machine']['cpus']} cores): a prompt of **{prompt} tokens** evaluated in one batch, then "
+             f"**{generated} tokens** generated one at a time. Each figure is the mean over {reps} repetitions "
+             f"after a warm-up; the table gives the median over {local['rounds']} rounds in which the engines take "
+             "turns, and each round's figure. *Rialto* is `rialto-local`'s `tokens_per_second` example: the engine "
+             "`rialto serve` runs, on the example's chat (SmolLM2's own chat template; a fresh KV cache but for the "
+             "template's first tokens; greedy sampling; each token detokenised and sent over the engine's channel, "
+             "all inside the generation time). *llama-bench* is llama.cpp's own benchmark on the same file: "
+             f"`llama-bench -m {local['model']} -p {prompt} -n {generated} -t {threads} -r {reps}` (random tokens, "
+             "no sampling, no detokenisation), built from the PyPI sdist of llama-cpp-python's vendored llama.cpp "
+             "into ~/.cache/rialto/llama-bench/.", "",
+             "| engine | llama.cpp | build | prompt tok/s | generation tok/s | prompt, each round | "
+             "generation, each round |", "|---|---|---|---|---|---|---|"]
+    each = lambda runs, key: ", ".join(f"{r[key]:.0f}" for r in runs)
+
+    def version(info, commit=None):
+        parts = [f"commit `{commit}`" if commit and commit != "unknown" else None,
+                 f"ggml {info['ggml']}" if info.get("ggml") else None,
+                 f"libllama {info['libllama']}" if info.get("libllama") else None]
+        return f"{info.get('source', '?')} (" + ", ".join(p for p in parts if p) + ")"
+
+    engine = ours["llama_cpp"]
+    lines.append(f"| Rialto (`rialto-local`) | {version(engine)} | {build_label(engine['flags'], engine.get('build_type'))} | "
+                 f"**{ours['prompt_tokens_per_second']:.0f}** | **{ours['generation_tokens_per_second']:.0f}** | "
+                 f"{each(ours['rounds'], 'prompt_tokens_per_second')} | "
+                 f"{each(ours['rounds'], 'generation_tokens_per_second')} |")
+    for bench in benches:
+        build, first = bench["build"], bench["rounds"][0]
+        lines.append(f"| llama-bench, {bench['label']} | {version(build, first.get('build_commit'))} | "
+                     f"{build_label(build.get('flags', {}), build.get('build_type'))} | "
+                     f"**{bench['prompt_tokens_per_second']:.0f}** | "
+                     f"**{bench['generation_tokens_per_second']:.0f}** | "
+                     f"{each(bench['rounds'], 'prompt_tokens_per_second')} | "
+                     f"{each(bench['rounds'], 'generation_tokens_per_second')} |")
+    if benches:
+        reference = benches[0]
+        ratio = lambda key: ours[key] / reference[key] if reference[key] else 0
+        lines.append(f"| **Rialto / llama-bench ({reference['label']})** | | | "
+                     f"**{ratio('prompt_tokens_per_second'):.2f}** | **{ratio('generation_tokens_per_second'):.2f}** "
+                     "| | |")
+        first = reference["rounds"][0]
+        lines += ["", f"llama-bench's settings as it reports them: batch {first.get('n_batch')}, micro-batch "
+                      f"{first.get('n_ubatch')}, flash attention {first.get('flash_attn')}, KV cache "
+                      f"{first.get('type_k')}/{first.get('type_v')}, poll {first.get('poll')}, CPU "
+                      f"{first.get('cpu_info')}."]
+    else:
+        lines += ["", f"llama-bench: {local.get('llama_bench_note', 'not measured')}."]
+    if http:
+        runs = http["runs"]
+        engine_prompt_ms = prompt / ours["prompt_tokens_per_second"] * 1e3 if ours["prompt_tokens_per_second"] else 0
+        first_tokens = ", ".join(f"{r['first_token_ms']:.1f}" for r in runs)
+        rates = ", ".join(f"{r['generation_tokens_per_second']:.0f}" for r in runs)
+        lines += ["", "### The built-in model through the HTTP API", "",
+                  f"`rialto serve` on the built-in catalog (no `[[models]]` in its config), model `{CHAT_MODEL_ID}`, "
+                  "one streamed chat at a time from a Python client (`http.client`) with a fresh INFERENCE key: the "
+                  f"example's messages, `max_tokens` {http['max_tokens']}, temperature 0; {http['requests']} requests "
+                  f"after {http['warmup_requests']} not counted; medians. *Time to first token*: from sending the "
+                  "request to the first content chunk (key auth, the limiter, billing's hold, the router, the chat "
+                  "template, tokenisation, the prompt's evaluation and the first token). *Generated tokens per "
+                  "second*: (completion tokens − 1) over the time from the first content chunk to the last, as the "
+                  "client receives them.", "",
+                  "| requests | prompt tokens | completion tokens | first token p50 ms | first token, each ms | "
+                  "generated tok/s (client) | generated tok/s, each | peak RSS MB |", "|---|---|---|---|---|---|---|---|",
+                  f"| {http['requests']} | {http['prompt_tokens']} | {http['completion_tokens']} | "
+                  f"**{http['first_token_ms']:.1f}** | {first_tokens} | "
+                  f"**{http['generation_tokens_per_second']:.0f}** | {rates} | {http['peak_rss_mb']} |",
+                  "", f"For comparison, the engine alone: its prompt of {prompt} tokens in "
+                      f"{engine_prompt_ms:.1f} ms at the median rate above, {ours['generation_tokens_per_second']:.0f} "
+                      "generated tokens per second. The peak RSS is the whole `rialto serve` process with both "
+                      "built-in models loaded (the chat model and all-MiniLM-L6-v2)."]
+    return lines
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="about a second per measurement, no report")
@@ -752,54 +1211,72 @@ def main():
     parser.add_argument("--target-dir", default=os.environ.get("CARGO_TARGET_DIR", os.path.join(ROOT, "target")))
     parser.add_argument("--litellm-venv", default=os.path.join(ROOT, "bench", ".venv"))
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
-    parser.add_argument("--command", default="make bench", help="recorded in the report")
-    parser.add_argument("--from-results", metavar="FILE",
-                        help="rewrite BENCHMARKS.md from a results file (after editing bench/NOTES.md)")
+    parser.add_argument("--command", help="recorded in the report (default: make bench, or this command line)")
+    parser.add_argument("--only", choices=["local-model"],
+                        help="run this step alone into bench/results/<time>-<step>.json (BENCHMARKS.md untouched: "
+                             "add it to a full run's with --from-results)")
+    parser.add_argument("--llama-bench-also", metavar="LABEL=PATH", action="append", default=[],
+                        type=labelled_binary,
+                        help="another llama-bench to measure next to Rialto's engine (e.g. a -DGGML_NATIVE=ON build)")
+    parser.add_argument("--from-results", metavar="FILE", nargs="+",
+                        help="rewrite BENCHMARKS.md from results files (after editing bench/NOTES.md): a full run's, "
+                             "then any whose sections are added or replace the full run's (an --only run's)")
     args = parser.parse_args()
     if args.from_results:
-        with open(args.from_results) as f:
-            saved = json.load(f)
+        results, meta = merge_results(args.from_results)
         with open(os.path.join(ROOT, "BENCHMARKS.md"), "w") as f:
-            f.write(report(saved["results"], saved["meta"]))
-        print(f"rewrote BENCHMARKS.md from {args.from_results}")
+            f.write(report(results, meta))
+        print(f"rewrote BENCHMARKS.md from {', '.join(args.from_results)}")
         return
     suite = Suite(args)
-    results, elapsed = suite.run()
+    results, elapsed = suite.run_only(args.only) if args.only else suite.run()
     if args.smoke:
-        for name in SCENARIOS:
-            for key in ("c1_fast", "c1_slow", "max"):
-                run = results[name][key]
-                assert run["requests"] > 0 and run["errors"] == 0, (name, key, run)
-            for count, run in results[name]["streams"].items():
-                assert run["streams"] > 0 and run["errors"] == 0, (name, count, run)
-        for share in ("limiter_share", "billing_share"):
-            for kind, runs in results["one-process"][share]["rounds"].items():
-                for run in runs:
-                    assert run["requests"] > 0 and run["errors"] == 0, (share, kind, run)
-        for db in ("sqlite", "postgres"):
-            ledger = results["ledger"][db]
-            if ledger.get("skipped"):
-                print(f"bench-smoke: ledger on {db} skipped: {ledger['note']}")
-                continue
-            for key in LEDGER_ROWS:
-                run = ledger[key]
-                assert run["pairs"] > 0 and run["refused"] == 0 and run["errors"] == 0, ("ledger", db, key, run)
-        limiter = results["limiter"]
-        for key in ("many_keys", "many_keys_commit", "one_key", "c1"):
-            run = limiter[key]
-            assert run["decisions"] > 0 and run["refused"] == 0 and run["errors"] == 0, ("limiter", key, run)
-        for key in ("window", "window_with_state"):
-            assert limiter[key]["decisions"] > 0 and limiter[key]["refused"] == 0, ("limiter", key, limiter[key])
-        print(f"bench-smoke ok: {len(SCENARIOS)} scenarios in {elapsed} s")
+        if not args.only:
+            for name in SCENARIOS:
+                for key in ("c1_fast", "c1_slow", "max"):
+                    run = results[name][key]
+                    assert run["requests"] > 0 and run["errors"] == 0, (name, key, run)
+                for count, run in results[name]["streams"].items():
+                    assert run["streams"] > 0 and run["errors"] == 0, (name, count, run)
+            for share in ("limiter_share", "billing_share"):
+                for kind, runs in results["one-process"][share]["rounds"].items():
+                    for run in runs:
+                        assert run["requests"] > 0 and run["errors"] == 0, (share, kind, run)
+            for db in ("sqlite", "postgres"):
+                ledger = results["ledger"][db]
+                if ledger.get("skipped"):
+                    print(f"bench-smoke: ledger on {db} skipped: {ledger['note']}")
+                    continue
+                for key in LEDGER_ROWS:
+                    run = ledger[key]
+                    assert run["pairs"] > 0 and run["refused"] == 0 and run["errors"] == 0, ("ledger", db, key, run)
+            limiter = results["limiter"]
+            for key in ("many_keys", "many_keys_commit", "one_key", "c1"):
+                run = limiter[key]
+                assert run["decisions"] > 0 and run["refused"] == 0 and run["errors"] == 0, ("limiter", key, run)
+            for key in ("window", "window_with_state"):
+                assert limiter[key]["decisions"] > 0 and limiter[key]["refused"] == 0, ("limiter", key, limiter[key])
+        local = results["local_model"]
+        for run in local["rialto"]["rounds"]:
+            assert run["prompt_tokens_evaluated"] > 0 and run["prompt_tokens_per_second"] > 0 \
+                and run["generation_tokens_per_second"] > 0, ("local model", run)
+        for run in local["http"]["runs"]:
+            assert run["completion_tokens"] > 0 and run["content_chunks"] > 0, ("local model over HTTP", run)
+        print(f"bench-smoke ok: {args.only or f'{len(SCENARIOS)} scenarios and the built-in model'} in {elapsed} s")
         return
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    results_file = os.path.join("bench", "results", f"{stamp}.json")
+    results_file = os.path.join("bench", "results", f"{stamp}-{args.only}.json" if args.only else f"{stamp}.json")
+    command = args.command or ("python3 bench/run.py " + " ".join(sys.argv[1:]) if args.only else "make bench")
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "commit": commit(), "machine": machine(), "command": args.command, "elapsed_s": elapsed,
+            "commit": commit(), "machine": machine(), "command": command, "elapsed_s": elapsed,
             "duration_s": suite.duration, "warmup_s": suite.warmup, "results_file": results_file}
     os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
     with open(os.path.join(ROOT, results_file), "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=2)
+    if args.only:
+        print(f"wrote {results_file} in {elapsed} s; BENCHMARKS.md with it: "
+              f"python3 bench/run.py --from-results <a full run's results> {results_file}")
+        return
     with open(os.path.join(ROOT, "BENCHMARKS.md"), "w") as f:
         f.write(report(results, meta))
     print(f"wrote BENCHMARKS.md and {results_file} in {elapsed} s")
