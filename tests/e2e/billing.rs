@@ -226,7 +226,7 @@ async fn a_killed_gateways_stream_is_charged_its_last_checkpoint() {
     let mock = MockUpstream::start().await.unwrap();
     let mut sandbox = Sandbox::builder(Topology::Split)
         .config(&models(&mock.base_url()))
-        .config("[billing]\nhold_ttl_secs = 2\ncheckpoint_ms = 100\n")
+        .config("[billing]\nhold_ttl_secs = 2\nstream_lease_secs = 2\ncheckpoint_ms = 100\n")
         .start()
         .await
         .unwrap();

@@ -1173,4 +1173,90 @@ mod tests {
         let stored = reconcile(&book, &ledger, "account:d").await;
         assert_eq!(stored.diem, 2 * NANO);
     }
+
+    /// A key's cap holds exactly under a race, counts settled spend, and
+    /// the database agrees.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_key_cap_holds_exactly_under_a_race() {
+        let (_dir, db) = sqlite().await;
+        let ledger = Ledger::new(db.clone());
+        ledger.credit("account:k", 10 * NANO, 0, "seed").await.unwrap();
+        let book = Book::start(db, 30_000);
+        let cap = KeyCap {
+            key_id: "key-1".into(),
+            period: "EPOCH:1".into(),
+            usd: Some(NANO),
+            diem: None,
+        };
+        let race = |prefix: &'static str| {
+            let tasks: Vec<_> = (0..100)
+                .map(|i| {
+                    let (book, cap) = (book.clone(), cap.clone());
+                    tokio::spawn(async move {
+                        let id = format!("{prefix}{i}");
+                        let order = HoldOrder {
+                            cap: Some(&cap),
+                            ..hold(&id, NANO / 10, false)
+                        };
+                        (id.clone(), book.hold("account:k", &order).await.unwrap())
+                    })
+                })
+                .collect::<Vec<_>>();
+            async move {
+                let mut placed = Vec::new();
+                for task in tasks {
+                    match task.await.unwrap() {
+                        (id, HoldOutcome::Placed { .. }) => placed.push(id),
+                        (_, HoldOutcome::KeyLimitReached { currency, .. }) => {
+                            assert_eq!(currency, "USD");
+                        }
+                        (_, other) => panic!("{other:?}"),
+                    }
+                }
+                placed
+            }
+        };
+        let placed = race("a").await;
+        assert_eq!(placed.len(), 10, "$1 of $0.10 holds");
+        for id in &placed {
+            let order = SettleOrder {
+                key: Some(("key-1", "EPOCH:1")),
+                ..settle(id, NANO / 20)
+            };
+            book.settle("account:k", &order).await.unwrap();
+        }
+        // $0.50 spent: room for five more.
+        assert_eq!(race("b").await.len(), 5);
+        book.flush().await.unwrap();
+        let spend = read_key_spend(&book.shared.db, "key-1", "EPOCH:1").await;
+        let spend = spend.unwrap();
+        assert_eq!((spend.usd, spend.usd_held), (NANO / 2, 0));
+    }
+
+    /// DIEM pays first; a cost above the hold is written off, never taken
+    /// from the unreserved balance.
+    #[tokio::test]
+    async fn diem_pays_first_and_a_cost_above_the_hold_is_written_off() {
+        let (_dir, db) = sqlite().await;
+        let ledger = Ledger::new(db.clone());
+        ledger.credit("account:w", NANO, NANO, "seed").await.unwrap();
+        let book = Book::start(db, 30_000);
+        let placed = book
+            .hold("account:w", &hold("w1", 3 * NANO / 2, false))
+            .await
+            .unwrap();
+        assert!(matches!(placed, HoldOutcome::Placed { usd, diem, .. }
+            if usd == NANO / 2 && diem == NANO));
+        let settled = book.settle("account:w", &settle("w1", 2 * NANO)).await;
+        assert_eq!(
+            settled.unwrap(),
+            SettleOutcome::Settled {
+                usd: NANO / 2,
+                diem: NANO,
+                written_off: NANO / 2
+            }
+        );
+        let stored = reconcile(&book, &ledger, "account:w").await;
+        assert_eq!((stored.usd, stored.diem), (NANO / 2, 0));
+    }
 }
