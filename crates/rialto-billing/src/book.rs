@@ -43,7 +43,7 @@ use crate::writer::{self, Job, Loaded, Record, RecordKind, Written};
 /// without it (credits from elsewhere, stakes).
 const REFRESH_EVERY: Duration = Duration::from_secs(1);
 /// An owner with nothing open is dropped from memory after this long idle.
-const IDLE: Duration = Duration::from_secs(60);
+pub(crate) const IDLE: Duration = Duration::from_secs(60);
 
 /// A hold to place.
 #[derive(Debug, Clone)]
@@ -119,7 +119,7 @@ pub(crate) struct State {
     pub pending: u32,
     refreshed_at: Instant,
     refreshing: bool,
-    last_active: Instant,
+    pub(crate) last_active: Instant,
 }
 
 /// A ledger owner in this process.
@@ -139,7 +139,7 @@ impl Owner {
 /// Every owner this process holds, and the writer that makes them durable.
 #[derive(Clone)]
 pub struct Book {
-    shared: Arc<Shared>,
+    pub(crate) shared: Arc<Shared>,
 }
 
 impl std::fmt::Debug for Book {
@@ -152,10 +152,10 @@ impl std::fmt::Debug for Book {
 type Shard = Mutex<HashMap<Arc<str>, Arc<Owner>>>;
 
 pub(crate) struct Shared {
-    shards: Box<[Shard]>,
+    pub(crate) shards: Box<[Shard]>,
     hasher: RandomState,
-    writer: writer::Handle,
-    db: Database,
+    pub(crate) writer: writer::Handle,
+    pub(crate) db: Database,
     /// How long a stream's hold lives after its last checkpoint.
     lease_ms: i64,
 }
@@ -200,7 +200,7 @@ impl Book {
     }
 
     /// The owner's entry if it is in memory and loaded.
-    fn loaded(&self, owner: &str) -> Option<Arc<Owner>> {
+    pub(crate) fn loaded(&self, owner: &str) -> Option<Arc<Owner>> {
         let found = self.shard(owner).get(owner).cloned()?;
         let live = found.lock().as_ref().is_some_and(|s| s.live);
         live.then_some(found)
@@ -222,7 +222,7 @@ impl Book {
 
     /// Runs `decide` on the owner's loaded state, loading it first when
     /// needed (through the writer, so after every write queued before).
-    async fn with_owner<T>(
+    pub(crate) async fn with_owner<T>(
         &self,
         owner: &str,
         mut decide: impl FnMut(&Arc<Owner>, &mut State) -> Result<T>,
@@ -476,84 +476,6 @@ impl Book {
         .await
     }
 
-    /// Expires holds past their time (a durable one is charged its last
-    /// checkpoint) and drops idle owners. Returns how many holds expired.
-    pub fn sweep(&self, now_ms: i64) -> usize {
-        let owners: Vec<Arc<Owner>> = self
-            .shared
-            .shards
-            .iter()
-            .flat_map(|shard| {
-                let shard = shard.lock().unwrap_or_else(|e| e.into_inner());
-                shard.values().cloned().collect::<Vec<_>>()
-            })
-            .collect();
-        let mut expired = 0;
-        for entry in owners {
-            let mut guard = entry.lock();
-            let Some(state) = guard.as_mut().filter(|s| s.live) else {
-                continue;
-            };
-            let due: Vec<Box<str>> = state
-                .holds
-                .iter()
-                .filter(|(_, h)| h.expires_at_ms <= now_ms)
-                .map(|(id, _)| id.clone())
-                .collect();
-            for request_id in due {
-                let Some(hold) = state.holds.get(&request_id).cloned() else {
-                    continue;
-                };
-                expired += 1;
-                let order = SettleOrder {
-                    request_id: &request_id,
-                    cost: hold.checkpoint,
-                    model_id: &hold.model_id,
-                    prompt_tokens: hold.checkpoint_tokens.0,
-                    completion_tokens: hold.checkpoint_tokens.1,
-                    held: None,
-                    key: None,
-                };
-                let (record, _) = decide_settle(&entry, state, &order);
-                if let Some(mut record) = record {
-                    record.kind = RecordKind::Expire;
-                    if let Err(error) = queue(&self.shared.writer, state, record, false) {
-                        tracing::warn!(%error, "cannot queue an expired hold");
-                    }
-                }
-            }
-            let idle =
-                state.holds.is_empty() && state.pending == 0 && state.last_active.elapsed() >= IDLE;
-            if idle {
-                state.live = false;
-                drop(guard);
-                Self::drop_owner(&self.shared, &entry);
-            }
-        }
-        expired
-    }
-
-    /// Loads owners that have durable holds past their lease and are not in
-    /// memory (this process restarted): the next sweep charges them.
-    pub async fn recover(&self, now_ms: i64) -> Result<usize> {
-        let rows = sqlx::query(
-            "SELECT DISTINCT owner FROM holds WHERE state = 'open' AND expires_at_ms <= $1 \
-             LIMIT 100",
-        )
-        .bind(now_ms)
-        .fetch_all(self.shared.db.pool())
-        .await?;
-        let mut loaded = 0;
-        for row in rows {
-            let owner: String = row.try_get(0)?;
-            if self.loaded(&owner).is_none() {
-                self.with_owner(&owner, |_, _| Ok(())).await?;
-                loaded += 1;
-            }
-        }
-        Ok(loaded)
-    }
-
     /// Waits until every record queued so far is committed.
     pub async fn flush(&self) -> Result<()> {
         let (done, flushed) = oneshot::channel();
@@ -574,7 +496,7 @@ fn today() -> i64 {
 
 /// Queues `record` for the writer, counting it as unflushed; returns the
 /// receiver of its outcome when `wait`.
-fn queue(
+pub(crate) fn queue(
     writer: &writer::Handle,
     state: &mut State,
     record: Record,
@@ -715,7 +637,7 @@ fn decide_hold(state: &mut State, order: &HoldOrder<'_>, lease_ms: i64) -> HoldD
 }
 
 /// Decides a settlement in memory; the record to write, if any.
-fn decide_settle(
+pub(crate) fn decide_settle(
     entry: &Arc<Owner>,
     state: &mut State,
     order: &SettleOrder<'_>,
@@ -1180,7 +1102,10 @@ mod tests {
     async fn a_key_cap_holds_exactly_under_a_race() {
         let (_dir, db) = sqlite().await;
         let ledger = Ledger::new(db.clone());
-        ledger.credit("account:k", 10 * NANO, 0, "seed").await.unwrap();
+        ledger
+            .credit("account:k", 10 * NANO, 0, "seed")
+            .await
+            .unwrap();
         let book = Book::start(db, 30_000);
         let cap = KeyCap {
             key_id: "key-1".into(),
@@ -1239,7 +1164,10 @@ mod tests {
     async fn diem_pays_first_and_a_cost_above_the_hold_is_written_off() {
         let (_dir, db) = sqlite().await;
         let ledger = Ledger::new(db.clone());
-        ledger.credit("account:w", NANO, NANO, "seed").await.unwrap();
+        ledger
+            .credit("account:w", NANO, NANO, "seed")
+            .await
+            .unwrap();
         let book = Book::start(db, 30_000);
         let placed = book
             .hold("account:w", &hold("w1", 3 * NANO / 2, false))
@@ -1258,5 +1186,72 @@ mod tests {
         );
         let stored = reconcile(&book, &ledger, "account:w").await;
         assert_eq!((stored.usd, stored.diem), (NANO / 2, 0));
+    }
+
+    /// A day later the stake allocates again: no roll-over, and what open
+    /// holds reserve stays reserved.
+    #[tokio::test]
+    async fn a_new_day_allocates_again_without_roll_over() {
+        let (_dir, db) = sqlite().await;
+        let ledger = Ledger::new(db.clone());
+        ledger.set_stake("account:n", 25 * NANO).await.unwrap();
+        let book = Book::start(db, 30_000);
+        book.hold("account:n", &hold("n1", 10 * NANO, false))
+            .await
+            .unwrap();
+        book.settle("account:n", &settle("n1", 10 * NANO))
+            .await
+            .unwrap();
+        book.hold("account:n", &hold("n2", 5 * NANO, false))
+            .await
+            .unwrap();
+        assert_eq!(book.snapshot("account:n").unwrap().balance.diem, 15 * NANO);
+        // Midnight: 25 again (not 25 + 15), plus the 5 still held.
+        let entry = book.loaded("account:n").unwrap();
+        {
+            let mut guard = entry.lock();
+            let state = guard.as_mut().unwrap();
+            start_epoch(&entry, state, &book.shared.writer, today() + 1);
+            assert_eq!(
+                (state.balance.diem, state.balance.diem_held),
+                (30 * NANO, 5 * NANO)
+            );
+        }
+        book.settle("account:n", &settle("n2", 5 * NANO))
+            .await
+            .unwrap();
+        let stored = reconcile(&book, &ledger, "account:n").await;
+        assert_eq!((stored.diem, stored.diem_held), (25 * NANO, 0));
+    }
+
+    /// A plain hold nobody settles is dropped when its time is up, charging
+    /// nothing; a free request holds nothing at all.
+    #[tokio::test]
+    async fn plain_holds_expire_free_of_charge() {
+        let (_dir, db) = sqlite().await;
+        let ledger = Ledger::new(db.clone());
+        ledger.credit("account:e", NANO, 0, "seed").await.unwrap();
+        let book = Book::start(db, 30_000);
+        let order = HoldOrder {
+            expires_at_ms: now_ms() + 50,
+            ..hold("e1", NANO, false)
+        };
+        book.hold("account:e", &order).await.unwrap();
+        let refused = book.hold("account:e", &hold("e2", NANO, false)).await;
+        assert!(matches!(refused.unwrap(), HoldOutcome::Insufficient { .. }));
+        assert_eq!(book.sweep(now_ms() + 100), 1);
+        let free = book.hold("account:e", &hold("e3", 0, false)).await.unwrap();
+        assert!(matches!(
+            free,
+            HoldOutcome::Placed {
+                usd: 0,
+                diem: 0,
+                ..
+            }
+        ));
+        let placed = book.hold("account:e", &hold("e4", NANO, false)).await;
+        assert!(matches!(placed.unwrap(), HoldOutcome::Placed { .. }));
+        let stored = reconcile(&book, &ledger, "account:e").await;
+        assert_eq!((stored.usd, stored.usd_held), (NANO, 0));
     }
 }

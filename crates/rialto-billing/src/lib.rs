@@ -21,6 +21,7 @@ use rust_decimal::Decimal;
 pub mod book;
 pub mod grpc;
 pub mod ledger;
+pub mod recovery;
 pub mod replicas;
 pub mod solana;
 pub mod usage_queue;

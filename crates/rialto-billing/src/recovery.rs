@@ -1,0 +1,100 @@
+//! Recovery: holds nobody settles, and owners a dead process left open.
+//!
+//! A plain request's hold lives in memory only: when its time
+//! (`billing.hold_ttl_secs`) is up it is dropped, charging nothing (its
+//! gateway died before the answer, or billing restarted and the usage
+//! record will be settled late from the balance). A stream's hold is in
+//! the database with its last checkpoint and a lease that each checkpoint
+//! renews: when the lease ends it is closed at its checkpoint (journaled
+//! as `settle:<request id>`, so the stream's usage record arriving later
+//! finds it settled). After a restart nobody has those owners in memory:
+//! [`Book::recover`] loads the owners whose durable holds outlived their
+//! lease, and the next [`Book::sweep`] charges them.
+
+use std::sync::Arc;
+
+use rialto_core::Result;
+use sqlx::Row;
+
+use crate::book::{Book, IDLE, Owner, SettleOrder, decide_settle, queue};
+use crate::writer::RecordKind;
+
+impl Book {
+    /// Expires holds past their time (a durable one is charged its last
+    /// checkpoint) and drops idle owners. Returns how many holds expired.
+    pub fn sweep(&self, now_ms: i64) -> usize {
+        let owners: Vec<Arc<Owner>> = self
+            .shared
+            .shards
+            .iter()
+            .flat_map(|shard| {
+                let shard = shard.lock().unwrap_or_else(|e| e.into_inner());
+                shard.values().cloned().collect::<Vec<_>>()
+            })
+            .collect();
+        let mut expired = 0;
+        for entry in owners {
+            let mut guard = entry.lock();
+            let Some(state) = guard.as_mut().filter(|s| s.live) else {
+                continue;
+            };
+            let due: Vec<Box<str>> = state
+                .holds
+                .iter()
+                .filter(|(_, h)| h.expires_at_ms <= now_ms)
+                .map(|(id, _)| id.clone())
+                .collect();
+            for request_id in due {
+                let Some(hold) = state.holds.get(&request_id).cloned() else {
+                    continue;
+                };
+                expired += 1;
+                let order = SettleOrder {
+                    request_id: &request_id,
+                    cost: hold.checkpoint,
+                    model_id: &hold.model_id,
+                    prompt_tokens: hold.checkpoint_tokens.0,
+                    completion_tokens: hold.checkpoint_tokens.1,
+                    held: None,
+                    key: None,
+                };
+                let (record, _) = decide_settle(&entry, state, &order);
+                if let Some(mut record) = record {
+                    record.kind = RecordKind::Expire;
+                    if let Err(error) = queue(&self.shared.writer, state, record, false) {
+                        tracing::warn!(%error, "cannot queue an expired hold");
+                    }
+                }
+            }
+            let idle =
+                state.holds.is_empty() && state.pending == 0 && state.last_active.elapsed() >= IDLE;
+            if idle {
+                state.live = false;
+                drop(guard);
+                Self::drop_owner(&self.shared, &entry);
+            }
+        }
+        expired
+    }
+
+    /// Loads owners that have durable holds past their lease and are not in
+    /// memory (this process restarted): the next sweep charges them.
+    pub async fn recover(&self, now_ms: i64) -> Result<usize> {
+        let rows = sqlx::query(
+            "SELECT DISTINCT owner FROM holds WHERE state = 'open' AND expires_at_ms <= $1 \
+             LIMIT 100",
+        )
+        .bind(now_ms)
+        .fetch_all(self.shared.db.pool())
+        .await?;
+        let mut loaded = 0;
+        for row in rows {
+            let owner: String = row.try_get(0)?;
+            if self.loaded(&owner).is_none() {
+                self.with_owner(&owner, |_, _| Ok(())).await?;
+                loaded += 1;
+            }
+        }
+        Ok(loaded)
+    }
+}
