@@ -328,3 +328,54 @@ async fn grpc_refuses_callers_without_the_token() {
     request.metadata_mut().insert("authorization", token);
     assert!(stranger.create_account(request).await.is_ok());
 }
+
+/// Two gateways whose auth is remote, each caching principals for a second:
+/// a key deleted through one is refused by the other within that second
+/// (at once when the revocation event crosses the bus, as it does here),
+/// and by the gateway that deleted it on the very next request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_deleted_through_one_gateway_is_refused_by_the_other() {
+    let world = world(Topology::Replicated, Storage::Sqlite).await;
+    let sandbox = &world.sandbox;
+    let [a, b] = [&sandbox.gateway_urls[0], &sandbox.gateway_urls[1]];
+    let account = sandbox.create_account("acme").await.unwrap();
+    let (id, secret) = sandbox
+        .create_key(&account.admin_key, "INFERENCE")
+        .await
+        .unwrap();
+    let chat_at = |base: &str| {
+        sandbox
+            .http()
+            .post(format!("{base}/api/v1/chat/completions"))
+            .bearer_auth(&secret)
+            .json(&json!({"model": "mock-chat", "messages": [{"role": "user", "content": "hi"}]}))
+            .send()
+    };
+    // Both gateways have the key in their caches.
+    for base in [a, b, a, b] {
+        assert_eq!(chat_at(base).await.unwrap().status(), 200);
+    }
+    let deleted = sandbox
+        .http()
+        .delete(format!("{a}/api/v1/api_keys?id={id}"))
+        .bearer_auth(&account.admin_key)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(deleted.status(), 200);
+    let started = std::time::Instant::now();
+    assert_eq!(chat_at(a).await.unwrap().status(), 401);
+    loop {
+        let status = chat_at(b).await.unwrap().status();
+        if status == 401 {
+            break;
+        }
+        assert_eq!(status, 200);
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(1),
+            "gateway B still accepts the deleted key after a second"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(chat_at(a).await.unwrap().status(), 401);
+}

@@ -2,7 +2,9 @@
 //!
 //! [`AuthService`] is the domain interface; [`AuthClient`] is what callers
 //! hold, built either from [`LocalAuth`] (in-process) or from a gRPC channel
-//! ([`grpc::RemoteAuth`]). Only the binary's wiring knows which.
+//! ([`grpc::RemoteAuth`]). Only the binary's wiring knows which. A gateway
+//! whose auth service is remote wraps it in [`CachedAuth`], which answers
+//! the authentications of the last second from memory.
 //!
 //! Invariants:
 //! - A secret is returned once, on creation, and stored only as its SHA-256.
@@ -16,10 +18,13 @@ use async_trait::async_trait;
 use rialto_core::Result;
 use rialto_proto::auth::v1 as pb;
 
+mod cached;
 pub mod grpc;
 mod local;
+mod revocation;
 pub mod siwx;
 
+pub use cached::{CachedAuth, DEFAULT_CAPACITY, PRINCIPAL_TTL};
 pub use local::LocalAuth;
 pub use pb::KeyType;
 

@@ -25,8 +25,10 @@ use sqlx::Row;
 use subtle::ConstantTimeEq;
 
 use crate::AuthService;
+use crate::revocation::{REVOCATIONS_SUBJECT, Revocation};
 
-type SecretHash = [u8; 32];
+/// The SHA-256 of a secret: what keys are stored and cached by.
+pub(crate) type SecretHash = [u8; 32];
 
 /// How often buffered `last_used_at` times are written to the database.
 const LAST_USED_FLUSH: Duration = Duration::from_secs(5);
@@ -123,7 +125,7 @@ struct Recheck {
 /// Whether a presented secret could be one of ours at all: keys are
 /// `<BRAND>_<TYPE>_KEY_<base58>`. Anything else is refused without a
 /// database query, so garbage keys cannot exhaust the pool.
-fn plausible_secret(secret: &str) -> bool {
+pub(crate) fn plausible_secret(secret: &str) -> bool {
     (20..=256).contains(&secret.len())
         && secret
             .bytes()
@@ -187,26 +189,7 @@ impl LocalAuth {
     /// from this one's cache: a key deleted anywhere is refused everywhere
     /// as soon as the event arrives, not after the one-second re-check.
     pub fn with_revocations(mut self, bus: rialto_core::bus::Bus) -> Self {
-        let subject = bus.subject(REVOCATIONS_SUBJECT);
-        let listener = bus.clone();
-        let weak = Arc::downgrade(&self.inner);
-        tokio::spawn(async move {
-            use futures_util::StreamExt;
-            let mut events = match listener.subscribe(subject, None).await {
-                Ok(events) => events,
-                Err(error) => {
-                    tracing::warn!(%error, "no revocation events; the one-second re-check still applies");
-                    return;
-                }
-            };
-            while let Some(payload) = events.next().await {
-                let Some(inner) = weak.upgrade() else { break };
-                match serde_json::from_slice::<Revocation>(&payload) {
-                    Ok(revocation) => inner.revoke(&revocation),
-                    Err(error) => tracing::warn!(%error, "unreadable revocation event"),
-                }
-            }
-        });
+        crate::revocation::listen(&bus, Arc::downgrade(&self.inner), Inner::revoke);
         self.revocations = Some(bus);
         self
     }
@@ -224,27 +207,13 @@ impl LocalAuth {
     }
 }
 
-/// Subject of revocation events, after the bus prefix.
-pub const REVOCATIONS_SUBJECT: &str = "auth.revocations";
-
-/// What cached principals must be dropped: one key's, or an account's.
-#[derive(Debug, serde::Serialize, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-enum Revocation {
-    Key(String),
-    Account(String),
-}
-
 impl Inner {
     fn revoke(&self, revocation: &Revocation) {
         // A lookup in flight must not put back what was revoked.
         self.generation.fetch_add(1, Ordering::AcqRel);
         let mut cache = self.cache.write().unwrap_or_else(|p| p.into_inner());
         cache.retain(|_, key| {
-            let keep = match revocation {
-                Revocation::Key(id) => key.principal.key_id != *id,
-                Revocation::Account(id) => key.principal.account_id != *id,
-            };
+            let keep = !revocation.covers(&key.principal.key_id, &key.principal.account_id);
             if !keep {
                 self.orphan_use(key);
             }
@@ -590,7 +559,7 @@ fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
         .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
-fn hash(secret: &str) -> SecretHash {
+pub(crate) fn hash(secret: &str) -> SecretHash {
     Sha256::digest(secret.as_bytes()).into()
 }
 

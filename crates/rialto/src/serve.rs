@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use anyhow::Context;
-use rialto_auth::{AuthClient, LocalAuth};
+use rialto_auth::{AuthClient, CachedAuth, LocalAuth};
 use rialto_billing::{BillingClient, LocalBilling};
 use rialto_core::Config;
 use rialto_core::config::SERVICES;
@@ -135,7 +135,10 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
         )
     } else {
         let channel = channel(&remote.auth, "auth", UNARY_TIMEOUT)?;
-        AuthClient::new(RemoteAuth::new(channel, client_token.clone()))
+        // A key authenticated in the last second needs no call; revocations
+        // on the bus drop cached principals at once.
+        let remote_auth = AuthClient::new(RemoteAuth::new(channel, client_token.clone()));
+        AuthClient::new(CachedAuth::new(remote_auth).with_revocations(bus.clone()))
     };
     // The limiter replica of this process, if it runs one; otherwise every
     // replica listed in remote.limiter, each owning a share of principals.
