@@ -44,7 +44,7 @@ fn nanos(cost: &Value) -> i64 {
 }
 
 async fn one_request(http: &reqwest::Client, url: &str, key: &str, index: usize) -> Seen {
-    let stream = index % 10 == 0;
+    let stream = index.is_multiple_of(10);
     let body = json!({
         "model": "mock-chat",
         "stream": stream,
