@@ -30,6 +30,8 @@ METRICS: dict[str, tuple[str, set[str]]] = {
     "rialto_limiter_decisions_total": ("counter", {"decision", "limit_type"}),
     "rialto_ledger_holds_total": ("counter", {"outcome"}),
     "rialto_ledger_settlements_total": ("counter", {"outcome"}),
+    "rialto_ledger_batch_seconds": ("histogram", set()),
+    "rialto_ledger_batch_records": ("histogram", set()),
     "rialto_spend_usd_total": ("counter", {"model"}),
     "rialto_tokens_total": ("counter", {"model", "kind"}),
     "rialto_backend_circuit_state": ("gauge", {"model", "backend"}),
@@ -234,6 +236,14 @@ def limits_and_spend() -> Board:
             [(f'sum by (outcome) (rate({ns("rialto_ledger_settlements_total")}[{RATE}]))', "{{outcome}}")],
             unit="reqps",
             description="queued: billing was unreachable and the usage record went to the durable NATS queue; failed needs a look.")
+    b.panel("timeseries", "Ledger writer: batch commit time",
+            [(f'histogram_quantile(0.5, sum by (le) (rate({ns("rialto_ledger_batch_seconds_bucket")}[{RATE}])))', "p50"),
+             (f'histogram_quantile(0.99, sum by (le) (rate({ns("rialto_ledger_batch_seconds_bucket")}[{RATE}])))', "p99")],
+            unit="s",
+            description="A settlement waits for the batch that carries it: this is the durable part of a priced request's latency.")
+    b.panel("timeseries", "Ledger writer: records per batch",
+            [(f'sum(rate({ns("rialto_ledger_batch_records_sum")}[{RATE}])) / sum(rate({ns("rialto_ledger_batch_records_count")}[{RATE}]))', "mean")],
+            description="Group commit: how many settlements, durable holds and checkpoints one transaction carries.")
 
     b.row("Spend and tokens")
     b.panel("timeseries", "Spend, USD per hour by model", [(f"sum by (model) (rate({spend}[{RATE}])) * 3600", "{{model}}")],

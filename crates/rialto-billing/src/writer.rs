@@ -22,7 +22,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use rialto_core::db::{Database, now_ms};
+use rialto_core::db::{Database, DatabaseKind, now_ms};
 use rialto_core::{Error, ErrorCode, Result};
 use sqlx::Row;
 use sqlx::pool::PoolConnection;
@@ -342,11 +342,17 @@ async fn run(db: Database, mut queue: mpsc::UnboundedReceiver<Job>, stats: Arc<S
             }
         }
         if !writes.is_empty() {
+            let metrics = rialto_core::metrics::metrics();
             stats.batches.fetch_add(1, Ordering::Relaxed);
             stats
                 .records
                 .fetch_add(writes.len() as u64, Ordering::Relaxed);
+            metrics.ledger_batch_records.observe(writes.len() as f64);
+            let started = std::time::Instant::now();
             commit(&db, &mut connection, writes).await;
+            metrics
+                .ledger_batch_seconds
+                .observe(started.elapsed().as_secs_f64());
         }
         // After the writes: a load sees every write queued before it.
         for (owner, done) in loads {
@@ -407,7 +413,7 @@ async fn commit(
 ) {
     for attempt in 0..3 {
         let result = match connect(db, connection).await {
-            Ok(conn) => write_batch(conn, &jobs).await,
+            Ok(conn) => write_batch(conn, db.kind(), &jobs).await,
             Err(error) => Err(BatchError::Database(error)),
         };
         match result {
@@ -504,9 +510,12 @@ fn complete(jobs: Vec<WriteJob>, written: &[Written], refreshed: &Refreshed) {
     }
 }
 
-/// Placeholders `($1, ..., $n), ($n+1, ...)` for `rows` rows of `columns`:
-/// the only text the writer puts into its SQL (hence `AssertSqlSafe`).
-fn values(rows: usize, columns: usize) -> String {
+/// Placeholders for `rows` rows of `columns` parameters: `($1, $2), ($3,
+/// $4)` on PostgreSQL, `(?, ?), (?, ?)` on SQLite (bound in order; sqlx
+/// looks every `$n` up by name on SQLite, which costs more than the insert
+/// with hundreds of them). The only text the writer puts into its SQL
+/// (hence `AssertSqlSafe`).
+fn values(kind: DatabaseKind, rows: usize, columns: usize) -> String {
     let mut sql = String::with_capacity(rows * columns * 5);
     for row in 0..rows {
         if row > 0 {
@@ -517,8 +526,13 @@ fn values(rows: usize, columns: usize) -> String {
             if column > 0 {
                 sql.push_str(", ");
             }
-            sql.push('$');
-            sql.push_str(&(row * columns + column + 1).to_string());
+            match kind {
+                DatabaseKind::Sqlite => sql.push('?'),
+                DatabaseKind::Postgres => {
+                    sql.push('$');
+                    sql.push_str(&(row * columns + column + 1).to_string());
+                }
+            }
         }
         sql.push(')');
     }
@@ -527,6 +541,7 @@ fn values(rows: usize, columns: usize) -> String {
 
 async fn write_batch(
     conn: &mut PoolConnection<sqlx::Any>,
+    kind: DatabaseKind,
     jobs: &[WriteJob],
 ) -> std::result::Result<(Vec<Written>, Refreshed), BatchError> {
     let now = now_ms();
@@ -545,9 +560,9 @@ async fn write_batch(
              diem_nanos, usd_held_nanos, diem_held_nanos, written_off_nanos, request_id, \
              reference, at_ms) VALUES {} ON CONFLICT (idempotency_key) DO NOTHING \
              RETURNING idempotency_key",
-            values(chunk.len(), 12)
+            values(kind, chunk.len(), 12)
         );
-        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql)).persistent(chunk.len() == 1);
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
         for (i, key, kind) in chunk {
             let record = &jobs[*i].record;
             let [usd, diem, usd_held, diem_held] = record.effects();
@@ -648,9 +663,9 @@ async fn write_batch(
              diem_nanos = key_spend.diem_nanos + excluded.diem_nanos, \
              usd_held_nanos = key_spend.usd_held_nanos + excluded.usd_held_nanos, \
              diem_held_nanos = key_spend.diem_held_nanos + excluded.diem_held_nanos",
-            values(chunk.len(), 6)
+            values(kind, chunk.len(), 6)
         );
-        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql)).persistent(chunk.len() == 1);
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
         for (key, [usd, diem, usd_held, diem_held]) in chunk {
             query = query
                 .bind(key.0.as_str())
@@ -674,9 +689,9 @@ async fn write_batch(
         let sql = format!(
             "INSERT INTO holds (request_id, owner, usd_nanos, diem_nanos, state, \
              created_at_ms, expires_at_ms, key_id, key_period, model_id) VALUES {}",
-            values(chunk.len(), 10)
+            values(kind, chunk.len(), 10)
         );
-        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql)).persistent(chunk.len() == 1);
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
         for record in chunk {
             query = query
                 .bind(&*record.request_id)
@@ -741,9 +756,9 @@ async fn write_batch(
         let sql = format!(
             "INSERT INTO usage_records (id, owner, request_id, model_id, currency, \
              amount_nanos, prompt_tokens, completion_tokens, at_ms) VALUES {}",
-            values(chunk.len(), 9)
+            values(kind, chunk.len(), 9)
         );
-        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql)).persistent(chunk.len() == 1);
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
         for (record, currency, amount) in chunk {
             query = query
                 .bind(crate::ledger::uuid_like())
@@ -769,13 +784,12 @@ async fn write_batch(
         .into_iter()
         .collect();
     for chunk in wanted.chunks(ROWS_PER_STATEMENT) {
-        let list: Vec<String> = (1..=chunk.len()).map(|i| format!("${i}")).collect();
+        let list = values(kind, 1, chunk.len());
         let sql = format!(
             "SELECT l.owner, l.usd_nanos, l.diem_nanos, l.fence, s.diem_per_day_nanos \
-             FROM ledgers l LEFT JOIN stakes s ON s.owner = l.owner WHERE l.owner IN ({})",
-            list.join(", ")
+             FROM ledgers l LEFT JOIN stakes s ON s.owner = l.owner WHERE l.owner IN {list}"
         );
-        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql)).persistent(chunk.len() == 1);
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
         for owner in chunk {
             query = query.bind(&***owner);
         }
@@ -866,6 +880,11 @@ mod tests {
 
     #[test]
     fn placeholders_number_every_row() {
-        assert_eq!(values(2, 3), "($1, $2, $3), ($4, $5, $6)");
+        use rialto_core::db::DatabaseKind;
+        assert_eq!(
+            values(DatabaseKind::Postgres, 2, 3),
+            "($1, $2, $3), ($4, $5, $6)"
+        );
+        assert_eq!(values(DatabaseKind::Sqlite, 1, 2), "(?, ?)");
     }
 }

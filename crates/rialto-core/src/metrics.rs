@@ -107,6 +107,10 @@ pub struct Metrics {
     pub limiter_decisions: Family<DecisionLabels, Counter>,
     pub ledger_holds: Family<OutcomeLabels, Counter>,
     pub ledger_settlements: Family<OutcomeLabels, Counter>,
+    /// The ledger writer's batches: how long each took to commit.
+    pub ledger_batch_seconds: Histogram,
+    /// And how many records each carried.
+    pub ledger_batch_records: Histogram,
     pub spend_usd: Family<ModelLabels, Counter<f64, AtomicU64>>,
     pub tokens: Family<TokenLabels, Counter>,
     pub backend_circuit_state: Family<BackendLabels, Gauge>,
@@ -140,6 +144,10 @@ impl Metrics {
         let limiter_decisions = Family::default();
         let ledger_holds = Family::default();
         let ledger_settlements = Family::default();
+        // 50 µs to ~3 s, doubling.
+        let ledger_batch_seconds = Histogram::new(exponential_buckets(0.00005, 2.0, 16));
+        // 1 to 512 records, doubling.
+        let ledger_batch_records = Histogram::new(exponential_buckets(1.0, 2.0, 10));
         let spend_usd = Family::default();
         let tokens = Family::default();
         let backend_circuit_state = Family::default();
@@ -181,6 +189,16 @@ impl Metrics {
             "ledger_settlements",
             "Settlements of holds: settled now, queued for billing, or failed",
             ledger_settlements.clone(),
+        );
+        registry.register(
+            "ledger_batch_seconds",
+            "Time the ledger writer took to commit one batch",
+            ledger_batch_seconds.clone(),
+        );
+        registry.register(
+            "ledger_batch_records",
+            "Records (settlements, durable holds, checkpoints, ...) in one ledger batch",
+            ledger_batch_records.clone(),
         );
         registry.register(
             "spend_usd",
@@ -227,6 +245,8 @@ impl Metrics {
             limiter_decisions,
             ledger_holds,
             ledger_settlements,
+            ledger_batch_seconds,
+            ledger_batch_records,
             spend_usd,
             tokens,
             backend_circuit_state,
