@@ -1254,4 +1254,31 @@ mod tests {
         let stored = reconcile(&book, &ledger, "account:e").await;
         assert_eq!((stored.usd, stored.usd_held), (NANO, 0));
     }
+
+    /// A refresh in the same batch as a settlement queued after it reads a
+    /// balance that already has the charge: memory must not count it twice.
+    #[tokio::test]
+    async fn a_refresh_batched_with_a_settlement_counts_it_once() {
+        let (_dir, db) = sqlite().await;
+        let ledger = Ledger::new(db.clone());
+        ledger
+            .credit("account:o", 10 * NANO, 0, "seed")
+            .await
+            .unwrap();
+        let book = Book::start(db, 30_000);
+        book.hold("account:o", &hold("o1", 2 * NANO, false))
+            .await
+            .unwrap();
+        // One thread: both are queued before the writer runs.
+        let order = settle("o1", NANO);
+        let (refreshed, settled) = tokio::join!(
+            book.refresh_now("account:o"),
+            book.settle("account:o", &order)
+        );
+        refreshed.unwrap();
+        settled.unwrap();
+        let stored = reconcile(&book, &ledger, "account:o").await;
+        assert_eq!(stored.usd, 9 * NANO);
+        assert_eq!(book.snapshot("account:o").unwrap().balance, stored);
+    }
 }

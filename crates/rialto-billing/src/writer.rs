@@ -480,8 +480,14 @@ fn drop_owner(owner: &Arc<Owner>) {
 }
 
 /// Tells each owner and each waiting caller how its record was written.
+/// Refreshes last: the balance a refresh read includes every record of
+/// its batch, so each of those must have left `unflushed` first.
 fn complete(jobs: Vec<WriteJob>, written: &[Written], refreshed: &Refreshed) {
-    for (job, outcome) in jobs.into_iter().zip(written) {
+    let (refreshes, records): (Vec<_>, Vec<_>) = jobs
+        .into_iter()
+        .zip(written)
+        .partition(|(job, _)| job.record.kind == RecordKind::Refresh);
+    for (job, outcome) in records.into_iter().chain(refreshes) {
         let record = &job.record;
         {
             let mut guard = record.owner.lock();
