@@ -1,33 +1,42 @@
-//! The prepaid ledger's cost: holds and settlements per second, and the
-//! latency of one of each, on SQLite and on PostgreSQL.
+//! Billing's write path: settlements per second its durable writer
+//! sustains, the latency of one settlement, and the batch sizes the writer
+//! reached, on SQLite and on PostgreSQL.
 //!
-//! Runs the real `rialto_billing::ledger::Ledger` over a `Database` opened
-//! with `Database::connect` (migrations applied; WAL and
-//! `synchronous = NORMAL` on SQLite), as `rialto serve` opens it, with the
-//! same pool size by default (`database.max_connections`, 16). SQLite uses a
-//! file in a temporary folder; PostgreSQL a database of its own on the
-//! server (`--postgres`), created before and dropped after: nothing is
-//! migrated into the server's `postgres` database, which is only used to
-//! create and drop it. An unreachable server is skipped, with a note.
+//! Runs what `rialto serve` runs: `rialto_billing::book::Book` (every
+//! ledger owner decided in memory, one writer task committing what waits in
+//! batches) over a `Database` opened with `Database::connect` (migrations
+//! applied; on SQLite WAL, `synchronous = NORMAL`, no WAL checkpoint in a
+//! commit and the checkpointer task `rialto serve` spawns), with the same
+//! pool size by default (`database.max_connections`, 16; the writer uses
+//! one connection of it). SQLite uses a file in a temporary folder;
+//! PostgreSQL a database of its own on the server (`--postgres`), created
+//! before and dropped after: nothing is migrated into the server's
+//! `postgres` database, which is only used to create and drop it. An
+//! unreachable server is skipped, with a note.
 //!
-//! One *pair* is what a priced chat request costs billing: `Ledger::hold`
-//! of the most the request can cost (a balance read, then a transaction: a
-//! conditional UPDATE and two INSERTs), then `Ledger::settle_usage` of what
-//! it used (a transaction: UPDATE, SELECT, UPDATE, the journal's INSERT and
-//! the usage record's INSERT), the calls `LocalBilling` makes. Scenarios,
-//! per database:
+//! One *pair* is what a priced chat request costs billing: `Book::hold` of
+//! the most it can cost (decided in memory, not written: a non-streamed
+//! request's hold is not durable), then `Book::settle` of what it used,
+//! which returns once the writer has committed the batch carrying its
+//! record. A *stream* pair holds durably first (its opening record is
+//! committed before the hold returns, as before a stream's first token),
+//! then settles: two records. Rows, per database:
 //!
-//! - `c1_owners`, `cN_owners`: 1 and `--concurrency` tasks, pairs back to
-//!   back, each task's next pair on the next of `--owners` owners (credited
-//!   up front);
-//! - `c1_one_owner`, `cN_one_owner`: the same, every pair on one owner, so
-//!   every hold and settlement updates the same ledger row;
-//! - `c1_free`: what a free model's request costs billing (its hold is 0):
-//!   `hold` of 0 (returns after one balance read), `settle_usage` (finds no
-//!   open hold: a transaction with one UPDATE of no row, rolled back) and
-//!   `charged` (one SELECT), as `LocalBilling::settle` does on `NotOpen`.
+//! - `c1_owners`: 1 task, pairs back to back, each next pair on the next of
+//!   `--owners` owners: a settlement alone in its batch;
+//! - `cM_owners`: `--mid-concurrency` tasks (the HTTP benchmark's 64
+//!   connections), over many owners;
+//! - `cN_owners`, `cN_one_owner`: `--concurrency` tasks over many owners,
+//!   and all on one owner (one ledger row, one in-memory owner);
+//! - `cN_streams`: `--concurrency` tasks of stream pairs over many owners.
 //!
-//! Each pair's hold and settlement are timed apart. Prints one JSON object.
+//! For each: pairs (settlements) per second, the hold's, settlement's and
+//! pair's latency, and the writer's batches in the measured window: their
+//! count and records from `Book::batches` (records include the refreshes
+//! each owner in use queues once a second), their mean size, and the
+//! largest seen by sampling `Book::batches` every millisecond (exact when
+//! one batch fell in a sample, a lower bound otherwise; the writer takes at
+//! most 512 records per batch). Prints one JSON object.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -35,25 +44,29 @@ use std::time::{Duration, Instant};
 use anyhow::Context;
 use clap::Parser;
 use hdrhistogram::Histogram;
-use rialto_billing::ledger::{HoldOutcome, Ledger, SettleOutcome, UsageDetail};
+use rialto_billing::book::{Book, HoldOrder, SettleOrder};
+use rialto_billing::ledger::{HoldOutcome, Ledger, SettleOutcome};
 use rialto_core::db::{Database, now_ms, redacted};
 use serde_json::{Value, json};
 
 #[derive(Parser)]
 #[command(
-    about = "Holds and settlements per second of the prepaid ledger, on SQLite and PostgreSQL"
+    about = "Settlements per second billing's durable writer sustains, on SQLite and PostgreSQL"
 )]
 struct Cli {
-    /// Seconds measured per scenario.
+    /// Seconds measured per row.
     #[arg(long, default_value_t = 5.0)]
     seconds: f64,
     /// Seconds of the same load before each measurement.
     #[arg(long, default_value_t = 1.0)]
     warmup: f64,
-    /// Concurrent tasks in the concurrent scenarios.
-    #[arg(long, default_value_t = 32)]
+    /// Concurrent tasks in the most concurrent rows.
+    #[arg(long, default_value_t = 512)]
     concurrency: usize,
-    /// Owners (accounts) credited up front for the many-owners scenarios.
+    /// Concurrent tasks in the middle row.
+    #[arg(long, default_value_t = 64)]
+    mid_concurrency: usize,
+    /// Owners (accounts) credited up front for the many-owners rows.
     #[arg(long, default_value_t = 1000)]
     owners: usize,
     /// Connections in the pool (`database.max_connections`'s default).
@@ -84,6 +97,12 @@ const COST: i64 = 10 * 500 + 20 * 1500;
 /// Holds expire after the default `billing.hold_ttl_secs` (900 s); no
 /// sweeper runs here, so none expires meanwhile.
 const HOLD_TTL_MS: i64 = 900_000;
+/// A stream's lease (`billing.stream_lease_secs`' default order of
+/// magnitude); no sweeper runs, so it only bounds the hold's expiry.
+const LEASE_MS: i64 = 60_000;
+const MODEL: &str = "bench-fast";
+/// How often the batch counters are sampled.
+const SAMPLE_EVERY: Duration = Duration::from_millis(1);
 
 #[derive(Clone, Copy)]
 struct Timing {
@@ -93,16 +112,15 @@ struct Timing {
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Kind {
-    /// Hold the most, settle the use.
+    /// A non-streamed request: the hold in memory, the settlement durable.
     Priced,
-    /// Hold 0, settle with no hold open, read what was charged.
-    Free,
+    /// A stream: the hold durable, then the settlement durable.
+    Stream,
 }
 
 struct Tally {
     pairs: u64,
-    /// Holds not placed, or settlements that found no open hold (a priced
-    /// pair), or that found one (a free pair).
+    /// Holds not placed, or settlements that did not charge the cost.
     refused: u64,
     errors: u64,
     first_error: Option<String>,
@@ -155,63 +173,105 @@ fn ns(from: Instant, to: Instant) -> u64 {
 /// One hold and its settlement, with the instants it started, the hold
 /// returned and the settlement returned. The outcome is `Ok(true)` when both
 /// did what they should, `Ok(false)` when one did not (a hold not placed is
-/// not settled), `Err` when the database failed.
+/// not settled), `Err` when billing failed.
 async fn pair(
-    ledger: &Ledger,
+    book: &Book,
     kind: Kind,
     owner: &str,
     request_id: &str,
 ) -> (Instant, Instant, Instant, Result<bool, rialto_core::Error>) {
-    let detail = UsageDetail {
-        model_id: "bench-fast",
-        prompt_tokens: 10,
-        completion_tokens: 20,
-    };
-    let (amount, cost) = match kind {
-        Kind::Priced => (HOLD, COST),
-        Kind::Free => (0, 0),
-    };
     let started = Instant::now();
-    let hold = ledger
-        .hold(owner, request_id, amount, now_ms() + HOLD_TTL_MS)
+    let hold = book
+        .hold(
+            owner,
+            &HoldOrder {
+                request_id,
+                amount: HOLD,
+                expires_at_ms: now_ms() + HOLD_TTL_MS,
+                cap: None,
+                durable: kind == Kind::Stream,
+                model_id: MODEL,
+            },
+        )
         .await;
     let held = Instant::now();
-    let placed = match hold {
-        Ok(HoldOutcome::Placed { .. }) => true,
-        Ok(_) => false,
+    match hold {
+        Ok(HoldOutcome::Placed { .. }) => {}
+        Ok(_) => return (started, held, held, Ok(false)),
         Err(error) => return (started, held, held, Err(error)),
-    };
-    if !placed {
-        return (started, held, held, Ok(false));
     }
-    let settled = match ledger.settle_usage(request_id, cost, &detail).await {
-        Ok(SettleOutcome::Settled { usd, .. }) => Ok(kind == Kind::Priced && usd == COST),
-        // What `LocalBilling::settle` does when no hold was open.
-        Ok(SettleOutcome::NotOpen) => match ledger.charged(request_id).await {
-            Ok(charged) => Ok(kind == Kind::Free && charged == (0, 0)),
-            Err(error) => Err(error),
-        },
-        Err(error) => Err(error),
-    };
+    let settled = book
+        .settle(
+            owner,
+            &SettleOrder {
+                request_id,
+                cost: COST,
+                model_id: MODEL,
+                prompt_tokens: 10,
+                completion_tokens: 20,
+                held: None,
+                key: None,
+            },
+        )
+        .await
+        .map(|outcome| matches!(outcome, SettleOutcome::Settled { usd, diem, .. } if usd + diem == COST));
     (started, held, Instant::now(), settled)
+}
+
+/// The writer's batches during the measured window.
+#[derive(Default)]
+struct Batches {
+    batches: u64,
+    records: u64,
+    /// The largest records-per-batch of any sample.
+    largest: f64,
+    /// Whether `largest` was one batch alone in its sample (exact).
+    exact: bool,
+}
+
+/// Samples `book.batches()` every millisecond from `begin` to `end`.
+async fn sample_batches(book: Book, begin: Instant, end: Instant) -> Batches {
+    tokio::time::sleep_until(begin.into()).await;
+    let first = book.batches();
+    let mut last = first;
+    let mut found = Batches::default();
+    let mut tick = tokio::time::interval(SAMPLE_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    while Instant::now() < end {
+        tick.tick().await;
+        let now = book.batches();
+        let (batches, records) = (now.0 - last.0, now.1.saturating_sub(last.1));
+        if batches > 0 {
+            let size = records as f64 / batches as f64;
+            if size > found.largest || (size == found.largest && batches == 1) {
+                found.largest = size;
+                found.exact = batches == 1;
+            }
+        }
+        last = now;
+    }
+    found.batches = last.0 - first.0;
+    found.records = last.1.saturating_sub(first.1);
+    found
 }
 
 /// `tasks` tasks running pairs back to back for the warm-up and the
 /// measured time; task `t`'s `i`-th pair goes to owner
 /// `(t + i * tasks) % owners`.
 async fn pairs(
-    ledger: &Ledger,
+    book: &Book,
     kind: Kind,
     owners: &Arc<Vec<String>>,
     tasks: usize,
     tag: &str,
     timing: Timing,
-) -> anyhow::Result<Tally> {
+) -> anyhow::Result<(Tally, Batches)> {
     let begin = Instant::now() + timing.warmup;
     let end = begin + timing.measured;
+    let sampler = tokio::spawn(sample_batches(book.clone(), begin, end));
     let mut handles = Vec::with_capacity(tasks);
     for task in 0..tasks.max(1) {
-        let (ledger, owners, tag) = (ledger.clone(), owners.clone(), tag.to_owned());
+        let (book, owners, tag) = (book.clone(), owners.clone(), tag.to_owned());
         handles.push(tokio::spawn(async move {
             let mut tally = Tally::new()?;
             let mut index = task % owners.len().max(1);
@@ -221,8 +281,7 @@ async fn pairs(
                 index = (index + tasks) % owners.len();
                 i += 1;
                 let request_id = format!("{tag}-{task}-{i}");
-                let (started, held, settled, outcome) =
-                    pair(&ledger, kind, owner, &request_id).await;
+                let (started, held, settled, outcome) = pair(&book, kind, owner, &request_id).await;
                 if settled >= end {
                     break;
                 }
@@ -247,7 +306,7 @@ async fn pairs(
     for handle in handles {
         total.add(&handle.await??)?;
     }
-    Ok(total)
+    Ok((total, sampler.await?))
 }
 
 fn round1(x: f64) -> f64 {
@@ -266,31 +325,53 @@ fn latency_us(h: &Histogram<u64>) -> Value {
     })
 }
 
-fn scenario(tally: &Tally, tasks: usize, owners: usize, timing: Timing) -> Value {
+fn row(
+    (tally, batches): &(Tally, Batches),
+    kind: Kind,
+    tasks: usize,
+    owners: usize,
+    timing: Timing,
+) -> Value {
+    let seconds = timing.measured.as_secs_f64();
     json!({
+        "kind": if kind == Kind::Stream { "stream" } else { "priced" },
         "tasks": tasks,
         "owners": owners,
         "pairs": tally.pairs,
-        "per_s": (tally.pairs as f64 / timing.measured.as_secs_f64()).round(),
+        "per_s": (tally.pairs as f64 / seconds).round(),
         "refused": tally.refused,
         "errors": tally.errors,
         "first_error": tally.first_error,
         "hold_us": latency_us(&tally.hold_ns),
         "settle_us": latency_us(&tally.settle_ns),
         "pair_us": latency_us(&tally.pair_ns),
+        "batches": {
+            "count": batches.batches,
+            "records": batches.records,
+            "per_s": (batches.batches as f64 / seconds).round(),
+            "records_per_s": (batches.records as f64 / seconds).round(),
+            "mean": if batches.batches > 0 {
+                round1(batches.records as f64 / batches.batches as f64)
+            } else {
+                0.0
+            },
+            "max_sampled": round1(batches.largest),
+            "max_exact": batches.exact,
+        },
     })
 }
 
-/// Every scenario on one database.
+/// Every row on one database.
 async fn measure(db: Database, cli: &Cli, timing: Timing) -> anyhow::Result<Value> {
-    let ledger = Ledger::new(db);
+    let ledger = Ledger::new(db.clone());
     let owners: Arc<Vec<String>> = Arc::new(
         (0..cli.owners.max(1))
             .map(|i| format!("account:bench-{i}"))
             .collect(),
     );
     let hot: Arc<Vec<String>> = Arc::new(vec!["account:bench-hot".to_owned()]);
-    // Credit every owner, a pool's worth at a time.
+    // Credit every owner, a pool's worth at a time, before billing loads
+    // any of them.
     let credited = Instant::now();
     let everyone: Vec<String> = owners.iter().chain(hot.iter()).cloned().collect();
     let stripes = usize::try_from(cli.pool).unwrap_or(1).max(1);
@@ -309,15 +390,20 @@ async fn measure(db: Database, cli: &Cli, timing: Timing) -> anyhow::Result<Valu
     }
     let credit_s = credited.elapsed().as_secs_f64();
 
-    let tasks = cli.concurrency.max(1);
+    let book = Book::start(db, LEASE_MS);
+    let n = cli.concurrency.max(1);
+    let m = cli.mid_concurrency.max(1);
     let many = owners.len();
-    let c1_owners = pairs(&ledger, Kind::Priced, &owners, 1, "c1o", timing).await?;
-    let c1_one = pairs(&ledger, Kind::Priced, &hot, 1, "c1h", timing).await?;
-    let cn_owners = pairs(&ledger, Kind::Priced, &owners, tasks, "cno", timing).await?;
-    let cn_one = pairs(&ledger, Kind::Priced, &hot, tasks, "cnh", timing).await?;
-    let c1_free = pairs(&ledger, Kind::Free, &owners, 1, "c1f", timing).await?;
+    let c1_owners = pairs(&book, Kind::Priced, &owners, 1, "c1o", timing).await?;
+    let cm_owners = pairs(&book, Kind::Priced, &owners, m, "cmo", timing).await?;
+    let cn_owners = pairs(&book, Kind::Priced, &owners, n, "cno", timing).await?;
+    let cn_one = pairs(&book, Kind::Priced, &hot, n, "cnh", timing).await?;
+    let cn_streams = pairs(&book, Kind::Stream, &owners, n, "cns", timing).await?;
+    book.flush().await?;
 
-    // The books still balance, on the owner that took the most.
+    // The books still balance, on the owner that took the most: the
+    // database's balance is its journal's, nothing is held, and memory
+    // agrees with the database once everything is written.
     let hot_owner = hot.first().context("no hot owner")?;
     let balance = ledger.balance(hot_owner).await?;
     let journal = ledger.journal_sums(hot_owner).await?;
@@ -325,13 +411,20 @@ async fn measure(db: Database, cli: &Cli, timing: Timing) -> anyhow::Result<Valu
         balance == journal && balance.usd_held == 0,
         "the ledger of {hot_owner} does not reconcile: {balance:?} vs journal {journal:?}"
     );
+    if let Some(memory) = book.snapshot(hot_owner) {
+        anyhow::ensure!(
+            memory.balance.usd == balance.usd && memory.balance.usd_held == 0,
+            "billing's memory of {hot_owner} ({:?}) is not the database's ({balance:?})",
+            memory.balance
+        );
+    }
     Ok(json!({
         "credit_s": round1(credit_s),
-        "c1_owners": scenario(&c1_owners, 1, many, timing),
-        "c1_one_owner": scenario(&c1_one, 1, 1, timing),
-        "cN_owners": scenario(&cn_owners, tasks, many, timing),
-        "cN_one_owner": scenario(&cn_one, tasks, 1, timing),
-        "c1_free": scenario(&c1_free, 1, many, timing),
+        "c1_owners": row(&c1_owners, Kind::Priced, 1, many, timing),
+        "cM_owners": row(&cm_owners, Kind::Priced, m, many, timing),
+        "cN_owners": row(&cn_owners, Kind::Priced, n, many, timing),
+        "cN_one_owner": row(&cn_one, Kind::Priced, n, 1, timing),
+        "cN_streams": row(&cn_streams, Kind::Stream, n, many, timing),
     }))
 }
 
@@ -341,10 +434,16 @@ async fn sqlite(cli: &Cli, timing: Timing) -> anyhow::Result<Value> {
         .tempdir()?;
     let url = format!("sqlite://{}/ledger.db", dir.path().display());
     let db = Database::connect(&url, cli.pool).await?;
+    // As `rialto serve` does: the WAL is checkpointed by a task, never in
+    // a commit.
+    db.spawn_checkpointer(Duration::from_secs(1));
     let mode: String = sqlx::query_scalar("PRAGMA journal_mode")
         .fetch_one(db.pool())
         .await?;
     let sync: i64 = sqlx::query_scalar("PRAGMA synchronous")
+        .fetch_one(db.pool())
+        .await?;
+    let autocheckpoint: i64 = sqlx::query_scalar("PRAGMA wal_autocheckpoint")
         .fetch_one(db.pool())
         .await?;
     let version: String = sqlx::query_scalar("SELECT sqlite_version()")
@@ -356,7 +455,8 @@ async fn sqlite(cli: &Cli, timing: Timing) -> anyhow::Result<Value> {
         object.insert(
             "server".into(),
             json!(format!(
-                "SQLite {version}, journal_mode={mode}, synchronous={}",
+                "SQLite {version}, journal_mode={mode}, synchronous={}, wal_autocheckpoint={autocheckpoint} \
+                 (a task checkpoints every second)",
                 ["OFF", "NORMAL", "FULL", "EXTRA"]
                     .get(usize::try_from(sync).unwrap_or(9))
                     .unwrap_or(&"?")
@@ -477,9 +577,12 @@ fn main() -> anyhow::Result<()> {
             "seconds": cli.seconds,
             "warmup_s": cli.warmup,
             "concurrency": cli.concurrency.max(1),
+            "mid_concurrency": cli.mid_concurrency.max(1),
             "owners": cli.owners.max(1),
             "hold_nanos": HOLD,
             "settle_nanos": COST,
+            "lease_ms": LEASE_MS,
+            "sample_ms": SAMPLE_EVERY.as_millis() as u64,
             "sqlite": sqlite,
             "postgres": postgres,
         }))
