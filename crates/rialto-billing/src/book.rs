@@ -901,7 +901,46 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn ten_of_a_thousand_on_sqlite() {
         let (_dir, db) = sqlite().await;
+        assert!(db.sqlite_file().is_some(), "the writer's own connection");
         ten_of_a_thousand(db).await;
+    }
+
+    /// Under constant load the WAL starts over about once a second (the
+    /// checkpointer copies it, the writer copies the last frames between
+    /// two batches): it holds the last second's commits, not all of them.
+    /// Each commit of a settlement writes at least 8 pages (the ledger
+    /// row, the journal and its 3 indexes, the usage record and its 2).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_wal_starts_over_under_constant_load() {
+        let (dir, db) = sqlite().await;
+        let ledger = Ledger::new(db.clone());
+        let book = Book::start(db, 30_000);
+        ledger
+            .credit("account:a", 1_000_000 * NANO, 0, "seed")
+            .await
+            .unwrap();
+        let started = Instant::now();
+        let mut i = 0;
+        while started.elapsed() < Duration::from_millis(3500) {
+            let id = format!("w{i}");
+            i += 1;
+            book.hold("account:a", &hold(&id, NANO, false))
+                .await
+                .unwrap();
+            book.settle("account:a", &settle(&id, NANO / 2))
+                .await
+                .unwrap();
+        }
+        let (commits, _) = book.batches();
+        let conn = rusqlite::Connection::open(dir.path().join("book.db")).unwrap();
+        let frames: i64 = conn
+            .query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |row| row.get(1))
+            .unwrap();
+        assert!(commits > 100, "{commits} commits");
+        assert!(
+            frames < commits as i64 * 4,
+            "{frames} frames in the WAL after {commits} commits of 8 pages or more"
+        );
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,7 +1,10 @@
 //! The database, chosen by URL scheme: `sqlite://` (the embedded default) or
 //! `postgres://`. Migrations in `migrations/` are portable SQL applied at start.
 
+use std::path::{Path, PathBuf};
 use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::time::Duration;
 
 use sqlx::any::{AnyPoolOptions, install_default_drivers};
@@ -12,6 +15,10 @@ use sqlx::{AnyPool, Executor};
 pub struct Database {
     pool: AnyPool,
     kind: DatabaseKind,
+    /// The SQLite database's file (none on PostgreSQL).
+    sqlite_file: Option<PathBuf>,
+    /// When a connection outside the pool last checkpointed the WAL (ms).
+    checkpointed_at_ms: Arc<AtomicI64>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,10 +32,11 @@ impl Database {
     /// applies pending migrations.
     pub async fn connect(url: &str, max_connections: u32) -> Result<Self, sqlx::Error> {
         install_default_drivers();
-        let (kind, url) = if url.starts_with("sqlite:") {
-            (DatabaseKind::Sqlite, prepare_sqlite_url(url)?)
+        let (kind, url, sqlite_file) = if url.starts_with("sqlite:") {
+            let (url, file) = prepare_sqlite_url(url)?;
+            (DatabaseKind::Sqlite, url, Some(file))
         } else if url.starts_with("postgres://") || url.starts_with("postgresql://") {
-            (DatabaseKind::Postgres, url.to_owned())
+            (DatabaseKind::Postgres, url.to_owned(), None)
         } else {
             return Err(sqlx::Error::Configuration(
                 format!(
@@ -65,7 +73,12 @@ impl Database {
             .connect(&url)
             .await?;
         sqlx::migrate!("./migrations").run(&pool).await?;
-        Ok(Self { pool, kind })
+        Ok(Self {
+            pool,
+            kind,
+            sqlite_file,
+            checkpointed_at_ms: Arc::default(),
+        })
     }
 
     pub fn pool(&self) -> &AnyPool {
@@ -76,17 +89,40 @@ impl Database {
         self.kind
     }
 
+    /// The SQLite database's file, for a component that opens a connection
+    /// of its own outside the pool (the ledger's writer); none on
+    /// PostgreSQL.
+    pub fn sqlite_file(&self) -> Option<&Path> {
+        self.sqlite_file.as_deref()
+    }
+
+    /// Tells [`spawn_checkpointer`](Self::spawn_checkpointer) that a
+    /// connection outside the pool checkpointed the WAL just now (the
+    /// ledger writer's checkpointer thread does, once a second).
+    pub fn note_checkpoint(&self) {
+        self.checkpointed_at_ms.store(now_ms(), Ordering::Relaxed);
+    }
+
     /// On SQLite, checkpoints the WAL every `every` from a task of its own
-    /// (connections never checkpoint in a commit); nothing on PostgreSQL.
+    /// (connections never checkpoint in a commit), unless another
+    /// checkpointed within the last two periods ([`note_checkpoint`]: two
+    /// at once would leave one of them busy); nothing on PostgreSQL.
+    ///
+    /// [`note_checkpoint`]: Self::note_checkpoint
     pub fn spawn_checkpointer(&self, every: Duration) {
         if self.kind != DatabaseKind::Sqlite {
             return;
         }
         let pool = self.pool.clone();
+        let noted = self.checkpointed_at_ms.clone();
+        let skip_ms = (every.as_millis() as i64).saturating_mul(2);
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(every);
             loop {
                 tick.tick().await;
+                if now_ms() - noted.load(Ordering::Relaxed) < skip_ms {
+                    continue;
+                }
                 // PASSIVE: copies what no reader needs, never waits for one.
                 if let Err(error) = sqlx::query("PRAGMA wal_checkpoint(PASSIVE)")
                     .fetch_all(&pool)
@@ -100,26 +136,38 @@ impl Database {
 }
 
 /// Adds `mode=rwc` so SQLite creates the file, and creates its folder.
-fn prepare_sqlite_url(url: &str) -> Result<String, sqlx::Error> {
+/// Returns the URL and the database's file.
+fn prepare_sqlite_url(url: &str) -> Result<(String, PathBuf), sqlx::Error> {
     let path = url
         .trim_start_matches("sqlite:")
         .trim_start_matches("//")
         .split('?')
         .next()
         .unwrap_or_default();
-    let parent = std::path::Path::new(path).parent();
-    if path != ":memory:"
-        && let Some(parent) = parent.filter(|p| !p.as_os_str().is_empty())
+    // Every component has connections of its own (the pool's, the ledger
+    // writer's), and a database in memory is one connection's alone.
+    if path == ":memory:" || url.contains("mode=memory") {
+        return Err(sqlx::Error::Configuration(
+            "a SQLite database in memory is not supported: give a file (sqlite://path/to/file.db)"
+                .into(),
+        ));
+    }
+    if let Some(parent) = Path::new(path)
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
     {
         std::fs::create_dir_all(parent)?;
     }
     // Validate the URL now, with a clear error, rather than at first use.
-    sqlx::sqlite::SqliteConnectOptions::from_str(url)?;
-    Ok(if url.contains('?') {
+    let file = sqlx::sqlite::SqliteConnectOptions::from_str(url)?
+        .get_filename()
+        .to_path_buf();
+    let url = if url.contains('?') {
         url.to_owned()
     } else {
         format!("{url}?mode=rwc")
-    })
+    };
+    Ok((url, file))
 }
 
 /// `scheme://user:password@host/db` -> `scheme://***@host/db`, for messages.
@@ -150,6 +198,15 @@ mod tests {
             .unwrap();
         assert_eq!(count, 0);
         assert!(dir.path().join("nested/test.db").exists());
+        assert!(db.sqlite_file().unwrap().ends_with("nested/test.db"));
+    }
+
+    #[tokio::test]
+    async fn a_database_in_memory_is_refused() {
+        for url in ["sqlite::memory:", "sqlite://x.db?mode=memory"] {
+            let error = Database::connect(url, 1).await.unwrap_err();
+            assert!(error.to_string().contains("in memory"), "{error}");
+        }
     }
 
     #[tokio::test]

@@ -1,0 +1,694 @@
+//! The ledger's durable writer: one per process, writing what the
+//! in-memory owners ([`book`](crate::book)) decided, in batches (group
+//! commit).
+//!
+//! Every record waiting when the writer is free goes into one transaction
+//! on the writer's own connection: journal rows (`ON CONFLICT
+//! (idempotency_key) DO NOTHING`, so a replayed record applies nothing and
+//! is reported as a duplicate), one `UPDATE` of each owner's balances with
+//! the sum of its records (conditional on the owner's fence: a replica
+//! that lost the owner writes nothing), the capped keys' spend, holds and
+//! usage records. A caller waits for the batch that carries its own record
+//! and nothing else. Loads of owners go through the same queue, so an
+//! owner is read after every write queued before it.
+//!
+//! What a batch writes is decided here, the same for every database; two
+//! backends run it: [`sqlite`], a thread with its own connection to the
+//! SQLite file (one hop per batch), and [`pooled`], a task over a
+//! connection of the sqlx pool with multi-row statements (PostgreSQL).
+//!
+//! On SQLite no commit of a request runs a WAL checkpoint: connections run
+//! with `wal_autocheckpoint = 0` and a task checkpoints on its own
+//! ([`Database::spawn_checkpointer`]).
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use rialto_core::db::Database;
+use rialto_core::{Error, ErrorCode, Result};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::book::{KeyRef, OpenHold, Owner, SettleOrder};
+use crate::ledger::Balance;
+
+mod pooled;
+mod sqlite;
+
+/// Most records in one batch.
+const MAX_BATCH: usize = 512;
+
+/// What a record does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RecordKind {
+    /// A durable (stream) hold placed.
+    Open,
+    /// A hold settled: the charge, the usage history.
+    Settle,
+    /// A hold expired: its last checkpoint charged.
+    Expire,
+    /// A stream's usage so far and its new lease.
+    Checkpoint,
+    /// A DIEM epoch started.
+    Epoch,
+    /// Read the owner's balance back (credits from elsewhere).
+    Refresh,
+}
+
+/// One decision to make durable.
+#[derive(Debug)]
+pub(crate) struct Record {
+    pub owner: Arc<Owner>,
+    /// The ownership epoch it was decided under.
+    pub fence: i64,
+    pub kind: RecordKind,
+    request_id: Box<str>,
+    /// Charged (settle, expire), nano-units; `diem` is the DIEM epoch's
+    /// change for an epoch.
+    usd: i64,
+    diem: i64,
+    written_off: i64,
+    /// The durable hold's reservation: placed (open) or released (close).
+    held: (i64, i64),
+    durable: bool,
+    /// A settlement of a hold not open here.
+    late: bool,
+    key: Option<KeyRef>,
+    model_id: Arc<str>,
+    tokens: (i64, i64),
+    expires_at_ms: i64,
+    checkpoint: i64,
+    day: i64,
+}
+
+impl Record {
+    fn new(owner: Arc<Owner>, fence: i64, kind: RecordKind) -> Self {
+        Self {
+            owner,
+            fence,
+            kind,
+            request_id: "".into(),
+            usd: 0,
+            diem: 0,
+            written_off: 0,
+            held: (0, 0),
+            durable: false,
+            late: false,
+            key: None,
+            model_id: Arc::from(""),
+            tokens: (0, 0),
+            expires_at_ms: 0,
+            checkpoint: 0,
+            day: 0,
+        }
+    }
+
+    pub(crate) fn refresh(owner: Arc<Owner>, fence: i64) -> Self {
+        Self::new(owner, fence, RecordKind::Refresh)
+    }
+
+    pub(crate) fn open(owner: Arc<Owner>, fence: i64, request_id: &str, hold: &OpenHold) -> Self {
+        Self {
+            request_id: request_id.into(),
+            held: (hold.usd, hold.diem),
+            durable: true,
+            key: hold.key.clone(),
+            model_id: hold.model_id.clone(),
+            expires_at_ms: hold.expires_at_ms,
+            ..Self::new(owner, fence, RecordKind::Open)
+        }
+    }
+
+    pub(crate) fn checkpoint(
+        owner: Arc<Owner>,
+        fence: i64,
+        request_id: &str,
+        hold: &OpenHold,
+    ) -> Self {
+        Self {
+            request_id: request_id.into(),
+            checkpoint: hold.checkpoint,
+            tokens: hold.checkpoint_tokens,
+            expires_at_ms: hold.expires_at_ms,
+            ..Self::new(owner, fence, RecordKind::Checkpoint)
+        }
+    }
+
+    pub(crate) fn epoch(owner: Arc<Owner>, fence: i64, day: i64, delta: i64) -> Self {
+        Self {
+            diem: delta,
+            day,
+            ..Self::new(owner, fence, RecordKind::Epoch)
+        }
+    }
+
+    /// A settlement of `hold` (the hold it closes; a late settlement's has
+    /// nothing held and is not durable).
+    pub(crate) fn close(
+        owner: Arc<Owner>,
+        fence: i64,
+        kind: RecordKind,
+        order: &SettleOrder<'_>,
+        [usd, diem, written_off]: [i64; 3],
+        hold: Option<&OpenHold>,
+    ) -> Self {
+        let late = hold.is_none_or(|h| h.usd == 0 && h.diem == 0 && !h.durable);
+        let durable = hold.is_some_and(|h| h.durable);
+        Self {
+            request_id: order.request_id.into(),
+            usd,
+            diem,
+            written_off,
+            held: hold
+                .filter(|h| h.durable)
+                .map_or((0, 0), |h| (h.usd, h.diem)),
+            durable,
+            late,
+            key: hold.and_then(|h| h.key.clone()),
+            model_id: order.model_id.into(),
+            tokens: (order.prompt_tokens, order.completion_tokens),
+            ..Self::new(owner, fence, kind)
+        }
+    }
+
+    /// The record's effect on the owner's balances (usd, diem): what is in
+    /// memory before the database has it.
+    pub(crate) fn balance_delta(&self) -> (i64, i64) {
+        match self.kind {
+            RecordKind::Settle | RecordKind::Expire => (-self.usd, -self.diem),
+            RecordKind::Epoch => (0, self.diem),
+            _ => (0, 0),
+        }
+    }
+
+    /// Undoes in memory a record the database already had (a duplicate).
+    /// Returns false when it cannot be undone: the owner must be reloaded.
+    fn undo(&self, state: &mut crate::book::State) -> bool {
+        match self.kind {
+            RecordKind::Settle if self.late => {
+                state.balance.usd += self.usd;
+                state.balance.diem += self.diem;
+                if let Some(spend) = self.key.as_ref().and_then(|k| state.key_mut(k)) {
+                    spend.usd -= self.usd;
+                    spend.diem -= self.diem;
+                }
+                true
+            }
+            RecordKind::Open => {
+                if let Some(hold) = state.holds.remove(&*self.request_id) {
+                    state.balance.usd_held -= hold.usd;
+                    state.balance.diem_held -= hold.diem;
+                    if let Some(spend) = hold.key.as_ref().and_then(|k| state.key_mut(k)) {
+                        spend.usd_held -= hold.usd;
+                        spend.diem_held -= hold.diem;
+                    }
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The journal row's idempotency key and kind, if it has one.
+    fn journal(&self) -> Option<(String, &'static str)> {
+        match self.kind {
+            RecordKind::Open => Some((format!("hold:{}", self.request_id), "hold")),
+            RecordKind::Settle => Some((format!("settle:{}", self.request_id), "settle")),
+            // Keyed as a settlement: a usage record arriving after the
+            // expiry finds the request settled (at its checkpoint).
+            RecordKind::Expire => Some((format!("settle:{}", self.request_id), "expire")),
+            RecordKind::Epoch => Some((format!("epoch:{}:{}", self.owner.name, self.day), "epoch")),
+            RecordKind::Checkpoint | RecordKind::Refresh => None,
+        }
+    }
+
+    /// Signed effects on (usd, diem, usd_held, diem_held).
+    fn effects(&self) -> [i64; 4] {
+        match self.kind {
+            RecordKind::Open => [0, 0, self.held.0, self.held.1],
+            RecordKind::Settle | RecordKind::Expire => {
+                [-self.usd, -self.diem, -self.held.0, -self.held.1]
+            }
+            RecordKind::Epoch => [0, self.diem, 0, 0],
+            RecordKind::Checkpoint | RecordKind::Refresh => [0; 4],
+        }
+    }
+
+    /// Effects on the key's period: (usd, diem, usd_held, diem_held).
+    fn key_effects(&self) -> [i64; 4] {
+        match self.kind {
+            RecordKind::Open => [0, 0, self.held.0, self.held.1],
+            RecordKind::Settle | RecordKind::Expire => {
+                [self.usd, self.diem, -self.held.0, -self.held.1]
+            }
+            _ => [0; 4],
+        }
+    }
+}
+
+/// How a record was written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Written {
+    Applied,
+    /// The database had its idempotency key already: nothing changed.
+    Duplicate,
+}
+
+/// An owner as loaded from the database.
+#[derive(Debug)]
+pub(crate) struct Loaded {
+    pub fence: i64,
+    pub balance: Balance,
+    pub diem_epoch: i64,
+    pub stake: Option<i64>,
+    /// Open durable holds.
+    pub holds: Vec<LoadedHold>,
+}
+
+/// An open durable hold as loaded: (request id, hold, capped key and
+/// period).
+pub(crate) type LoadedHold = (String, OpenHold, Option<(String, String)>);
+
+/// The columns both backends load an open durable hold from, in the order
+/// of [`HoldRow`].
+const HOLD_COLUMNS: &str = "request_id, usd_nanos, diem_nanos, expires_at_ms, \
+    checkpoint_nanos, checkpoint_prompt_tokens, checkpoint_completion_tokens, key_id, \
+    key_period, model_id";
+
+/// An open durable hold's row: [`HOLD_COLUMNS`].
+type HoldRow = (String, [i64; 6], [Option<String>; 3]);
+
+fn loaded_hold(
+    (
+        request_id,
+        [usd, diem, expires_at_ms, checkpoint, prompt, completion],
+        [key_id, period, model_id],
+    ): HoldRow,
+) -> LoadedHold {
+    (
+        request_id,
+        OpenHold {
+            usd,
+            diem,
+            expires_at_ms,
+            key: None,
+            durable: true,
+            checkpoint,
+            checkpoint_tokens: (prompt, completion),
+            model_id: model_id.unwrap_or_default().into(),
+        },
+        key_id.zip(period),
+    )
+}
+
+pub(crate) enum Job {
+    Write {
+        record: Record,
+        done: Option<oneshot::Sender<Result<Written>>>,
+    },
+    Load {
+        owner: Arc<str>,
+        done: oneshot::Sender<Result<Loaded>>,
+    },
+    Flush {
+        done: oneshot::Sender<()>,
+    },
+    /// The WAL's checkpointer copied all but the last few frames: the
+    /// writer copies those on its own connection (SQLite only).
+    Checkpoint,
+}
+
+/// The queue into the writer.
+#[derive(Debug, Clone)]
+pub(crate) struct Handle {
+    jobs: mpsc::UnboundedSender<Job>,
+    stats: Arc<Stats>,
+}
+
+#[derive(Debug, Default)]
+struct Stats {
+    batches: AtomicU64,
+    records: AtomicU64,
+}
+
+impl Handle {
+    pub(crate) fn send(&self, job: Job) -> Result<()> {
+        self.jobs.send(job).map_err(|_| stopped())
+    }
+
+    /// (batches, records) written so far.
+    pub(crate) fn batches(&self) -> (u64, u64) {
+        (
+            self.stats.batches.load(Ordering::Relaxed),
+            self.stats.records.load(Ordering::Relaxed),
+        )
+    }
+}
+
+pub(crate) fn stopped() -> Error {
+    Error::new(ErrorCode::Unavailable, "The ledger writer stopped; retry")
+}
+
+/// Starts the process's writer: on SQLite, a thread of its own with a
+/// connection of its own ([`sqlite`]); on PostgreSQL, a task over a
+/// connection of the pool ([`pooled`]).
+pub(crate) fn start(db: Database) -> Handle {
+    let (jobs, queue) = mpsc::unbounded_channel();
+    let stats = Arc::new(Stats::default());
+    match db.sqlite_file() {
+        Some(file) => sqlite::spawn(
+            db.clone(),
+            file.to_path_buf(),
+            queue,
+            jobs.downgrade(),
+            stats.clone(),
+        ),
+        None => {
+            tokio::spawn(pooled::run(db, queue, stats.clone()));
+        }
+    }
+    Handle { jobs, stats }
+}
+
+pub(crate) struct WriteJob {
+    record: Record,
+    done: Option<oneshot::Sender<Result<Written>>>,
+}
+
+/// A batch's jobs, sorted by what they ask for.
+#[derive(Default)]
+struct Sorted {
+    writes: Vec<WriteJob>,
+    loads: Vec<(Arc<str>, oneshot::Sender<Result<Loaded>>)>,
+    flushes: Vec<oneshot::Sender<()>>,
+    checkpoint: bool,
+}
+
+impl Sorted {
+    fn new(jobs: impl Iterator<Item = Job>) -> Self {
+        let mut sorted = Self::default();
+        for job in jobs {
+            match job {
+                Job::Write { record, done } => sorted.writes.push(WriteJob { record, done }),
+                Job::Load { owner, done } => sorted.loads.push((owner, done)),
+                Job::Flush { done } => sorted.flushes.push(done),
+                Job::Checkpoint => sorted.checkpoint = true,
+            }
+        }
+        sorted
+    }
+}
+
+/// Counts a batch before it is written; call the result once it is.
+fn observe(stats: &Stats, records: usize) -> impl FnOnce() + use<> {
+    let metrics = rialto_core::metrics::metrics();
+    stats.batches.fetch_add(1, Ordering::Relaxed);
+    stats.records.fetch_add(records as u64, Ordering::Relaxed);
+    metrics.ledger_batch_records.observe(records as f64);
+    let started = std::time::Instant::now();
+    move || {
+        metrics
+            .ledger_batch_seconds
+            .observe(started.elapsed().as_secs_f64());
+    }
+}
+
+pub(crate) enum BatchError {
+    /// These (owner, fence) lost their ownership: their records fail.
+    Fenced(HashSet<(Arc<str>, i64)>),
+    Database(Error),
+}
+
+/// What a committed batch read back: the refreshed owners' (usd, diem,
+/// fence, stake).
+pub(crate) type Refreshed = HashMap<Arc<str>, (i64, i64, i64, Option<i64>)>;
+
+type BatchResult = std::result::Result<(Vec<Written>, Refreshed), BatchError>;
+
+/// What an attempt at a batch leaves to do.
+enum Next {
+    Done,
+    /// Write these again; `failed`: the database refused the batch, so the
+    /// connection is dropped (it may still be inside the failed
+    /// transaction, holding its locks) and, if several, they are written
+    /// one by one, so that one bad record fails alone.
+    Again {
+        jobs: Vec<WriteJob>,
+        failed: bool,
+    },
+}
+
+/// Delivers an attempt's outcome: records of an owner whose fence moved
+/// fail (and the owner is dropped from memory), the rest are written again.
+fn after_attempt(jobs: Vec<WriteJob>, result: BatchResult, attempt: u32) -> Next {
+    match result {
+        Ok((written, refreshed)) => {
+            complete(jobs, &written, &refreshed);
+            Next::Done
+        }
+        Err(BatchError::Fenced(fenced)) => {
+            let (lost, kept): (Vec<_>, Vec<_>) = jobs.into_iter().partition(|job| {
+                fenced.contains(&(job.record.owner.name.clone(), job.record.fence))
+            });
+            for job in lost {
+                drop_owner(&job.record.owner);
+                if let Some(done) = job.done {
+                    let _ = done.send(Err(Error::new(
+                        ErrorCode::Unavailable,
+                        "This ledger moved to another billing replica; retry",
+                    )));
+                }
+            }
+            if kept.is_empty() {
+                Next::Done
+            } else {
+                Next::Again {
+                    jobs: kept,
+                    failed: false,
+                }
+            }
+        }
+        Err(BatchError::Database(error)) => {
+            tracing::warn!(%error, records = jobs.len(), attempt, "ledger batch failed");
+            Next::Again { jobs, failed: true }
+        }
+    }
+}
+
+/// The records that could not be written: their owners are reloaded.
+fn give_up(jobs: Vec<WriteJob>) {
+    for job in jobs {
+        tracing::error!(
+            owner = %job.record.owner.name,
+            request_id = %job.record.request_id,
+            "ledger record not written; the owner is reloaded"
+        );
+        drop_owner(&job.record.owner);
+        if let Some(done) = job.done {
+            let _ = done.send(Err(Error::new(
+                ErrorCode::Unavailable,
+                "The ledger cannot be written now; retry",
+            )));
+        }
+    }
+}
+
+/// How long to wait before attempt `attempt + 1` of one record.
+fn backoff(attempt: u32) -> Duration {
+    Duration::from_millis(20 << attempt)
+}
+
+/// Attempts per batch.
+const ATTEMPTS: u32 = 3;
+
+fn drop_owner(owner: &Arc<Owner>) {
+    if let Some(state) = owner.lock().as_mut() {
+        state.live = false;
+    }
+}
+
+/// Tells each owner and each waiting caller how its record was written.
+/// Refreshes last: the balance a refresh read includes every record of
+/// its batch, so each of those must have left `unflushed` first.
+fn complete(jobs: Vec<WriteJob>, written: &[Written], refreshed: &Refreshed) {
+    let (refreshes, records): (Vec<_>, Vec<_>) = jobs
+        .into_iter()
+        .zip(written)
+        .partition(|(job, _)| job.record.kind == RecordKind::Refresh);
+    for (job, outcome) in records.into_iter().chain(refreshes) {
+        let record = &job.record;
+        {
+            let mut guard = record.owner.lock();
+            if let Some(state) = guard.as_mut().filter(|s| s.fence == record.fence) {
+                state.pending = state.pending.saturating_sub(1);
+                let (usd, diem) = record.balance_delta();
+                state.unflushed.0 -= usd;
+                state.unflushed.1 -= diem;
+                if *outcome == Written::Duplicate && !record.undo(state) {
+                    state.live = false;
+                }
+                if record.kind == RecordKind::Refresh {
+                    match refreshed.get(&record.owner.name) {
+                        Some(&(usd, diem, fence, stake)) if fence == record.fence => {
+                            state.refreshed(usd, diem, stake);
+                        }
+                        // Another replica loaded the owner: not ours now.
+                        _ => state.live = false,
+                    }
+                }
+            }
+        }
+        if let Some(done) = job.done {
+            let _ = done.send(Ok(*outcome));
+        }
+    }
+}
+
+// What a batch writes, the same on every database: each backend runs these
+// in one transaction, in this order.
+
+/// 1. The journal rows: (index of the job, idempotency key, kind). A
+///    record whose key the database (or an earlier record of the batch)
+///    has already is a [`Written::Duplicate`] and applies nothing below.
+fn journal_rows(jobs: &[WriteJob]) -> Vec<(usize, String, &'static str)> {
+    jobs.iter()
+        .enumerate()
+        .filter_map(|(i, job)| job.record.journal().map(|(key, kind)| (i, key, kind)))
+        .collect()
+}
+
+/// The journal row's id, request id and signed effects of `record`.
+fn journal_values(record: &Record) -> (String, Option<&str>, [i64; 4]) {
+    let request_id = match record.kind {
+        RecordKind::Epoch => None,
+        _ => Some(&*record.request_id),
+    };
+    (crate::ledger::uuid_like(), request_id, record.effects())
+}
+
+/// Each (owner, fence) a batch writes for.
+type OwnerSums = HashMap<(Arc<str>, i64), OwnerSum>;
+
+/// 2. Each owner's applied effects on (usd, diem, usd_held, diem_held)
+///    and its latest DIEM epoch day. Every owner with a record is listed,
+///    applied or not, so that its fence is checked.
+#[derive(Debug, Default)]
+struct OwnerSum {
+    effects: [i64; 4],
+    day: i64,
+}
+
+fn owner_sums(jobs: &[WriteJob], written: &[Written]) -> OwnerSums {
+    let mut owners = OwnerSums::new();
+    for (job, outcome) in jobs.iter().zip(written) {
+        let record = &job.record;
+        if record.kind == RecordKind::Refresh {
+            continue;
+        }
+        let entry = owners
+            .entry((record.owner.name.clone(), record.fence))
+            .or_default();
+        if *outcome == Written::Applied {
+            for (sum, effect) in entry.effects.iter_mut().zip(record.effects()) {
+                *sum += effect;
+            }
+            if record.kind == RecordKind::Epoch {
+                entry.day = entry.day.max(record.day);
+            }
+        }
+    }
+    owners
+}
+
+/// 3. The capped keys' applied effects on their period's (usd, diem,
+///    usd_held, diem_held), those that change anything.
+fn key_sums(jobs: &[WriteJob], written: &[Written]) -> Vec<(KeyRef, [i64; 4])> {
+    let mut keys: HashMap<KeyRef, [i64; 4]> = HashMap::new();
+    for (job, outcome) in jobs.iter().zip(written) {
+        if let Some(key) = job
+            .record
+            .key
+            .as_ref()
+            .filter(|_| *outcome == Written::Applied)
+        {
+            let sums = keys.entry(key.clone()).or_insert([0; 4]);
+            for (sum, effect) in sums.iter_mut().zip(job.record.key_effects()) {
+                *sum += effect;
+            }
+        }
+    }
+    keys.into_iter().filter(|(_, s)| *s != [0; 4]).collect()
+}
+
+/// 4. Durable holds: the applied opens (inserted) ...
+fn opened<'a>(jobs: &'a [WriteJob], written: &[Written]) -> Vec<&'a Record> {
+    jobs.iter()
+        .zip(written)
+        .filter(|(job, outcome)| {
+            job.record.kind == RecordKind::Open && **outcome == Written::Applied
+        })
+        .map(|(job, _)| &job.record)
+        .collect()
+}
+
+/// ... and the updates of open ones, in the batch's order.
+enum HoldUpdate<'a> {
+    Checkpoint(&'a Record),
+    /// Closed: `settled` or `expired`.
+    Close(&'a Record, &'static str),
+}
+
+fn hold_updates<'a>(jobs: &'a [WriteJob], written: &[Written]) -> Vec<HoldUpdate<'a>> {
+    let mut updates = Vec::new();
+    for (job, outcome) in jobs.iter().zip(written) {
+        let record = &job.record;
+        match record.kind {
+            RecordKind::Checkpoint => updates.push(HoldUpdate::Checkpoint(record)),
+            RecordKind::Settle | RecordKind::Expire
+                if record.durable && *outcome == Written::Applied =>
+            {
+                let state = if record.kind == RecordKind::Expire {
+                    "expired"
+                } else {
+                    "settled"
+                };
+                updates.push(HoldUpdate::Close(record, state));
+            }
+            _ => {}
+        }
+    }
+    updates
+}
+
+/// 5. The usage history: (record, currency, amount), a row per currency
+///    that paid.
+fn usage_rows<'a>(
+    jobs: &'a [WriteJob],
+    written: &[Written],
+) -> Vec<(&'a Record, &'static str, i64)> {
+    let mut usage = Vec::new();
+    for (job, outcome) in jobs.iter().zip(written) {
+        let record = &job.record;
+        if matches!(record.kind, RecordKind::Settle | RecordKind::Expire)
+            && *outcome == Written::Applied
+        {
+            for (currency, amount) in [("DIEM", record.diem), ("USD", record.usd)] {
+                if amount != 0 {
+                    usage.push((record, currency, amount));
+                }
+            }
+        }
+    }
+    usage
+}
+
+/// 6. The owners whose balances are read back as the batch leaves them.
+fn refresh_owners(jobs: &[WriteJob]) -> Vec<&Arc<str>> {
+    jobs.iter()
+        .filter(|job| job.record.kind == RecordKind::Refresh)
+        .map(|job| &job.record.owner.name)
+        .collect::<HashSet<_>>()
+        .into_iter()
+        .collect()
+}

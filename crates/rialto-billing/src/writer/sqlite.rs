@@ -1,0 +1,472 @@
+//! The writer on a SQLite file: a thread of its own with a connection of
+//! its own (rusqlite, on the same SQLite library sqlx links).
+//!
+//! Through sqlx every statement is a round trip to the connection's worker
+//! thread; a batch of one settlement made five, and they were most of what
+//! a priced request waited for (BENCHMARKS.md). Here a batch is one hop
+//! into this thread and one back: the statements run where the connection
+//! is, prepared once and cached.
+//!
+//! The WAL is checkpointed in two steps, so that it starts over under
+//! constant load without stalling the writer. SQLite starts the WAL over
+//! only when a write begins with every frame copied into the database; a
+//! checkpoint beside the writer's commits never catches up with them, so
+//! under constant load the WAL grew without end (half a gigabyte in a
+//! minute of a benchmark) and every write went to new blocks at its end.
+//! A checkpoint on the writer's connection does catch up, but copying and
+//! syncing a second of writes took 65-80 ms, during which no batch was
+//! written. So a second thread with its own connection checkpoints once a
+//! second, again and again until few frames came in meanwhile
+//! ([`TAIL_FRAMES`]), and then asks the writer ([`Job::Checkpoint`]) to copy
+//! those last frames between two batches: about a millisecond.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rialto_core::db::{Database, now_ms};
+use rialto_core::{Error, Result};
+use rusqlite::{Connection, OpenFlags, OptionalExtension, TransactionBehavior, params};
+use tokio::sync::mpsc;
+
+use super::{
+    ATTEMPTS, BatchError, BatchResult, HOLD_COLUMNS, HoldUpdate, Job, Loaded, MAX_BATCH, Next,
+    Refreshed, Sorted, Stats, WriteJob, Written, after_attempt, backoff, give_up, hold_updates,
+    journal_rows, journal_values, key_sums, loaded_hold, observe, opened, owner_sums,
+    refresh_owners, usage_rows,
+};
+use crate::ledger::Balance;
+
+impl From<rusqlite::Error> for BatchError {
+    fn from(error: rusqlite::Error) -> Self {
+        Self::Database(database_error(error))
+    }
+}
+
+fn database_error(error: rusqlite::Error) -> Error {
+    Error::internal(format_args!("database: {error}"))
+}
+
+/// Starts the writer's thread and the WAL checkpointer's.
+pub(super) fn spawn(
+    db: Database,
+    file: PathBuf,
+    queue: mpsc::UnboundedReceiver<Job>,
+    jobs: mpsc::WeakUnboundedSender<Job>,
+    stats: Arc<Stats>,
+) {
+    let writer_file = file.clone();
+    let spawned = std::thread::Builder::new()
+        .name("rialto-ledger-writer".into())
+        .spawn(move || run(&writer_file, queue, &stats));
+    if let Err(error) = spawned {
+        // Every write then fails with "the ledger writer stopped".
+        tracing::error!(%error, "cannot start the ledger writer's thread");
+        return;
+    }
+    let spawned = std::thread::Builder::new()
+        .name("rialto-wal-checkpoint".into())
+        .spawn(move || checkpointer(&db, &file, &jobs));
+    if let Err(error) = spawned {
+        // The pool's checkpointer (`Database::spawn_checkpointer`) runs.
+        tracing::error!(%error, "cannot start the WAL checkpointer's thread");
+    }
+}
+
+/// How often the WAL is checkpointed.
+const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
+/// The checkpointer hands over to the writer once fewer frames than this
+/// came in during its last pass.
+const TAIL_FRAMES: i64 = 512;
+/// Passes of the checkpointer before it hands over whatever is left.
+const PASSES: usize = 4;
+/// The WAL is truncated to this after a checkpoint let it start over.
+const WAL_KEPT_BYTES: i64 = 64 << 20;
+
+fn run(file: &Path, mut queue: mpsc::UnboundedReceiver<Job>, stats: &Stats) {
+    let mut connection: Option<Connection> = None;
+    let mut jobs = Vec::with_capacity(MAX_BATCH);
+    while let Some(first) = queue.blocking_recv() {
+        jobs.push(first);
+        while jobs.len() < MAX_BATCH {
+            match queue.try_recv() {
+                Ok(job) => jobs.push(job),
+                Err(_) => break,
+            }
+        }
+        let Sorted {
+            writes,
+            loads,
+            flushes,
+            checkpoint: tail,
+        } = Sorted::new(jobs.drain(..));
+        if !writes.is_empty() {
+            let written = observe(stats, writes.len());
+            commit(file, &mut connection, writes);
+            written();
+        }
+        // After the writes: a load sees every write queued before it.
+        for (owner, done) in loads {
+            let loaded = connect(file, &mut connection).and_then(|conn| load(conn, &owner));
+            if let Err(error) = &loaded {
+                tracing::warn!(%error, %owner, "cannot load a ledger owner");
+                connection = None;
+            }
+            let _ = done.send(loaded);
+        }
+        for done in flushes {
+            let _ = done.send(());
+        }
+        // Every caller has its answer; the next batch waits for this, and
+        // begins with the WAL copied, so it starts the WAL over.
+        if tail && let Some(conn) = connection.as_mut() {
+            let _ = checkpoint(conn, "the writer");
+        }
+    }
+}
+
+/// The checkpointer's thread: every [`CHECKPOINT_EVERY`], passes until
+/// the WAL is nearly copied, then the writer's turn. Ends with the writer.
+fn checkpointer(db: &Database, file: &Path, writer: &mpsc::WeakUnboundedSender<Job>) {
+    let mut connection: Option<Connection> = None;
+    loop {
+        std::thread::sleep(CHECKPOINT_EVERY);
+        let Some(writer) = writer.upgrade() else {
+            return;
+        };
+        let conn = match connection.as_mut() {
+            Some(conn) => conn,
+            None => match open(file) {
+                Ok(conn) => connection.insert(conn),
+                Err(error) => {
+                    tracing::warn!(%error, "the WAL checkpointer cannot connect");
+                    continue;
+                }
+            },
+        };
+        let mut before = None;
+        for _ in 0..PASSES {
+            let Some(frames) = checkpoint(conn, "the checkpointer") else {
+                connection = None;
+                break;
+            };
+            db.note_checkpoint();
+            let came_in = before.map_or(i64::MAX, |before| frames - before);
+            before = Some(frames);
+            // Nothing in the WAL: nothing for the writer either.
+            if frames <= 0 {
+                break;
+            }
+            if came_in < TAIL_FRAMES {
+                let _ = writer.send(Job::Checkpoint);
+                break;
+            }
+        }
+    }
+}
+
+/// Copies the WAL into the database (PASSIVE: it waits for nobody; a
+/// reader still on old frames keeps them, and the next checkpoint copies
+/// the rest). Returns the frames in the WAL, or none if it failed.
+fn checkpoint(conn: &mut Connection, by: &str) -> Option<i64> {
+    let started = Instant::now();
+    let result = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |row| {
+        Ok((row.get::<_, i64>(1)?, row.get::<_, i64>(2)?))
+    });
+    match result {
+        Ok((frames, copied)) => {
+            tracing::debug!(
+                by,
+                frames,
+                copied,
+                micros = started.elapsed().as_micros() as u64,
+                "WAL checkpoint"
+            );
+            Some(frames)
+        }
+        Err(error) => {
+            tracing::warn!(%error, by, "WAL checkpoint failed");
+            None
+        }
+    }
+}
+
+fn connect<'c>(file: &Path, connection: &'c mut Option<Connection>) -> Result<&'c mut Connection> {
+    if connection.is_none() {
+        *connection = Some(open(file).map_err(database_error)?);
+    }
+    connection
+        .as_mut()
+        .ok_or_else(|| Error::internal("no writer connection"))
+}
+
+/// The pool's settings (`Database::connect`): WAL, a writer that waits
+/// for a busy database, no checkpoint in a commit.
+fn open(file: &Path) -> rusqlite::Result<Connection> {
+    let conn = Connection::open_with_flags(
+        file,
+        OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )?;
+    conn.busy_timeout(std::time::Duration::from_secs(5))?;
+    conn.pragma_update(None, "journal_mode", "WAL")?;
+    conn.pragma_update(None, "foreign_keys", "ON")?;
+    conn.pragma_update(None, "synchronous", "NORMAL")?;
+    conn.pragma_update(None, "wal_autocheckpoint", 0)?;
+    conn.pragma_update(None, "journal_size_limit", WAL_KEPT_BYTES)?;
+    conn.set_prepared_statement_cache_capacity(32);
+    Ok(conn)
+}
+
+/// Writes `jobs` in one transaction, or as many as can be.
+fn commit(file: &Path, connection: &mut Option<Connection>, mut jobs: Vec<WriteJob>) {
+    for attempt in 0..ATTEMPTS {
+        let result = match connect(file, connection) {
+            Ok(conn) => write_batch(conn, &jobs),
+            Err(error) => Err(BatchError::Database(error)),
+        };
+        match after_attempt(jobs, result, attempt) {
+            Next::Done => return,
+            Next::Again {
+                jobs: again,
+                failed,
+            } => {
+                if failed {
+                    *connection = None;
+                    if again.len() > 1 {
+                        for job in again {
+                            commit(file, connection, vec![job]);
+                        }
+                        return;
+                    }
+                    std::thread::sleep(backoff(attempt));
+                }
+                jobs = again;
+            }
+        }
+    }
+    give_up(jobs);
+}
+
+fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
+    let now = now_ms();
+    // IMMEDIATE: the write lock first (a deferred transaction that another
+    // connection's write overtakes fails instead of waiting).
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+
+    // 1. The journal: what applies (a replay's key exists already).
+    let mut written = vec![Written::Applied; jobs.len()];
+    {
+        let mut insert = tx.prepare_cached(
+            "INSERT INTO ledger_journal (id, owner, kind, idempotency_key, usd_nanos, \
+             diem_nanos, usd_held_nanos, diem_held_nanos, written_off_nanos, request_id, \
+             reference, at_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, NULL, ?11) \
+             ON CONFLICT (idempotency_key) DO NOTHING",
+        )?;
+        for (i, key, kind) in journal_rows(jobs) {
+            let record = &jobs[i].record;
+            let (id, request_id, [usd, diem, usd_held, diem_held]) = journal_values(record);
+            let inserted = insert.execute(params![
+                id,
+                &*record.owner.name,
+                kind,
+                key,
+                usd,
+                diem,
+                usd_held,
+                diem_held,
+                record.written_off,
+                request_id,
+                now
+            ])?;
+            if inserted == 0 {
+                written[i] = Written::Duplicate;
+            }
+        }
+    }
+
+    // 2. Each owner's balances, under its fence.
+    let mut fenced = std::collections::HashSet::new();
+    {
+        let mut update = tx.prepare_cached(
+            "UPDATE ledgers SET usd_nanos = usd_nanos + ?2, diem_nanos = diem_nanos + ?3, \
+             usd_held_nanos = usd_held_nanos + ?4, diem_held_nanos = diem_held_nanos + ?5, \
+             diem_epoch = MAX(diem_epoch, ?6), updated_at_ms = ?7 \
+             WHERE owner = ?1 AND fence = ?8",
+        )?;
+        for ((owner, fence), sum) in &owner_sums(jobs, &written) {
+            let [usd, diem, usd_held, diem_held] = sum.effects;
+            let updated = update.execute(params![
+                &**owner, usd, diem, usd_held, diem_held, sum.day, now, fence
+            ])?;
+            if updated != 1 {
+                fenced.insert((owner.clone(), *fence));
+            }
+        }
+    }
+    if !fenced.is_empty() {
+        // Dropping `tx` rolls it back.
+        return Err(BatchError::Fenced(fenced));
+    }
+
+    // 3. The capped keys' spend.
+    {
+        let mut upsert = tx.prepare_cached(
+            "INSERT INTO key_spend (key_id, period, usd_nanos, diem_nanos, usd_held_nanos, \
+             diem_held_nanos) VALUES (?1, ?2, ?3, ?4, ?5, ?6) \
+             ON CONFLICT (key_id, period) DO UPDATE SET \
+             usd_nanos = key_spend.usd_nanos + excluded.usd_nanos, \
+             diem_nanos = key_spend.diem_nanos + excluded.diem_nanos, \
+             usd_held_nanos = key_spend.usd_held_nanos + excluded.usd_held_nanos, \
+             diem_held_nanos = key_spend.diem_held_nanos + excluded.diem_held_nanos",
+        )?;
+        for (key, [usd, diem, usd_held, diem_held]) in key_sums(jobs, &written) {
+            upsert.execute(params![key.0, key.1, usd, diem, usd_held, diem_held])?;
+        }
+    }
+
+    // 4. Durable holds: opened, checkpointed, closed.
+    {
+        let mut insert = tx.prepare_cached(
+            "INSERT INTO holds (request_id, owner, usd_nanos, diem_nanos, state, \
+             created_at_ms, expires_at_ms, key_id, key_period, model_id) \
+             VALUES (?1, ?2, ?3, ?4, 'open', ?5, ?6, ?7, ?8, ?9)",
+        )?;
+        for record in opened(jobs, &written) {
+            insert.execute(params![
+                &*record.request_id,
+                &*record.owner.name,
+                record.held.0,
+                record.held.1,
+                now,
+                record.expires_at_ms,
+                record.key.as_ref().map(|k| k.0.as_str()),
+                record.key.as_ref().map(|k| k.1.as_str()),
+                &*record.model_id
+            ])?;
+        }
+    }
+    for update in hold_updates(jobs, &written) {
+        match update {
+            HoldUpdate::Checkpoint(record) => {
+                tx.prepare_cached(
+                    "UPDATE holds SET checkpoint_nanos = ?2, checkpoint_prompt_tokens = ?3, \
+                     checkpoint_completion_tokens = ?4, expires_at_ms = ?5 \
+                     WHERE request_id = ?1 AND state = 'open'",
+                )?
+                .execute(params![
+                    &*record.request_id,
+                    record.checkpoint,
+                    record.tokens.0,
+                    record.tokens.1,
+                    record.expires_at_ms
+                ])?;
+            }
+            HoldUpdate::Close(record, state) => {
+                tx.prepare_cached(
+                    "UPDATE holds SET state = ?2 WHERE request_id = ?1 AND state = 'open'",
+                )?
+                .execute(params![&*record.request_id, state])?;
+            }
+        }
+    }
+
+    // 5. The usage history.
+    {
+        let mut insert = tx.prepare_cached(
+            "INSERT INTO usage_records (id, owner, request_id, model_id, currency, \
+             amount_nanos, prompt_tokens, completion_tokens, at_ms) \
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+        )?;
+        for (record, currency, amount) in usage_rows(jobs, &written) {
+            insert.execute(params![
+                crate::ledger::uuid_like(),
+                &*record.owner.name,
+                &*record.request_id,
+                &*record.model_id,
+                currency,
+                amount,
+                record.tokens.0,
+                record.tokens.1,
+                now
+            ])?;
+        }
+    }
+
+    // 6. Refreshes: the balances as this batch leaves them.
+    let mut refreshed = Refreshed::new();
+    {
+        let mut select = tx.prepare_cached(
+            "SELECT l.usd_nanos, l.diem_nanos, l.fence, s.diem_per_day_nanos \
+             FROM ledgers l LEFT JOIN stakes s ON s.owner = l.owner WHERE l.owner = ?1",
+        )?;
+        for owner in refresh_owners(jobs) {
+            let row = select
+                .query_row(params![&**owner], |row| {
+                    Ok((row.get(0)?, row.get(1)?, row.get(2)?, row.get(3)?))
+                })
+                .optional()?;
+            if let Some(row) = row {
+                refreshed.insert(owner.clone(), row);
+            }
+        }
+    }
+    tx.commit()?;
+    Ok((written, refreshed))
+}
+
+/// Loads an owner and claims it: the fence moves on, so whichever replica
+/// held it before can no longer write for it.
+fn load(conn: &mut Connection, owner: &str) -> Result<Loaded> {
+    load_in(conn, owner).map_err(database_error)
+}
+
+fn load_in(conn: &mut Connection, owner: &str) -> rusqlite::Result<Loaded> {
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    let (balance, diem_epoch, fence) = tx
+        .prepare_cached(
+            "INSERT INTO ledgers (owner, updated_at_ms, fence) VALUES (?1, ?2, 1) \
+             ON CONFLICT (owner) DO UPDATE SET fence = ledgers.fence + 1 \
+             RETURNING usd_nanos, diem_nanos, usd_held_nanos, diem_held_nanos, diem_epoch, \
+             fence",
+        )?
+        .query_row(params![owner, now_ms()], |row| {
+            Ok((
+                Balance {
+                    usd: row.get(0)?,
+                    diem: row.get(1)?,
+                    usd_held: row.get(2)?,
+                    diem_held: row.get(3)?,
+                },
+                row.get::<_, i64>(4)?,
+                row.get::<_, i64>(5)?,
+            ))
+        })?;
+    let stake: Option<i64> = tx
+        .prepare_cached("SELECT diem_per_day_nanos FROM stakes WHERE owner = ?1")?
+        .query_row(params![owner], |row| row.get(0))
+        .optional()?;
+    let holds = tx
+        .prepare_cached(&format!(
+            "SELECT {HOLD_COLUMNS} FROM holds WHERE owner = ?1 AND state = 'open'"
+        ))?
+        .query_map(params![owner], |row| {
+            let mut numbers = [0; 6];
+            for (i, number) in numbers.iter_mut().enumerate() {
+                *number = row.get(1 + i)?;
+            }
+            Ok(loaded_hold((
+                row.get(0)?,
+                numbers,
+                [row.get(7)?, row.get(8)?, row.get(9)?],
+            )))
+        })?
+        .collect::<rusqlite::Result<Vec<_>>>()?;
+    tx.commit()?;
+    Ok(Loaded {
+        fence,
+        balance,
+        diem_epoch,
+        stake,
+        holds,
+    })
+}
