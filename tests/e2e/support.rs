@@ -70,7 +70,7 @@ pub fn assert_common_headers(response: &reqwest::Response) {
     let version = headers["x-rialto-version"].to_str().unwrap();
     let (day, time) = version.split_once('.').unwrap();
     assert!(day.len() == 8 && time.len() == 6, "revision {version}");
-    assert_eq!(headers["cf-ray"].len(), 16);
+    assert_eq!(headers["cf-ray"].len(), 32);
 }
 
 /// Runs one scenario in both topologies, each with a fresh world.
