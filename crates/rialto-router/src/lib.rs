@@ -21,6 +21,7 @@ use rialto_core::Result;
 use rialto_proto::router::v1 as pb;
 
 mod balance;
+mod clients;
 pub mod grpc;
 mod health;
 pub mod inprocess;

@@ -28,6 +28,7 @@ use secrecy::ExposeSecret;
 use serde_json::{Map, Value};
 
 use crate::balance::{self, MAX_BACKENDS, bit};
+use crate::clients::Clients;
 use crate::health::{self, BackendHealth, Breaker, Health, InFlight, Permit, Probe};
 use crate::inprocess::{ChunkStream, InProcessModel};
 use crate::thinking::ThinkStripper;
@@ -35,7 +36,7 @@ use crate::{ChatStream, RouterService};
 
 pub struct LocalRouter {
     models: HashMap<String, ModelRoute>,
-    http: reqwest::Client,
+    http: Clients,
     retry: Retry,
     /// One watcher task per backend (its circuit breaker), stopped with
     /// the router.
@@ -336,15 +337,18 @@ impl LocalRouter {
             .filter_map(|backend| backend.timeout_secs)
             .fold(config.request_timeout_secs, u64::max)
             .max(1);
-        let http = reqwest::Client::builder()
-            .connect_timeout(Duration::from_secs(config.connect_timeout_secs.max(1)))
-            .read_timeout(Duration::from_secs(read_timeout))
-            .pool_idle_timeout(Duration::from_secs(90))
-            .pool_max_idle_per_host(256)
-            .tcp_keepalive(Duration::from_secs(30))
-            .tcp_nodelay(true)
-            .build()
-            .map_err(|e| Error::internal(format_args!("http client: {e}")))?;
+        let connect_timeout = Duration::from_secs(config.connect_timeout_secs.max(1));
+        let http = Clients::new(move || {
+            reqwest::Client::builder()
+                .connect_timeout(connect_timeout)
+                .read_timeout(Duration::from_secs(read_timeout))
+                .pool_idle_timeout(Duration::from_secs(90))
+                .pool_max_idle_per_host(256)
+                .tcp_keepalive(Duration::from_secs(30))
+                .tcp_nodelay(true)
+                .build()
+        })
+        .map_err(|e| Error::internal(format_args!("http client: {e}")))?;
         let mut routes = HashMap::with_capacity(models.len());
         for model in models {
             if model.backends.len() > MAX_BACKENDS {
@@ -388,7 +392,7 @@ impl LocalRouter {
                         chat_url, headers, ..
                     } if config.health_check_interval_ms > 0 => {
                         probe_url(chat_url, &config.health_check_path).map(|url| Probe {
-                            client: http.clone(),
+                            client: http.shared(),
                             url,
                             headers: headers.clone(),
                             interval: Duration::from_millis(config.health_check_interval_ms),
@@ -654,6 +658,7 @@ impl LocalRouter {
         let bytes = serde_json::to_vec(body).map_err(|e| Failure::Final(Error::internal(e)))?;
         let mut builder = self
             .http
+            .get()
             .post(url.clone())
             .header(CONTENT_TYPE, "application/json")
             .header("x-request-id", request_id)
