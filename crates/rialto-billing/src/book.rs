@@ -908,8 +908,8 @@ mod tests {
     /// Under constant load the WAL starts over about once a second (the
     /// checkpointer copies it, the writer copies the last frames between
     /// two batches): it holds the last second's commits, not all of them.
-    /// Each commit of a settlement writes at least 8 pages (the ledger
-    /// row, the journal and its 3 indexes, the usage record and its 2).
+    /// Each commit of a settlement writes at least 4 pages (the ledger
+    /// row, the journal and its 2 indexes).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_wal_starts_over_under_constant_load() {
         let (dir, db) = sqlite().await;

@@ -375,12 +375,12 @@ impl Ledger {
             "SELECT request_id, model_id, currency, amount_nanos, prompt_tokens, \
              completion_tokens, at_ms FROM usage_records WHERE owner = $1 \
              AND ($2 = '' OR currency = $2) AND at_ms >= $3 AND at_ms < $4 \
-             ORDER BY at_ms DESC, id DESC LIMIT $5 OFFSET $6"
+             ORDER BY at_ms DESC, id DESC, currency DESC LIMIT $5 OFFSET $6"
         } else {
             "SELECT request_id, model_id, currency, amount_nanos, prompt_tokens, \
              completion_tokens, at_ms FROM usage_records WHERE owner = $1 \
              AND ($2 = '' OR currency = $2) AND at_ms >= $3 AND at_ms < $4 \
-             ORDER BY at_ms ASC, id ASC LIMIT $5 OFFSET $6"
+             ORDER BY at_ms ASC, id ASC, currency ASC LIMIT $5 OFFSET $6"
         };
         let rows = sqlx::query(sql)
             .bind(query.owner)
@@ -443,11 +443,9 @@ impl Ledger {
         .await?
         .try_get(0)?;
         let rows = sqlx::query(
-            "SELECT j.id, j.kind, j.usd_nanos, j.at_ms, j.request_id, u.model_id \
-             FROM ledger_journal j LEFT JOIN usage_records u \
-             ON u.request_id = j.request_id AND u.currency = 'USD' AND j.kind = 'settle' \
-             WHERE j.owner = $1 AND j.usd_nanos <> 0 \
-             ORDER BY j.at_ms DESC, j.id DESC LIMIT $2 OFFSET $3",
+            "SELECT id, kind, usd_nanos, at_ms, request_id, model_id FROM ledger_journal \
+             WHERE owner = $1 AND usd_nanos <> 0 \
+             ORDER BY at_ms DESC, id DESC LIMIT $2 OFFSET $3",
         )
         .bind(owner)
         .bind(limit + 1)

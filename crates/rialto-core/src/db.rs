@@ -201,6 +201,136 @@ mod tests {
         assert!(db.sqlite_file().unwrap().ends_with("nested/test.db"));
     }
 
+    /// The migration that moved the usage history into the journal
+    /// carries a database's rows over: each settlement's model and tokens
+    /// join its journal row, and the view gives back the rows the table had.
+    async fn usage_moves_into_the_journal(url: &str) {
+        install_default_drivers();
+        let pool = AnyPoolOptions::new()
+            .max_connections(1)
+            .connect(url)
+            .await
+            .unwrap();
+        let migrator = sqlx::migrate!("./migrations");
+        migrator.run_to(20261123000007, &pool).await.unwrap();
+        let journal = "INSERT INTO ledger_journal (id, owner, kind, idempotency_key, usd_nanos, \
+                       diem_nanos, usd_held_nanos, diem_held_nanos, request_id, at_ms) \
+                       VALUES ($1, 'account:a', $2, $3, $4, $5, 0, 0, $6, $7)";
+        for (id, kind, key, usd, diem, request, at) in [
+            ("j1", "credit", "credit:account:a:seed", 100, 0, None, 1),
+            ("j2", "settle", "settle:r1", -7, -3, Some("r1"), 2),
+            ("j3", "settle", "settle:r2", -5, 0, Some("r2"), 3),
+        ] {
+            sqlx::query(journal)
+                .bind(id)
+                .bind(kind)
+                .bind(key)
+                .bind(usd as i64)
+                .bind(diem as i64)
+                .bind(request)
+                .bind(at as i64)
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
+        let usage = "INSERT INTO usage_records (id, owner, request_id, model_id, currency, \
+                     amount_nanos, prompt_tokens, completion_tokens, at_ms) \
+                     VALUES ($1, 'account:a', $2, 'm', $3, $4, 11, 22, $5)";
+        for (id, request, currency, amount, at) in [
+            ("u1", "r1", "DIEM", 3, 2),
+            ("u2", "r1", "USD", 7, 2),
+            ("u3", "r2", "USD", 5, 3),
+        ] {
+            sqlx::query(usage)
+                .bind(id)
+                .bind(request)
+                .bind(currency)
+                .bind(amount as i64)
+                .bind(at as i64)
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
+        migrator.run(&pool).await.unwrap();
+        let rows: Vec<(String, String, String, i64, i64, i64)> = sqlx::query_as(
+            "SELECT request_id, model_id, currency, amount_nanos, prompt_tokens, \
+             completion_tokens FROM usage_records ORDER BY at_ms, currency",
+        )
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+        let expected = [("r1", "DIEM", 3), ("r1", "USD", 7), ("r2", "USD", 5)];
+        assert_eq!(rows.len(), expected.len(), "{rows:?}");
+        for (row, (request, currency, amount)) in rows.iter().zip(expected) {
+            assert_eq!(
+                (
+                    row.0.as_str(),
+                    row.1.as_str(),
+                    row.2.as_str(),
+                    row.3,
+                    row.4,
+                    row.5
+                ),
+                (request, "m", currency, amount, 11, 22)
+            );
+        }
+        // The credit kept its row and has no usage.
+        let (credits, sum): (i64, i64) = sqlx::query_as(
+            "SELECT CAST(COUNT(*) AS BIGINT), CAST(SUM(usd_nanos) AS BIGINT) FROM ledger_journal",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!((credits, sum), (3, 88));
+        // The idempotency key is still unique.
+        let again = sqlx::query(journal)
+            .bind("j4")
+            .bind("settle")
+            .bind("settle:r1")
+            .bind(-1_i64)
+            .bind(0_i64)
+            .bind(Some("r1"))
+            .bind(4_i64)
+            .execute(&pool)
+            .await;
+        assert!(again.is_err());
+        pool.close().await;
+    }
+
+    #[tokio::test]
+    async fn usage_moves_into_the_journal_on_sqlite() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}/old.db?mode=rwc", dir.path().display());
+        usage_moves_into_the_journal(&url).await;
+    }
+
+    #[tokio::test]
+    async fn usage_moves_into_the_journal_on_postgres() {
+        use sqlx::Connection;
+        let server = std::env::var("E2E_POSTGRES_URL")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into());
+        let name = format!(
+            "rialto_migration_{}",
+            hex::encode(crate::ids::random_bytes::<6>())
+        );
+        let admin = |sql: String| {
+            let server = server.clone();
+            async move {
+                let mut conn = sqlx::postgres::PgConnection::connect(&format!("{server}/postgres"))
+                    .await
+                    .unwrap();
+                sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
+                    .execute(&mut conn)
+                    .await
+                    .unwrap();
+                conn.close().await.unwrap();
+            }
+        };
+        admin(format!("CREATE DATABASE {name}")).await;
+        usage_moves_into_the_journal(&format!("{server}/{name}")).await;
+        admin(format!("DROP DATABASE {name} WITH (FORCE)")).await;
+    }
+
     #[tokio::test]
     async fn a_database_in_memory_is_refused() {
         for url in ["sqlite::memory:", "sqlite://x.db?mode=memory"] {

@@ -7,8 +7,11 @@
 //! (idempotency_key) DO NOTHING`, so a replayed record applies nothing and
 //! is reported as a duplicate), one `UPDATE` of each owner's balances with
 //! the sum of its records (conditional on the owner's fence: a replica
-//! that lost the owner writes nothing), the capped keys' spend, holds and
-//! usage records. A caller waits for the batch that carries its own record
+//! that lost the owner writes nothing), the capped keys' spend and durable
+//! holds. A settlement's journal row carries its model and tokens: it is
+//! the usage history too (`usage_records` is a view of the journal), so a
+//! settlement alone writes four pages (the balance, the journal, its key
+//! and its owner index). A caller waits for the batch that carries its own record
 //! and nothing else. Loads of owners go through the same queue, so an
 //! owner is read after every write queued before it.
 //!
@@ -558,13 +561,30 @@ fn journal_rows(jobs: &[WriteJob]) -> Vec<(usize, String, &'static str)> {
         .collect()
 }
 
-/// The journal row's id, request id and signed effects of `record`.
-fn journal_values(record: &Record) -> (String, Option<&str>, [i64; 4]) {
+/// What a journal row holds beyond its key and kind.
+struct JournalValues<'a> {
+    id: String,
+    request_id: Option<&'a str>,
+    /// Signed effects on (usd, diem, usd_held, diem_held).
+    effects: [i64; 4],
+    /// What a settlement or expiry was for: the usage history reads it.
+    model_id: Option<&'a str>,
+    tokens: (i64, i64),
+}
+
+fn journal_values(record: &Record) -> JournalValues<'_> {
     let request_id = match record.kind {
         RecordKind::Epoch => None,
         _ => Some(&*record.request_id),
     };
-    (crate::ledger::uuid_like(), request_id, record.effects())
+    let usage = matches!(record.kind, RecordKind::Settle | RecordKind::Expire);
+    JournalValues {
+        id: crate::ledger::uuid_like(),
+        request_id,
+        effects: record.effects(),
+        model_id: usage.then_some(&*record.model_id),
+        tokens: if usage { record.tokens } else { (0, 0) },
+    }
 }
 
 /// Each (owner, fence) a batch writes for.
@@ -661,29 +681,7 @@ fn hold_updates<'a>(jobs: &'a [WriteJob], written: &[Written]) -> Vec<HoldUpdate
     updates
 }
 
-/// 5. The usage history: (record, currency, amount), a row per currency
-///    that paid.
-fn usage_rows<'a>(
-    jobs: &'a [WriteJob],
-    written: &[Written],
-) -> Vec<(&'a Record, &'static str, i64)> {
-    let mut usage = Vec::new();
-    for (job, outcome) in jobs.iter().zip(written) {
-        let record = &job.record;
-        if matches!(record.kind, RecordKind::Settle | RecordKind::Expire)
-            && *outcome == Written::Applied
-        {
-            for (currency, amount) in [("DIEM", record.diem), ("USD", record.usd)] {
-                if amount != 0 {
-                    usage.push((record, currency, amount));
-                }
-            }
-        }
-    }
-    usage
-}
-
-/// 6. The owners whose balances are read back as the batch leaves them.
+/// 5. The owners whose balances are read back as the batch leaves them.
 fn refresh_owners(jobs: &[WriteJob]) -> Vec<&Arc<str>> {
     jobs.iter()
         .filter(|job| job.record.kind == RecordKind::Refresh)

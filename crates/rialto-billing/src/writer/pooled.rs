@@ -14,7 +14,7 @@ use super::{
     ATTEMPTS, BatchError, BatchResult, HOLD_COLUMNS, HoldUpdate, Job, Loaded, MAX_BATCH, Next,
     Refreshed, Sorted, Stats, WriteJob, Written, after_attempt, backoff, give_up, hold_updates,
     journal_rows, journal_values, key_sums, loaded_hold, observe, opened, owner_sums,
-    refresh_owners, usage_rows,
+    refresh_owners,
 };
 use crate::ledger::Balance;
 
@@ -144,16 +144,17 @@ async fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
         let sql = format!(
             "INSERT INTO ledger_journal (id, owner, kind, idempotency_key, usd_nanos, \
              diem_nanos, usd_held_nanos, diem_held_nanos, written_off_nanos, request_id, \
-             reference, at_ms) VALUES {} ON CONFLICT (idempotency_key) DO NOTHING \
-             RETURNING idempotency_key",
-            values(chunk.len(), 12)
+             reference, model_id, prompt_tokens, completion_tokens, at_ms) VALUES {} \
+             ON CONFLICT (idempotency_key) DO NOTHING RETURNING idempotency_key",
+            values(chunk.len(), 15)
         );
         let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
         for (i, key, kind) in chunk {
             let record = &jobs[*i].record;
-            let (id, request_id, [usd, diem, usd_held, diem_held]) = journal_values(record);
+            let row = journal_values(record);
+            let [usd, diem, usd_held, diem_held] = row.effects;
             query = query
-                .bind(id)
+                .bind(row.id)
                 .bind(&*record.owner.name)
                 .bind(*kind)
                 .bind(key.as_str())
@@ -162,8 +163,11 @@ async fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
                 .bind(usd_held)
                 .bind(diem_held)
                 .bind(record.written_off)
-                .bind(request_id)
+                .bind(row.request_id)
                 .bind(None::<&str>)
+                .bind(row.model_id)
+                .bind(row.tokens.0)
+                .bind(row.tokens.1)
                 .bind(now);
         }
         for row in query.fetch_all(&mut *tx).await? {
@@ -290,30 +294,7 @@ async fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
         }
     }
 
-    // 5. The usage history.
-    for chunk in usage_rows(jobs, &written).chunks(ROWS_PER_STATEMENT) {
-        let sql = format!(
-            "INSERT INTO usage_records (id, owner, request_id, model_id, currency, \
-             amount_nanos, prompt_tokens, completion_tokens, at_ms) VALUES {}",
-            values(chunk.len(), 9)
-        );
-        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
-        for (record, currency, amount) in chunk {
-            query = query
-                .bind(crate::ledger::uuid_like())
-                .bind(&*record.owner.name)
-                .bind(&*record.request_id)
-                .bind(&*record.model_id)
-                .bind(*currency)
-                .bind(*amount)
-                .bind(record.tokens.0)
-                .bind(record.tokens.1)
-                .bind(now);
-        }
-        query.execute(&mut *tx).await?;
-    }
-
-    // 6. Refreshes: the balances as this batch leaves them.
+    // 5. Refreshes: the balances as this batch leaves them.
     let mut refreshed = Refreshed::new();
     for chunk in refresh_owners(jobs).chunks(ROWS_PER_STATEMENT) {
         let list = values(1, chunk.len());

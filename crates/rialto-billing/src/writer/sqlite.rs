@@ -33,7 +33,7 @@ use super::{
     ATTEMPTS, BatchError, BatchResult, HOLD_COLUMNS, HoldUpdate, Job, Loaded, MAX_BATCH, Next,
     Refreshed, Sorted, Stats, WriteJob, Written, after_attempt, backoff, give_up, hold_updates,
     journal_rows, journal_values, key_sums, loaded_hold, observe, opened, owner_sums,
-    refresh_owners, usage_rows,
+    refresh_owners,
 };
 use crate::ledger::Balance;
 
@@ -259,14 +259,16 @@ fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
         let mut insert = tx.prepare_cached(
             "INSERT INTO ledger_journal (id, owner, kind, idempotency_key, usd_nanos, \
              diem_nanos, usd_held_nanos, diem_held_nanos, written_off_nanos, request_id, \
-             reference, at_ms) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, NULL, ?11) \
+             reference, model_id, prompt_tokens, completion_tokens, at_ms) \
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, NULL, ?11, ?12, ?13, ?14) \
              ON CONFLICT (idempotency_key) DO NOTHING",
         )?;
         for (i, key, kind) in journal_rows(jobs) {
             let record = &jobs[i].record;
-            let (id, request_id, [usd, diem, usd_held, diem_held]) = journal_values(record);
+            let row = journal_values(record);
+            let [usd, diem, usd_held, diem_held] = row.effects;
             let inserted = insert.execute(params![
-                id,
+                row.id,
                 &*record.owner.name,
                 kind,
                 key,
@@ -275,7 +277,10 @@ fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
                 usd_held,
                 diem_held,
                 record.written_off,
-                request_id,
+                row.request_id,
+                row.model_id,
+                row.tokens.0,
+                row.tokens.1,
                 now
             ])?;
             if inserted == 0 {
@@ -370,29 +375,7 @@ fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
         }
     }
 
-    // 5. The usage history.
-    {
-        let mut insert = tx.prepare_cached(
-            "INSERT INTO usage_records (id, owner, request_id, model_id, currency, \
-             amount_nanos, prompt_tokens, completion_tokens, at_ms) \
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
-        )?;
-        for (record, currency, amount) in usage_rows(jobs, &written) {
-            insert.execute(params![
-                crate::ledger::uuid_like(),
-                &*record.owner.name,
-                &*record.request_id,
-                &*record.model_id,
-                currency,
-                amount,
-                record.tokens.0,
-                record.tokens.1,
-                now
-            ])?;
-        }
-    }
-
-    // 6. Refreshes: the balances as this batch leaves them.
+    // 5. Refreshes: the balances as this batch leaves them.
     let mut refreshed = Refreshed::new();
     {
         let mut select = tx.prepare_cached(
