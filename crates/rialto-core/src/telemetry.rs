@@ -99,7 +99,11 @@ pub fn init(format: &str, level: &str, service: &str) {
         .thread_name("rialto-log")
         .finish(BufWriter::new(std::io::stdout()));
     let dropped = writer.error_counter();
-    let fmt = tracing_subscriber::fmt::layer().with_writer(LogWriter(writer));
+    // Colours only for a person at a terminal: a log collector gets plain
+    // text, and the escape codes cost ~1.5% of a worker's time under load.
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stdout()))
+        .with_writer(LogWriter(writer));
     let registry = tracing_subscriber::registry().with(filter).with(otel);
     // A second init (tests) is harmless: keep the first subscriber (the new
     // writer's thread stops with its guard, dropped here).
