@@ -182,6 +182,18 @@ async fn ten_thousand_priced_requests_survive_three_kills() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     assert_eq!(open, 0, "every durable hold was closed");
+    // This test reads the database file itself; billing's readers first
+    // commit what its ledger log holds, and so does this, by asking
+    // billing for the usage history once.
+    let flushed = {
+        let sandbox = sandbox.lock().await;
+        http.get(sandbox.api("/billing/usage"))
+            .bearer_auth(&key)
+            .send()
+            .await
+            .unwrap()
+    };
+    assert_eq!(flushed.status(), 200);
 
     let charged: HashMap<String, i64> = sqlx::query(
         "SELECT request_id, usd_nanos FROM ledger_journal WHERE idempotency_key LIKE 'settle:%'",

@@ -131,6 +131,16 @@ pub(crate) struct Owner {
 }
 
 impl Owner {
+    /// An owner with no state in memory: the owner of a record read back
+    /// from the ledger's log.
+    pub(crate) fn detached(name: &str) -> Self {
+        Self {
+            name: name.into(),
+            state: Mutex::new(None),
+            loading: tokio::sync::Mutex::new(()),
+        }
+    }
+
     pub(crate) fn lock(&self) -> MutexGuard<'_, Option<State>> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -483,6 +493,16 @@ impl Book {
         flushed.await.map_err(|_| writer::stopped())
     }
 
+    /// Waits until the database has every record decided so far, if any
+    /// may be durable only in the ledger's log: for readers of the
+    /// database (usage history, balances of owners not in memory).
+    pub async fn caught_up(&self) -> Result<()> {
+        if self.shared.writer.logs() {
+            self.flush().await?;
+        }
+        Ok(())
+    }
+
     /// The writer's batch sizes so far: (batches, records).
     pub fn batches(&self) -> (u64, u64) {
         self.shared.writer.batches()
@@ -509,7 +529,7 @@ pub(crate) fn queue(
         (None, None)
     };
     let (usd, diem) = record.balance_delta();
-    writer.send(Job::Write { record, done })?;
+    writer.write(record, done)?;
     state.pending += 1;
     state.unflushed.0 += usd;
     state.unflushed.1 += diem;
@@ -964,7 +984,9 @@ mod tests {
         let book = Book::start(db.clone(), 200);
         let placed = book.hold("account:s", &hold("s1", 4 * NANO, true)).await;
         assert!(matches!(placed.unwrap(), HoldOutcome::Placed { usd, .. } if usd == 4 * NANO));
-        // Durable before the first token: the database has the hold.
+        // Durable before the first token (in the ledger's log); the
+        // database has the hold once the writer caught up.
+        book.caught_up().await.unwrap();
         assert_eq!(
             ledger.balance("account:s").await.unwrap().usd_held,
             4 * NANO
@@ -1026,6 +1048,79 @@ mod tests {
         let stored = reconcile(&book, &ledger, "account:r").await;
         assert_eq!(stored.usd, 8 * NANO);
         assert_eq!(book.snapshot("account:r").unwrap().balance.usd, 8 * NANO);
+    }
+
+    /// A process killed after answering, with settlements in the ledger's
+    /// log that the writer had not committed yet: the next start applies
+    /// them, once each (the log also holds one twice, as a replay would),
+    /// before it loads any owner; then the log is gone.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn what_the_log_holds_is_charged_once_at_the_next_start() {
+        use crate::writer::log::Log;
+        let (_dir, db) = sqlite().await;
+        let ledger = Ledger::new(db.clone());
+        ledger
+            .credit("account:l", 10 * NANO, 0, "seed")
+            .await
+            .unwrap();
+        let file = db.sqlite_file().unwrap().to_path_buf();
+        {
+            let opened = Log::open(&file).unwrap().unwrap();
+            let (jobs, _queue) = tokio::sync::mpsc::unbounded_channel();
+            let owner = Arc::new(Owner::detached("account:l"));
+            let held = OpenHold {
+                usd: 2 * NANO,
+                diem: 0,
+                expires_at_ms: 0,
+                key: None,
+                durable: false,
+                checkpoint: 0,
+                checkpoint_tokens: (0, 0),
+                model_id: "m".into(),
+            };
+            for id in ["l1", "l2", "l3", "l2"] {
+                let record = Record::close(
+                    owner.clone(),
+                    1,
+                    RecordKind::Settle,
+                    &settle(id, NANO),
+                    [NANO, 0, 0],
+                    Some(&held),
+                );
+                opened.log.append(record, None, &jobs).unwrap();
+            }
+        }
+        let book = Book::start(db.clone(), 30_000);
+        // The first load waits for the log to be applied.
+        let snapshot = book
+            .with_owner("account:l", |_, state| Ok(state.balance))
+            .await
+            .unwrap();
+        assert_eq!(snapshot.usd, 7 * NANO);
+        let stored = reconcile(&book, &ledger, "account:l").await;
+        assert_eq!(stored.usd, 7 * NANO);
+        for id in ["l1", "l2", "l3"] {
+            assert_eq!(ledger.charged(id).await.unwrap(), (NANO, 0), "{id}");
+        }
+        // The process goes on: a settlement is durable once logged, and
+        // the database has it once the writer catches up.
+        book.hold("account:l", &hold("l4", 2 * NANO, false))
+            .await
+            .unwrap();
+        book.settle("account:l", &settle("l4", NANO)).await.unwrap();
+        book.caught_up().await.unwrap();
+        assert_eq!(ledger.charged("l4").await.unwrap(), (NANO, 0));
+        drop(book);
+        // Once its writer stops, the next process takes the log: empty.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(opened) = Log::open(&file).unwrap() {
+                assert!(opened.replay.is_empty());
+                break;
+            }
+            assert!(Instant::now() < deadline, "the log stayed locked");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
     }
 
     /// Credits written to the database by someone else (the CLI, another

@@ -419,6 +419,7 @@ impl BillingService for LocalBilling {
             // Settled before (a retry), or nothing was held (free model):
             // report what was charged, if anything.
             ledger::SettleOutcome::NotOpen => {
+                self.book.caught_up().await?;
                 let (usd, diem) = self.ledger.charged(&request.request_id).await?;
                 Ok(pb::Cost {
                     usd: from_nanos(usd),
@@ -474,7 +475,10 @@ impl BillingService for LocalBilling {
     async fn get_balance(&self, request: pb::GetBalanceRequest) -> Result<pb::Balance> {
         let snapshot = match self.book.snapshot(&request.owner) {
             Some(snapshot) => snapshot,
-            None => self.ledger.snapshot(&request.owner).await?,
+            None => {
+                self.book.caught_up().await?;
+                self.ledger.snapshot(&request.owner).await?
+            }
         };
         let mut balance = balance_pb(&snapshot.balance);
         balance.diem_per_day = from_nanos(snapshot.stake.unwrap_or(0));
@@ -535,6 +539,7 @@ impl BillingService for LocalBilling {
     ) -> Result<pb::TransactionsResponse> {
         let limit = i64::from(request.limit.clamp(1, 100));
         let offset = i64::from(request.offset);
+        self.book.caught_up().await?;
         let (movements, has_more) = self
             .ledger
             .usd_movements(&request.owner, limit, offset)
@@ -565,6 +570,7 @@ impl BillingService for LocalBilling {
 
     async fn key_spend(&self, request: pb::KeySpendRequest) -> Result<pb::KeySpendResponse> {
         let now = rialto_core::db::now_ms();
+        self.book.caught_up().await?;
         let mut keys = Vec::with_capacity(request.keys.len());
         for limit in &request.keys {
             let cap = key_cap(limit, now)?;
@@ -584,6 +590,7 @@ impl BillingService for LocalBilling {
     ) -> Result<pb::UsageHistoryResponse> {
         let limit = i64::from(request.limit.clamp(1, 500));
         let page = i64::from(request.page.max(1));
+        self.book.caught_up().await?;
         let (records, total) = self
             .ledger
             .usage_history(&ledger::HistoryQuery {

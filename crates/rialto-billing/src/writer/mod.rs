@@ -36,6 +36,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::book::{KeyRef, OpenHold, Owner, SettleOrder};
 use crate::ledger::Balance;
 
+pub(crate) mod log;
 mod pooled;
 mod sqlite;
 
@@ -83,6 +84,8 @@ pub(crate) struct Record {
     expires_at_ms: i64,
     checkpoint: i64,
     day: i64,
+    /// Its place in the ledger's log (SQLite), 0 when not logged.
+    log_seq: u64,
 }
 
 impl Record {
@@ -104,6 +107,7 @@ impl Record {
             expires_at_ms: 0,
             checkpoint: 0,
             day: 0,
+            log_seq: 0,
         }
     }
 
@@ -327,6 +331,8 @@ pub(crate) enum Job {
 pub(crate) struct Handle {
     jobs: mpsc::UnboundedSender<Job>,
     stats: Arc<Stats>,
+    /// The ledger's log (SQLite, when this process holds it).
+    log: Option<Arc<log::Log>>,
 }
 
 #[derive(Debug, Default)]
@@ -338,6 +344,26 @@ struct Stats {
 impl Handle {
     pub(crate) fn send(&self, job: Job) -> Result<()> {
         self.jobs.send(job).map_err(|_| stopped())
+    }
+
+    /// Queues `record`; `done` hears how it was written. With the ledger's
+    /// log, a record is durable once appended, and `done` hears so at once
+    /// unless its outcome needs the database ([`log`]).
+    pub(crate) fn write(
+        &self,
+        record: Record,
+        done: Option<oneshot::Sender<Result<Written>>>,
+    ) -> Result<()> {
+        match &self.log {
+            Some(log) if record.kind != RecordKind::Refresh => log.append(record, done, &self.jobs),
+            _ => self.send(Job::Write { record, done }),
+        }
+    }
+
+    /// Whether records are durable before the database has them: readers
+    /// of the database flush the writer first.
+    pub(crate) fn logs(&self) -> bool {
+        self.log.is_some()
     }
 
     /// (batches, records) written so far.
@@ -359,19 +385,39 @@ pub(crate) fn stopped() -> Error {
 pub(crate) fn start(db: Database) -> Handle {
     let (jobs, queue) = mpsc::unbounded_channel();
     let stats = Arc::new(Stats::default());
+    let mut log = None;
     match db.sqlite_file() {
-        Some(file) => sqlite::spawn(
-            db.clone(),
-            file.to_path_buf(),
-            queue,
-            jobs.downgrade(),
-            stats.clone(),
-        ),
+        Some(file) => {
+            let opened = match log::Log::open(file) {
+                Ok(Some(opened)) => Some(opened),
+                Ok(None) => {
+                    tracing::warn!(
+                        file = %file.display(),
+                        "another process writes this SQLite ledger: this one waits for its \
+                         batches (billing replicas belong on PostgreSQL)"
+                    );
+                    None
+                }
+                Err(error) => {
+                    tracing::error!(%error, file = %file.display(), "cannot open the ledger's log");
+                    None
+                }
+            };
+            log = opened.as_ref().map(|o| o.log.clone());
+            sqlite::spawn(
+                db.clone(),
+                file.to_path_buf(),
+                queue,
+                jobs.downgrade(),
+                stats.clone(),
+                opened,
+            );
+        }
         None => {
             tokio::spawn(pooled::run(db, queue, stats.clone()));
         }
     }
-    Handle { jobs, stats }
+    Handle { jobs, stats, log }
 }
 
 pub(crate) struct WriteJob {
@@ -431,7 +477,8 @@ type BatchResult = std::result::Result<(Vec<Written>, Refreshed), BatchError>;
 
 /// What an attempt at a batch leaves to do.
 enum Next {
-    Done,
+    /// `lost`: some records were not written (their owner moved).
+    Done { lost: bool },
     /// Write these again; `failed`: the database refused the batch, so the
     /// connection is dropped (it may still be inside the failed
     /// transaction, holding its locks) and, if several, they are written
@@ -439,6 +486,7 @@ enum Next {
     Again {
         jobs: Vec<WriteJob>,
         failed: bool,
+        lost: bool,
     },
 }
 
@@ -448,13 +496,14 @@ fn after_attempt(jobs: Vec<WriteJob>, result: BatchResult, attempt: u32) -> Next
     match result {
         Ok((written, refreshed)) => {
             complete(jobs, &written, &refreshed);
-            Next::Done
+            Next::Done { lost: false }
         }
         Err(BatchError::Fenced(fenced)) => {
-            let (lost, kept): (Vec<_>, Vec<_>) = jobs.into_iter().partition(|job| {
+            let (fenced_out, kept): (Vec<_>, Vec<_>) = jobs.into_iter().partition(|job| {
                 fenced.contains(&(job.record.owner.name.clone(), job.record.fence))
             });
-            for job in lost {
+            let lost = !fenced_out.is_empty();
+            for job in fenced_out {
                 drop_owner(&job.record.owner);
                 if let Some(done) = job.done {
                     let _ = done.send(Err(Error::new(
@@ -464,17 +513,22 @@ fn after_attempt(jobs: Vec<WriteJob>, result: BatchResult, attempt: u32) -> Next
                 }
             }
             if kept.is_empty() {
-                Next::Done
+                Next::Done { lost }
             } else {
                 Next::Again {
                     jobs: kept,
                     failed: false,
+                    lost,
                 }
             }
         }
         Err(BatchError::Database(error)) => {
             tracing::warn!(%error, records = jobs.len(), attempt, "ledger batch failed");
-            Next::Again { jobs, failed: true }
+            Next::Again {
+                jobs,
+                failed: true,
+                lost: false,
+            }
         }
     }
 }

@@ -87,10 +87,11 @@ async fn commit(db: &Database, connection: &mut Option<Connection>, mut jobs: Ve
             Err(error) => Err(BatchError::Database(error)),
         };
         match after_attempt(jobs, result, attempt) {
-            Next::Done => return,
+            Next::Done { .. } => return,
             Next::Again {
                 jobs: again,
                 failed,
+                ..
             } => {
                 if failed {
                     if let Some(conn) = connection.take() {

@@ -29,10 +29,11 @@ use rialto_core::{Error, Result};
 use rusqlite::{Connection, OpenFlags, OptionalExtension, TransactionBehavior, params};
 use tokio::sync::mpsc;
 
+use super::log::Opened;
 use super::{
     ATTEMPTS, BatchError, BatchResult, HOLD_COLUMNS, HoldUpdate, Job, Loaded, MAX_BATCH, Next,
-    Refreshed, Sorted, Stats, WriteJob, Written, after_attempt, backoff, give_up, hold_updates,
-    journal_rows, journal_values, key_sums, loaded_hold, observe, opened, owner_sums,
+    Record, Refreshed, Sorted, Stats, WriteJob, Written, after_attempt, backoff, give_up,
+    hold_updates, journal_rows, journal_values, key_sums, loaded_hold, observe, opened, owner_sums,
     refresh_owners,
 };
 use crate::ledger::Balance;
@@ -54,11 +55,12 @@ pub(super) fn spawn(
     queue: mpsc::UnboundedReceiver<Job>,
     jobs: mpsc::WeakUnboundedSender<Job>,
     stats: Arc<Stats>,
+    log: Option<Opened>,
 ) {
     let writer_file = file.clone();
     let spawned = std::thread::Builder::new()
         .name("rialto-ledger-writer".into())
-        .spawn(move || run(&writer_file, queue, &stats));
+        .spawn(move || run(&writer_file, queue, &stats, log));
     if let Err(error) = spawned {
         // Every write then fails with "the ledger writer stopped".
         tracing::error!(%error, "cannot start the ledger writer's thread");
@@ -83,16 +85,19 @@ const PASSES: usize = 4;
 /// The WAL is truncated to this after a checkpoint let it start over.
 const WAL_KEPT_BYTES: i64 = 64 << 20;
 
-fn run(file: &Path, mut queue: mpsc::UnboundedReceiver<Job>, stats: &Stats) {
+fn run(file: &Path, mut queue: mpsc::UnboundedReceiver<Job>, stats: &Stats, log: Option<Opened>) {
     let mut connection: Option<Connection> = None;
+    let log = log.map(|opened| {
+        replay(file, &mut connection, opened.replay, &opened.leftover);
+        opened.log
+    });
     let mut jobs = Vec::with_capacity(MAX_BATCH);
     while let Some(first) = queue.blocking_recv() {
+        let since = Instant::now();
         jobs.push(first);
-        while jobs.len() < MAX_BATCH {
-            match queue.try_recv() {
-                Ok(job) => jobs.push(job),
-                Err(_) => break,
-            }
+        drain(&mut queue, &mut jobs);
+        if log.is_some() {
+            gather(&mut queue, &mut jobs, since);
         }
         let Sorted {
             writes,
@@ -101,9 +106,17 @@ fn run(file: &Path, mut queue: mpsc::UnboundedReceiver<Job>, stats: &Stats) {
             checkpoint: tail,
         } = Sorted::new(jobs.drain(..));
         if !writes.is_empty() {
+            let logged = writes.iter().map(|job| job.record.log_seq).max();
             let written = observe(stats, writes.len());
-            commit(file, &mut connection, writes);
+            let all = commit(file, &mut connection, writes);
             written();
+            if let (Some(log), Some(seq)) = (&log, logged.filter(|&seq| seq > 0)) {
+                if all {
+                    log.applied(seq);
+                } else {
+                    log.keep();
+                }
+            }
         }
         // After the writes: a load sees every write queued before it.
         for (owner, done) in loads {
@@ -123,6 +136,128 @@ fn run(file: &Path, mut queue: mpsc::UnboundedReceiver<Job>, stats: &Stats) {
             let _ = checkpoint(conn, "the writer");
         }
     }
+    if let Some(log) = log {
+        log.close();
+    }
+}
+
+/// Moves the jobs waiting into `jobs`, up to a batch.
+fn drain(queue: &mut mpsc::UnboundedReceiver<Job>, jobs: &mut Vec<Job>) {
+    while jobs.len() < MAX_BATCH {
+        match queue.try_recv() {
+            Ok(job) => jobs.push(job),
+            Err(_) => break,
+        }
+    }
+}
+
+/// With the ledger's log, nobody waits for a record's commit unless a job
+/// says so: the batch gathers for up to [`GATHER`] first, so that a
+/// commit carries many records (fewer commits, fewer WAL pages, less of
+/// the cores the requests need) instead of each its own.
+fn gather(queue: &mut mpsc::UnboundedReceiver<Job>, jobs: &mut Vec<Job>, since: Instant) {
+    let waited_on = |job: &Job| match job {
+        Job::Write { done, .. } => done.is_some(),
+        Job::Load { .. } | Job::Flush { .. } => true,
+        Job::Checkpoint => false,
+    };
+    let mut seen = 0;
+    loop {
+        if jobs.len() >= MAX_BATCH || jobs[seen..].iter().any(waited_on) {
+            return;
+        }
+        seen = jobs.len();
+        let Some(left) = GATHER.checked_sub(since.elapsed()) else {
+            return;
+        };
+        std::thread::sleep(left.min(GATHER_STEP));
+        drain(queue, jobs);
+    }
+}
+
+/// How long a batch nobody waits for gathers records.
+const GATHER: Duration = Duration::from_millis(2);
+/// How often a gathering batch looks for a job that is waited on.
+const GATHER_STEP: Duration = Duration::from_micros(250);
+
+/// Applies the records an earlier process logged (some of them, or all,
+/// the database may have already: those are duplicates and change
+/// nothing), then deletes their segments. Nothing else is written or
+/// loaded before: until this succeeds the writer tries again.
+fn replay(
+    file: &Path,
+    connection: &mut Option<Connection>,
+    records: Vec<Record>,
+    segments: &[PathBuf],
+) {
+    let count = records.len();
+    let mut jobs: Vec<WriteJob> = records
+        .into_iter()
+        .map(|record| WriteJob { record, done: None })
+        .collect();
+    let mut attempt = 0u32;
+    while !jobs.is_empty() {
+        let rest = jobs.split_off(jobs.len().min(MAX_BATCH));
+        let mut batch = jobs;
+        jobs = rest;
+        loop {
+            let result = connect(file, connection)
+                .map_err(BatchError::Database)
+                .and_then(|conn| {
+                    // Written under whatever fence the owner has now: no
+                    // other process writes this ledger (the log's lock).
+                    current_fences(conn, &mut batch)?;
+                    write_batch(conn, &batch)
+                });
+            match result {
+                Ok(_) => break,
+                Err(error) => {
+                    let error = match error {
+                        BatchError::Database(error) => error.to_string(),
+                        BatchError::Fenced(owners) => format!("fenced: {owners:?}"),
+                    };
+                    tracing::error!(%error, attempt, "cannot apply the ledger's log; trying again");
+                    *connection = None;
+                    std::thread::sleep(backoff(attempt.min(6)));
+                    attempt += 1;
+                }
+            }
+        }
+    }
+    for path in segments {
+        if let Err(error) = std::fs::remove_file(path) {
+            tracing::warn!(%error, path = %path.display(), "cannot delete a ledger log segment");
+        }
+    }
+    if count > 0 {
+        tracing::info!(records = count, "applied the ledger's log of the last run");
+    }
+}
+
+/// Sets each record's fence to its owner's current one (creating the
+/// owner's row if it has none).
+fn current_fences(conn: &mut Connection, batch: &mut [WriteJob]) -> rusqlite::Result<()> {
+    let mut fences = std::collections::HashMap::<Arc<str>, i64>::new();
+    for job in batch.iter_mut() {
+        let owner = job.record.owner.name.clone();
+        let fence = match fences.get(&owner) {
+            Some(&fence) => fence,
+            None => {
+                conn.prepare_cached(
+                    "INSERT INTO ledgers (owner, updated_at_ms, fence) VALUES (?1, ?2, 1) \
+                     ON CONFLICT (owner) DO NOTHING",
+                )?
+                .execute(params![&*owner, now_ms()])?;
+                let fence: i64 = conn
+                    .prepare_cached("SELECT fence FROM ledgers WHERE owner = ?1")?
+                    .query_row(params![&*owner], |row| row.get(0))?;
+                fences.insert(owner, fence);
+                fence
+            }
+        };
+        job.record.fence = fence;
+    }
+    Ok(())
 }
 
 /// The checkpointer's thread: every [`CHECKPOINT_EVERY`], passes until
@@ -217,26 +352,30 @@ fn open(file: &Path) -> rusqlite::Result<Connection> {
     Ok(conn)
 }
 
-/// Writes `jobs` in one transaction, or as many as can be.
-fn commit(file: &Path, connection: &mut Option<Connection>, mut jobs: Vec<WriteJob>) {
+/// Writes `jobs` in one transaction, or as many as can be. Returns
+/// whether every record was written.
+fn commit(file: &Path, connection: &mut Option<Connection>, mut jobs: Vec<WriteJob>) -> bool {
+    let mut all = true;
     for attempt in 0..ATTEMPTS {
         let result = match connect(file, connection) {
             Ok(conn) => write_batch(conn, &jobs),
             Err(error) => Err(BatchError::Database(error)),
         };
         match after_attempt(jobs, result, attempt) {
-            Next::Done => return,
+            Next::Done { lost } => return all && !lost,
             Next::Again {
                 jobs: again,
                 failed,
+                lost,
             } => {
+                all &= !lost;
                 if failed {
                     *connection = None;
                     if again.len() > 1 {
                         for job in again {
-                            commit(file, connection, vec![job]);
+                            all &= commit(file, connection, vec![job]);
                         }
-                        return;
+                        return all;
                     }
                     std::thread::sleep(backoff(attempt));
                 }
@@ -245,6 +384,7 @@ fn commit(file: &Path, connection: &mut Option<Connection>, mut jobs: Vec<WriteJ
         }
     }
     give_up(jobs);
+    false
 }
 
 fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
