@@ -173,8 +173,18 @@ pub(crate) struct Shared {
 impl Book {
     /// Starts the writer (a task on the current Tokio runtime).
     pub fn start(db: Database, lease_ms: i64) -> Self {
+        Self::start_with(db, lease_ms, true)
+    }
+
+    /// A book for a process that only runs an operator's command (the CLI):
+    /// it leaves the ledger's log to `rialto serve`.
+    pub fn start_unlogged(db: Database, lease_ms: i64) -> Self {
+        Self::start_with(db, lease_ms, false)
+    }
+
+    fn start_with(db: Database, lease_ms: i64, logged: bool) -> Self {
         let shards = std::thread::available_parallelism().map_or(1, |n| n.get()) * 8;
-        let writer = writer::start(db.clone());
+        let writer = writer::start(db.clone(), logged);
         Self {
             shared: Arc::new(Shared {
                 shards: (0..shards).map(|_| Mutex::new(HashMap::new())).collect(),
@@ -529,7 +539,11 @@ pub(crate) fn queue(
         (None, None)
     };
     let (usd, diem) = record.balance_delta();
-    writer.write(record, done)?;
+    if let Err(error) = writer.write(record, done) {
+        // Memory decided what is not written: it is read again.
+        state.live = false;
+        return Err(error);
+    }
     state.pending += 1;
     state.unflushed.0 += usd;
     state.unflushed.1 += diem;
@@ -950,6 +964,9 @@ mod tests {
             book.settle("account:a", &settle(&id, NANO / 2))
                 .await
                 .unwrap();
+            // One settlement a commit, as when each waited for its batch
+            // (the ledger's log would gather many into one).
+            book.flush().await.unwrap();
         }
         let (commits, _) = book.batches();
         let conn = rusqlite::Connection::open(dir.path().join("book.db")).unwrap();
@@ -1121,6 +1138,41 @@ mod tests {
             assert!(Instant::now() < deadline, "the log stayed locked");
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+    }
+
+    /// With the ledger's log a settlement is answered before it is
+    /// committed: if another process loaded its owner from the same file
+    /// meanwhile (the fence moved on), it is still written, under the new
+    /// fence, and this process reads the owner again.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_logged_settlement_is_written_after_another_process_loaded_its_owner() {
+        let (_dir, db) = sqlite().await;
+        let ledger = Ledger::new(db.clone());
+        ledger
+            .credit("account:g", 10 * NANO, 0, "seed")
+            .await
+            .unwrap();
+        let first = Book::start(db.clone(), 30_000);
+        // The log is taken: the second writes without one.
+        let second = Book::start(db.clone(), 30_000);
+        assert!(first.shared.writer.logs() && !second.shared.writer.logs());
+        first
+            .hold("account:g", &hold("g1", 2 * NANO, false))
+            .await
+            .unwrap();
+        second
+            .hold("account:g", &hold("g2", NANO, false))
+            .await
+            .unwrap();
+        let settled = first.settle("account:g", &settle("g1", NANO)).await;
+        assert!(matches!(settled.unwrap(), SettleOutcome::Settled { usd, .. } if usd == NANO));
+        first.flush().await.unwrap();
+        assert_eq!(ledger.charged("g1").await.unwrap(), (NANO, 0));
+        assert!(
+            first.snapshot("account:g").is_none(),
+            "the owner is read again"
+        );
+        assert_eq!(ledger.balance("account:g").await.unwrap().usd, 9 * NANO);
     }
 
     /// Credits written to the database by someone else (the CLI, another

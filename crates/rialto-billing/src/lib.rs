@@ -245,6 +245,20 @@ pub const TOPUPS_SUBJECT: &str = "billing.topups";
 
 impl LocalBilling {
     pub fn new(config: &rialto_core::Config, db: rialto_core::db::Database) -> Self {
+        Self::with_book(config, db, book::Book::start)
+    }
+
+    /// Billing for one operator's command (the CLI's `credit`, `set-stake`):
+    /// the ledger's log stays with `rialto serve`, which may be running.
+    pub fn for_command(config: &rialto_core::Config, db: rialto_core::db::Database) -> Self {
+        Self::with_book(config, db, book::Book::start_unlogged)
+    }
+
+    fn with_book(
+        config: &rialto_core::Config,
+        db: rialto_core::db::Database,
+        start: fn(rialto_core::db::Database, i64) -> book::Book,
+    ) -> Self {
         Self {
             prices: config
                 .models
@@ -252,7 +266,7 @@ impl LocalBilling {
                 .map(|m| (m.id.clone(), Prices::from_model(m)))
                 .collect(),
             x402: x402::X402::new(&config.x402, db.clone()),
-            book: book::Book::start(
+            book: start(
                 db.clone(),
                 (config.billing.stream_lease_secs as i64).saturating_mul(1000),
             ),
@@ -464,7 +478,10 @@ impl BillingService for LocalBilling {
         }
         let balance = match self.book.snapshot(&request.owner) {
             Some(snapshot) => snapshot.balance,
-            None => self.ledger.balance(&request.owner).await?,
+            None => {
+                self.book.caught_up().await?;
+                self.ledger.balance(&request.owner).await?
+            }
         };
         Ok(pb::CreditResponse {
             applied,

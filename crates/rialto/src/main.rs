@@ -221,7 +221,7 @@ fn set_tier(config: Config, id: String, tier: String) -> anyhow::Result<()> {
 fn set_stake(config: Config, id: String, diem_per_day: String) -> anyhow::Result<()> {
     use rialto_billing::BillingService;
     with_database(&config, async |db| {
-        let balance = rialto_billing::LocalBilling::new(&config, db)
+        let balance = rialto_billing::LocalBilling::for_command(&config, db)
             .set_stake(rialto_proto::billing::v1::SetStakeRequest {
                 owner: rialto_billing::account_owner(&id),
                 diem_per_day,
@@ -248,7 +248,7 @@ fn credit_account(
 ) -> anyhow::Result<()> {
     use rialto_billing::BillingService;
     with_database(&config, async |db| {
-        let credited = rialto_billing::LocalBilling::new(&config, db)
+        let credited = rialto_billing::LocalBilling::for_command(&config, db)
             .credit(rialto_proto::billing::v1::CreditRequest {
                 owner: rialto_billing::account_owner(&id),
                 usd,

@@ -157,8 +157,18 @@ impl Log {
         let Inner { file, buffer, .. } = &mut *inner;
         buffer.clear();
         encode(&record, buffer);
+        if buffer.len() > 8 + MAX_FRAME {
+            return Err(Error::invalid("A ledger record is too large to write"));
+        }
         if let Err(error) = file.write_all(buffer) {
             tracing::error!(%error, "cannot append to the ledger log");
+            // Part of the frame may be in the file: cut it off, so that
+            // the frames appended next are read back; failing that, they
+            // go to a new segment, and this one ends at the torn frame.
+            let good = inner.bytes;
+            if inner.file.set_len(good).is_err() {
+                self.rotate(&mut inner);
+            }
             return Err(Error::new(
                 ErrorCode::Unavailable,
                 "The ledger cannot be written now; retry",

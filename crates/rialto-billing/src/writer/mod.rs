@@ -382,15 +382,18 @@ pub(crate) fn stopped() -> Error {
 /// Starts the process's writer: on SQLite, a thread of its own with a
 /// connection of its own ([`sqlite`]); on PostgreSQL, a task over a
 /// connection of the pool ([`pooled`]).
-pub(crate) fn start(db: Database) -> Handle {
+/// `logged`: on SQLite, take the ledger's log (`rialto serve`); a process
+/// that only runs an operator's command (the CLI) does not.
+pub(crate) fn start(db: Database, logged: bool) -> Handle {
     let (jobs, queue) = mpsc::unbounded_channel();
     let stats = Arc::new(Stats::default());
     let mut log = None;
     match db.sqlite_file() {
         Some(file) => {
-            let opened = match log::Log::open(file) {
-                Ok(Some(opened)) => Some(opened),
-                Ok(None) => {
+            let opened = match logged.then(|| log::Log::open(file)) {
+                None => None,
+                Some(Ok(Some(opened))) => Some(opened),
+                Some(Ok(None)) => {
                     tracing::warn!(
                         file = %file.display(),
                         "another process writes this SQLite ledger: this one waits for its \
@@ -398,7 +401,7 @@ pub(crate) fn start(db: Database) -> Handle {
                     );
                     None
                 }
-                Err(error) => {
+                Some(Err(error)) => {
                     tracing::error!(%error, file = %file.display(), "cannot open the ledger's log");
                     None
                 }
@@ -487,16 +490,40 @@ enum Next {
         jobs: Vec<WriteJob>,
         failed: bool,
         lost: bool,
+        /// Write them under their owners' current fences (the ledger's log).
+        refence: bool,
     },
 }
 
 /// Delivers an attempt's outcome: records of an owner whose fence moved
 /// fail (and the owner is dropped from memory), the rest are written again.
-fn after_attempt(jobs: Vec<WriteJob>, result: BatchResult, attempt: u32) -> Next {
+///
+/// With the ledger's log (`logged`), a record was answered as durable
+/// before this: it is never dropped. A fenced one (another process loaded
+/// its owner from the same file) drops the owner from memory and is
+/// written again under the owner's current fence (`refence`).
+fn after_attempt(jobs: Vec<WriteJob>, result: BatchResult, attempt: u32, logged: bool) -> Next {
     match result {
         Ok((written, refreshed)) => {
             complete(jobs, &written, &refreshed);
             Next::Done { lost: false }
+        }
+        Err(BatchError::Fenced(fenced)) if logged => {
+            for job in &jobs {
+                if fenced.contains(&(job.record.owner.name.clone(), job.record.fence)) {
+                    drop_owner(&job.record.owner);
+                }
+            }
+            tracing::warn!(
+                owners = fenced.len(),
+                "another process loaded ledger owners this one wrote for; written under their new fence"
+            );
+            Next::Again {
+                jobs,
+                failed: false,
+                lost: false,
+                refence: true,
+            }
         }
         Err(BatchError::Fenced(fenced)) => {
             let (fenced_out, kept): (Vec<_>, Vec<_>) = jobs.into_iter().partition(|job| {
@@ -519,6 +546,7 @@ fn after_attempt(jobs: Vec<WriteJob>, result: BatchResult, attempt: u32) -> Next
                     jobs: kept,
                     failed: false,
                     lost,
+                    refence: false,
                 }
             }
         }
@@ -528,6 +556,7 @@ fn after_attempt(jobs: Vec<WriteJob>, result: BatchResult, attempt: u32) -> Next
                 jobs,
                 failed: true,
                 lost: false,
+                refence: false,
             }
         }
     }

@@ -86,7 +86,7 @@ async fn commit(db: &Database, connection: &mut Option<Connection>, mut jobs: Ve
             Ok(conn) => write_batch(conn, &jobs).await,
             Err(error) => Err(BatchError::Database(error)),
         };
-        match after_attempt(jobs, result, attempt) {
+        match after_attempt(jobs, result, attempt, false) {
             Next::Done { .. } => return,
             Next::Again {
                 jobs: again,

@@ -108,7 +108,7 @@ fn run(file: &Path, mut queue: mpsc::UnboundedReceiver<Job>, stats: &Stats, log:
         if !writes.is_empty() {
             let logged = writes.iter().map(|job| job.record.log_seq).max();
             let written = observe(stats, writes.len());
-            let all = commit(file, &mut connection, writes);
+            let all = commit(file, &mut connection, writes, log.is_some());
             written();
             if let (Some(log), Some(seq)) = (&log, logged.filter(|&seq| seq > 0)) {
                 if all {
@@ -353,38 +353,65 @@ fn open(file: &Path) -> rusqlite::Result<Connection> {
 }
 
 /// Writes `jobs` in one transaction, or as many as can be. Returns
-/// whether every record was written.
-fn commit(file: &Path, connection: &mut Option<Connection>, mut jobs: Vec<WriteJob>) -> bool {
+/// whether every record was written. With the ledger's log (`logged`)
+/// every record was answered as durable already: none is given up, the
+/// writer tries again (after at most a second) until the database takes
+/// it, and callers wait for it once it is [`log::BACKLOG`] behind.
+///
+/// [`log::BACKLOG`]: super::log::BACKLOG
+fn commit(
+    file: &Path,
+    connection: &mut Option<Connection>,
+    mut jobs: Vec<WriteJob>,
+    logged: bool,
+) -> bool {
     let mut all = true;
-    for attempt in 0..ATTEMPTS {
+    let mut attempt = 0;
+    loop {
         let result = match connect(file, connection) {
             Ok(conn) => write_batch(conn, &jobs),
             Err(error) => Err(BatchError::Database(error)),
         };
-        match after_attempt(jobs, result, attempt) {
+        match after_attempt(jobs, result, attempt, logged) {
             Next::Done { lost } => return all && !lost,
             Next::Again {
                 jobs: again,
                 failed,
                 lost,
+                refence,
             } => {
                 all &= !lost;
+                jobs = again;
+                if refence {
+                    let refenced = connect(file, connection)
+                        .map_err(|e| e.to_string())
+                        .and_then(|conn| {
+                            current_fences(conn, &mut jobs).map_err(|e| e.to_string())
+                        });
+                    if let Err(error) = refenced {
+                        tracing::warn!(%error, "cannot read the ledger owners' fences");
+                        *connection = None;
+                        std::thread::sleep(backoff(attempt.min(5)));
+                    }
+                }
                 if failed {
                     *connection = None;
-                    if again.len() > 1 {
-                        for job in again {
-                            all &= commit(file, connection, vec![job]);
+                    if jobs.len() > 1 {
+                        for job in jobs {
+                            all &= commit(file, connection, vec![job], logged);
                         }
                         return all;
                     }
-                    std::thread::sleep(backoff(attempt));
+                    std::thread::sleep(backoff(attempt.min(5)));
                 }
-                jobs = again;
             }
         }
+        attempt += 1;
+        if attempt >= ATTEMPTS && !logged {
+            give_up(jobs);
+            return false;
+        }
     }
-    give_up(jobs);
-    false
 }
 
 fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
