@@ -7,7 +7,9 @@
 //! What must survive a kill is handed to the [`writer`](crate::writer) as a
 //! [`Record`] and made durable in batches; a caller that must not answer
 //! before its record is durable (a settlement, a stream's opening hold)
-//! waits for the batch carrying it, never for anyone else's statements.
+//! waits for the batch carrying it, never for anyone else's statements;
+//! on SQLite its record is durable once appended to the ledger's log
+//! (`writer/log.rs`), and it waits for no batch at all.
 //! A hold of a non-streamed request is not written at all: if the process
 //! dies before its settlement, the answer it held for was never served.
 //!

@@ -12,8 +12,10 @@
 //! the usage history too (`usage_records` is a view of the journal), so a
 //! settlement alone writes four pages (the balance, the journal, its key
 //! and its owner index). A caller waits for the batch that carries its own record
-//! and nothing else. Loads of owners go through the same queue, so an
-//! owner is read after every write queued before it.
+//! and nothing else; on SQLite, where the ledger's [`log`] makes a record
+//! durable once appended, it usually waits for nothing. Loads of owners go
+//! through the same queue, so an owner is read after every write queued
+//! before it.
 //!
 //! What a batch writes is decided here, the same for every database; two
 //! backends run it: [`sqlite`], a thread with its own connection to the
