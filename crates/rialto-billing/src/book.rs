@@ -1177,6 +1177,26 @@ mod tests {
         assert_eq!(ledger.balance("account:g").await.unwrap().usd, 9 * NANO);
     }
 
+    /// A ledger's log that cannot be opened (here its lock is a folder):
+    /// billing refuses, rather than decide on a database that may miss what
+    /// the log holds.
+    #[tokio::test]
+    async fn billing_refuses_while_its_log_cannot_be_opened() {
+        let (dir, db) = sqlite().await;
+        std::fs::create_dir(dir.path().join("book.db-ledger.lock")).unwrap();
+        let book = Book::start(db, 30_000);
+        let refused = book
+            .hold("account:x", &hold("x1", NANO, false))
+            .await
+            .unwrap_err();
+        assert_eq!(refused.code, ErrorCode::Unavailable);
+        assert!(
+            refused.message.contains("ledger's log"),
+            "{}",
+            refused.message
+        );
+    }
+
     /// Credits written to the database by someone else (the CLI, another
     /// replica's top-up) reach the owner in memory.
     #[tokio::test]

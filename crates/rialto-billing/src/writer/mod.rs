@@ -392,6 +392,7 @@ pub(crate) fn start(db: Database, logged: bool) -> Handle {
     let mut log = None;
     match db.sqlite_file() {
         Some(file) => {
+            let mut refuse = None;
             let opened = match logged.then(|| log::Log::open(file)) {
                 None => None,
                 Some(Ok(Some(opened))) => Some(opened),
@@ -404,7 +405,17 @@ pub(crate) fn start(db: Database, logged: bool) -> Handle {
                     None
                 }
                 Some(Err(error)) => {
-                    tracing::error!(%error, file = %file.display(), "cannot open the ledger's log");
+                    // What an earlier process logged may not be applied:
+                    // deciding on the database alone could charge twice or
+                    // lend what was spent. Billing refuses until this is
+                    // fixed (a folder that cannot be written, a segment
+                    // that cannot be read) and the process restarted.
+                    tracing::error!(
+                        %error,
+                        file = %file.display(),
+                        "cannot open the ledger's log; billing refuses every request"
+                    );
+                    refuse = Some(error.to_string());
                     None
                 }
             };
@@ -415,7 +426,11 @@ pub(crate) fn start(db: Database, logged: bool) -> Handle {
                 queue,
                 jobs.downgrade(),
                 stats.clone(),
-                opened,
+                match (opened, refuse) {
+                    (Some(opened), _) => sqlite::LogState::Logged(opened),
+                    (None, Some(error)) => sqlite::LogState::Refused(error),
+                    (None, None) => sqlite::LogState::Unlogged,
+                },
             );
         }
         None => {

@@ -25,7 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rialto_core::db::{Database, now_ms};
-use rialto_core::{Error, Result};
+use rialto_core::{Error, ErrorCode, Result};
 use rusqlite::{Connection, OpenFlags, OptionalExtension, TransactionBehavior, params};
 use tokio::sync::mpsc;
 
@@ -49,13 +49,24 @@ fn database_error(error: rusqlite::Error) -> Error {
 }
 
 /// Starts the writer's thread and the WAL checkpointer's.
+/// The writer and the ledger's log.
+pub(super) enum LogState {
+    /// This process's log, and what an earlier process left in it.
+    Logged(Opened),
+    /// No log: every record waits for its batch (the CLI; a second process
+    /// on the file).
+    Unlogged,
+    /// The log could not be opened: every job is refused with this.
+    Refused(String),
+}
+
 pub(super) fn spawn(
     db: Database,
     file: PathBuf,
     queue: mpsc::UnboundedReceiver<Job>,
     jobs: mpsc::WeakUnboundedSender<Job>,
     stats: Arc<Stats>,
-    log: Option<Opened>,
+    log: LogState,
 ) {
     let writer_file = file.clone();
     let spawned = std::thread::Builder::new()
@@ -85,12 +96,16 @@ const PASSES: usize = 4;
 /// The WAL is truncated to this after a checkpoint let it start over.
 const WAL_KEPT_BYTES: i64 = 64 << 20;
 
-fn run(file: &Path, mut queue: mpsc::UnboundedReceiver<Job>, stats: &Stats, log: Option<Opened>) {
+fn run(file: &Path, mut queue: mpsc::UnboundedReceiver<Job>, stats: &Stats, log: LogState) {
     let mut connection: Option<Connection> = None;
-    let log = log.map(|opened| {
-        replay(file, &mut connection, opened.replay, &opened.leftover);
-        opened.log
-    });
+    let log = match log {
+        LogState::Logged(opened) => {
+            replay(file, &mut connection, opened.replay, &opened.leftover);
+            Some(opened.log)
+        }
+        LogState::Unlogged => None,
+        LogState::Refused(error) => return refuse(queue, &error),
+    };
     let mut jobs = Vec::with_capacity(MAX_BATCH);
     while let Some(first) = queue.blocking_recv() {
         let since = Instant::now();
@@ -138,6 +153,32 @@ fn run(file: &Path, mut queue: mpsc::UnboundedReceiver<Job>, stats: &Stats, log:
     }
     if let Some(log) = log {
         log.close();
+    }
+}
+
+/// Refuses every job: no owner is loaded, so nothing is decided.
+fn refuse(mut queue: mpsc::UnboundedReceiver<Job>, error: &str) {
+    let refused = || {
+        Error::new(
+            ErrorCode::Unavailable,
+            format!("Billing cannot open its ledger's log ({error}); see the server's log"),
+        )
+    };
+    while let Some(job) = queue.blocking_recv() {
+        match job {
+            Job::Write { done, .. } => {
+                if let Some(done) = done {
+                    let _ = done.send(Err(refused()));
+                }
+            }
+            Job::Load { done, .. } => {
+                let _ = done.send(Err(refused()));
+            }
+            Job::Flush { done } => {
+                let _ = done.send(());
+            }
+            Job::Checkpoint => {}
+        }
     }
 }
 
