@@ -326,6 +326,10 @@ async fn complete_or_stream(
     // A trait or alias names the model from here on.
     chat.model_id.clone_from(&model.config.id);
     convert_files(&mut body, &mut chat, gateway.file_urls_allow_private).await?;
+    // Validation refused anything but an object.
+    let Value::Object(body) = body else {
+        return Err(rialto_core::Error::internal("a validated chat body is not an object").into());
+    };
     let request_id = RequestId::of(request);
 
     let Admitted {
@@ -345,11 +349,12 @@ async fn complete_or_stream(
     )
     .await?;
 
-    let router_request = router_pb::ChatRequest {
+    // Handed over parsed: a router in this process reads no bytes again.
+    let router_request = rialto_router::Chat {
         request_id: request_id.clone(),
         model_id: chat.model_id.clone(),
-        body_json: serde_json::to_vec(&body).map_err(rialto_core::Error::internal)?,
-        parameters: Some(std::mem::take(&mut chat.service)),
+        body,
+        parameters: std::mem::take(&mut chat.service),
     };
     let exchange = Exchange {
         completion_id: format!("chatcmpl-{request_id}"),
@@ -551,7 +556,7 @@ pub(crate) fn invalid_answer() -> ApiError {
 async fn complete(
     gateway: &Gateway,
     model: &ModelEntry,
-    router_request: router_pb::ChatRequest,
+    router_request: rialto_router::Chat,
     exchange: Exchange,
 ) -> Result<HttpResponse, ApiError> {
     let mut exchange = exchange;
@@ -614,7 +619,7 @@ async fn complete(
 async fn stream(
     gateway: &web::Data<Gateway>,
     model: &ModelEntry,
-    router_request: router_pb::ChatRequest,
+    router_request: rialto_router::Chat,
     exchange: Exchange,
 ) -> Result<HttpResponse, ApiError> {
     let mut exchange = exchange;

@@ -14,7 +14,7 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
-use crate::{ChatStream, RouterClient, RouterService};
+use crate::{Chat, ChatStream, RouterClient, RouterService};
 
 /// Serves a [`RouterClient`] over gRPC, behind the shared token. Chat bodies
 /// can be large (images, documents): messages up to `max_message_bytes` pass.
@@ -41,14 +41,16 @@ impl Router for RouterGrpc {
         &self,
         request: Request<pb::ChatRequest>,
     ) -> Result<Response<pb::ChatResponse>, Status> {
-        Ok(Response::new(self.0.chat(request.into_inner()).await?))
+        let chat = Chat::from_wire(request.into_inner())?;
+        Ok(Response::new(self.0.chat(chat).await?))
     }
 
     async fn chat_stream(
         &self,
         request: Request<pb::ChatRequest>,
     ) -> Result<Response<Self::ChatStreamStream>, Status> {
-        let stream = self.0.chat_stream(request.into_inner()).await?;
+        let chat = Chat::from_wire(request.into_inner())?;
+        let stream = self.0.chat_stream(chat).await?;
         Ok(Response::new(Box::pin(
             stream.map(|event| event.map_err(Status::from)),
         )))
@@ -77,12 +79,17 @@ impl RemoteRouter {
 
 #[async_trait]
 impl RouterService for RemoteRouter {
-    async fn chat(&self, request: pb::ChatRequest) -> Result<pb::ChatResponse> {
-        Ok(self.0.clone().chat(request).await?.into_inner())
+    async fn chat(&self, chat: Chat) -> Result<pb::ChatResponse> {
+        Ok(self.0.clone().chat(chat.into_wire()?).await?.into_inner())
     }
 
-    async fn chat_stream(&self, request: pb::ChatRequest) -> Result<ChatStream> {
-        let stream = self.0.clone().chat_stream(request).await?.into_inner();
+    async fn chat_stream(&self, chat: Chat) -> Result<ChatStream> {
+        let stream = self
+            .0
+            .clone()
+            .chat_stream(chat.into_wire()?)
+            .await?
+            .into_inner();
         Ok(Box::pin(stream.map(|event| event.map_err(Error::from))))
     }
 

@@ -17,8 +17,9 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use futures_util::Stream;
-use rialto_core::Result;
+use rialto_core::{Error, Result};
 use rialto_proto::router::v1 as pb;
+use serde_json::{Map, Value};
 
 mod balance;
 mod clients;
@@ -34,13 +35,50 @@ pub use local::LocalRouter;
 /// Events of a streamed chat: the backend's name first, then upstream chunks.
 pub type ChatStream = Pin<Box<dyn Stream<Item = Result<pb::ChatStreamEvent>> + Send>>;
 
+/// A chat on its way to a backend, its body already parsed and validated by
+/// the gateway. In one process it reaches the router as it is, so the body
+/// is parsed once; only a hop over gRPC turns it into bytes and back.
+#[derive(Debug, Clone, Default)]
+pub struct Chat {
+    pub request_id: String,
+    pub model_id: String,
+    /// The OpenAI-compatible request body.
+    pub body: Map<String, Value>,
+    /// The effective service parameters the router applies.
+    pub parameters: pb::ServiceParameters,
+}
+
+impl Chat {
+    /// The chat a gRPC request carries; 400 when its body is not a JSON object.
+    pub fn from_wire(request: pb::ChatRequest) -> Result<Self> {
+        let body = serde_json::from_slice(&request.body_json)
+            .map_err(|e| Error::invalid(format!("request body is not a JSON object: {e}")))?;
+        Ok(Self {
+            request_id: request.request_id,
+            model_id: request.model_id,
+            body,
+            parameters: request.parameters.unwrap_or_default(),
+        })
+    }
+
+    /// The gRPC request that carries this chat to another process.
+    pub fn into_wire(self) -> Result<pb::ChatRequest> {
+        Ok(pb::ChatRequest {
+            body_json: serde_json::to_vec(&self.body).map_err(Error::internal)?,
+            request_id: self.request_id,
+            model_id: self.model_id,
+            parameters: Some(self.parameters),
+        })
+    }
+}
+
 /// The router in domain terms.
 #[async_trait]
 pub trait RouterService: Send + Sync + 'static {
-    async fn chat(&self, request: pb::ChatRequest) -> Result<pb::ChatResponse>;
+    async fn chat(&self, chat: Chat) -> Result<pb::ChatResponse>;
     /// Resolves once a backend has accepted the request; errors before that
     /// are returned here, errors after it arrive in the stream.
-    async fn chat_stream(&self, request: pb::ChatRequest) -> Result<ChatStream>;
+    async fn chat_stream(&self, chat: Chat) -> Result<ChatStream>;
     /// Embeddings, routed over the model's backends like a chat.
     async fn embed(&self, request: pb::EmbedRequest) -> Result<pb::EmbedResponse>;
 }

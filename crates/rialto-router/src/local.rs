@@ -32,7 +32,7 @@ use crate::clients::Clients;
 use crate::health::{self, BackendHealth, Breaker, Health, InFlight, Permit, Probe};
 use crate::inprocess::{ChunkStream, InProcessModel};
 use crate::thinking::ThinkStripper;
-use crate::{ChatStream, RouterService};
+use crate::{Chat, ChatStream, RouterService};
 
 pub struct LocalRouter {
     models: HashMap<String, ModelRoute>,
@@ -462,14 +462,9 @@ impl LocalRouter {
     /// The body the backends receive: the service's and the character's
     /// system prompts first, thinking turned off when asked, usage asked
     /// for in streams.
-    fn upstream_body(
-        route: &ModelRoute,
-        request: &pb::ChatRequest,
-        stream: bool,
-    ) -> Result<Map<String, Value>> {
-        let mut body: Map<String, Value> = serde_json::from_slice(&request.body_json)
-            .map_err(|e| Error::invalid(format!("request body is not a JSON object: {e}")))?;
-        let parameters = request.parameters.clone().unwrap_or_default();
+    fn upstream_body(route: &ModelRoute, chat: &mut Chat, stream: bool) {
+        let parameters = &chat.parameters;
+        let body = &mut chat.body;
         if let Some(Value::Array(messages)) = body.get_mut("messages") {
             // Before the caller's own system prompts: the service's, then
             // the character's.
@@ -499,15 +494,15 @@ impl LocalRouter {
                 options.insert("include_usage".into(), Value::Bool(true));
             }
         }
-        Ok(body)
     }
 
     /// Sends a chat to the model's backends until one accepts it.
-    async fn dispatch_chat(&self, request: &pb::ChatRequest, stream: bool) -> Result<Served<'_>> {
-        let route = self.route(&request.model_id)?;
-        let body = Self::upstream_body(route, request, stream)?;
+    async fn dispatch_chat(&self, mut chat: Chat, stream: bool) -> Result<Served<'_>> {
+        let route = self.route(&chat.model_id)?;
+        Self::upstream_body(route, &mut chat, stream);
         let call = if stream { Call::ChatStream } else { Call::Chat };
-        self.dispatch(route, body, &request.request_id, call).await
+        self.dispatch(route, chat.body, &chat.request_id, call)
+            .await
     }
 
     /// Sends `body` to the route's backends until one accepts it,
@@ -848,9 +843,9 @@ async fn upstream_message(response: reqwest::Response) -> String {
 
 #[async_trait]
 impl RouterService for LocalRouter {
-    async fn chat(&self, request: pb::ChatRequest) -> Result<pb::ChatResponse> {
-        let strip = stripping(&request);
-        let served = self.dispatch_chat(&request, false).await?;
+    async fn chat(&self, chat: Chat) -> Result<pb::ChatResponse> {
+        let strip = stripping(&chat.parameters);
+        let served = self.dispatch_chat(chat, false).await?;
         let Answer::Whole(body) = served.answer else {
             return Err(Error::internal("a backend streamed a whole answer"));
         };
@@ -866,9 +861,9 @@ impl RouterService for LocalRouter {
         })
     }
 
-    async fn chat_stream(&self, request: pb::ChatRequest) -> Result<ChatStream> {
-        let strip = stripping(&request);
-        let served = self.dispatch_chat(&request, true).await?;
+    async fn chat_stream(&self, chat: Chat) -> Result<ChatStream> {
+        let strip = stripping(&chat.parameters);
+        let served = self.dispatch_chat(chat, true).await?;
         let Answer::Chunks(chunks) = served.answer else {
             return Err(Error::internal("a backend answered a stream whole"));
         };
@@ -924,11 +919,8 @@ impl RouterService for LocalRouter {
 }
 
 /// Whether the answer loses its think blocks.
-fn stripping(request: &pb::ChatRequest) -> bool {
-    request
-        .parameters
-        .as_ref()
-        .is_some_and(|p| p.strip_thinking || p.disable_thinking)
+fn stripping(parameters: &pb::ServiceParameters) -> bool {
+    parameters.strip_thinking || parameters.disable_thinking
 }
 
 /// A whole answer without think blocks in any choice's content; None when
@@ -1014,12 +1006,15 @@ mod tests {
         LocalRouter::new(&models(urls), config).unwrap()
     }
 
-    fn request(body: Value) -> pb::ChatRequest {
-        pb::ChatRequest {
+    fn request(body: Value) -> Chat {
+        let Value::Object(body) = body else {
+            panic!("a chat body is an object")
+        };
+        Chat {
             request_id: "r1".into(),
             model_id: "m".into(),
-            body_json: serde_json::to_vec(&body).unwrap(),
-            parameters: None,
+            body,
+            parameters: Default::default(),
         }
     }
 
