@@ -188,6 +188,73 @@ async fn balances_costs_and_abandoned_streams() {
     assert!(charged < 0.0005, "billed {charged}, more than it produced");
 }
 
+/// A client that leaves a non-streamed call while its backend works: the
+/// backend's answer is still charged, what it used and not the hold.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abandoned_call_is_charged_what_its_backend_used() {
+    let world = world(Topology::OneProcess, Storage::Sqlite).await;
+    let sandbox = &world.sandbox;
+    let (id, admin, key) = account(sandbox).await;
+    sandbox.credit(&id, "1", "seed").await.unwrap();
+    let before = balance(sandbox, &admin).await["balances"]["usd"].to_string();
+    assert_eq!(before, "1");
+    // Held: 3 + 1,000 tokens; used: 2 + 10, at $1/M.
+    let slow = json!({"model": "paid-chat", "max_tokens": 1000,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "mock": {"words": 10, "delay_ms": 1500}});
+    let impatient = reqwest::Client::builder()
+        .timeout(std::time::Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let left = impatient
+        .post(sandbox.api("/chat/completions"))
+        .bearer_auth(&key)
+        .json(&slow)
+        .send()
+        .await;
+    assert!(left.is_err(), "the call answered before the client left");
+    let mut after = String::new();
+    for _ in 0..100 {
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        after = balance(sandbox, &admin).await["balances"]["usd"].to_string();
+        if after == "0.999988" {
+            break;
+        }
+    }
+    assert_eq!(
+        after, "0.999988",
+        "the abandoned call was not charged what it used"
+    );
+}
+
+/// The hold counts everything the model reads: a $0.01 account sending one
+/// 500 KB tool description with `max_tokens: 1` is refused before the
+/// backend sees it; and with no `max_tokens` the backend is told the
+/// completion limit the hold covers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_hold_covers_tools_and_bounds_the_completion() {
+    let world = world(Topology::OneProcess, Storage::Sqlite).await;
+    let sandbox = &world.sandbox;
+    let (id, _, key) = account(sandbox).await;
+    sandbox.credit(&id, "0.01", "seed").await.unwrap();
+    let description = "x".repeat(500 * 1024);
+    let tools = json!([{"type": "function", "function": {"name": "lookup",
+        "description": description, "parameters": {"type": "object", "properties": {}}}}]);
+    let heavy = json!({"model": "paid-chat", "max_tokens": 1, "tools": tools,
+        "messages": [{"role": "user", "content": "hi"}]});
+    let response = chat(sandbox, &key, &heavy).await;
+    assert_eq!(response.status(), 402, "{}", response.text().await.unwrap());
+    assert_eq!(world._mock.request_count(), 0, "the backend saw it");
+
+    let open_ended = json!({"model": "paid-chat",
+        "messages": [{"role": "user", "content": "hi"}]});
+    let response = chat(sandbox, &key, &open_ended).await;
+    assert_eq!(response.status(), 200);
+    let seen = world._mock.requests().last().unwrap().clone();
+    // The configured default_completion_tokens, which the hold covered.
+    assert_eq!(seen["max_tokens"], 1024, "{seen}");
+}
+
 /// An account without credit is refused with 402 before any backend call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_credit_no_call() {
@@ -214,6 +281,96 @@ async fn no_credit_no_call() {
         .await
         .unwrap();
     assert_eq!(refused.status(), 401);
+}
+
+/// A stream whose backend is silent for longer than the stream's lease:
+/// the gateway checkpoints on a clock, so the hold does not expire under
+/// the live stream, and the stream pays its whole cost, not the checkpoint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_backend_does_not_let_a_stream_go_free() {
+    let mock = MockUpstream::start().await.unwrap();
+    let sandbox = Sandbox::builder(Topology::OneProcess)
+        .config(&models(&mock.base_url()))
+        .config("[billing]\nstream_lease_secs = 2\ncheckpoint_ms = 200\n")
+        .start()
+        .await
+        .unwrap();
+    let (id, admin, key) = account(&sandbox).await;
+    sandbox.credit(&id, "1", "seed").await.unwrap();
+    // Three words, 3 s apart: each gap outlasts the 2 s lease.
+    let stream = json!({"model": "paid-chat", "max_tokens": 100, "stream": true,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "mock": {"words": 3, "chunk_delay_ms": 3000}});
+    let response = chat(&sandbox, &key, &stream).await;
+    assert_eq!(response.status(), 200);
+    let body = response.text().await.unwrap();
+    let last = sse_data(&body)
+        .into_iter()
+        .rfind(|data| data != "[DONE]")
+        .unwrap();
+    let last: Value = serde_json::from_str(&last).unwrap();
+    let cost = last["cost"]["usd"].to_string().parse::<f64>().unwrap();
+    assert!(cost > 0.0, "{last}");
+    let after = balance(&sandbox, &admin).await["balances"]["usd"]
+        .as_f64()
+        .unwrap();
+    assert!(
+        ((1.0 - after) - cost).abs() < 1e-12,
+        "charged {} for a stream that cost {cost}",
+        1.0 - after
+    );
+}
+
+/// A client that stops reading a stream: the gateway waits half the
+/// stream's lease for it to take a chunk, then ends the stream and charges
+/// what it was sent, instead of holding the backend and the hold open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reader_that_stops_reading_is_ended_and_charged() {
+    let mock = MockUpstream::start().await.unwrap();
+    let sandbox = Sandbox::builder(Topology::OneProcess)
+        .config(&models(&mock.base_url()))
+        .config("[billing]\nstream_lease_secs = 2\ncheckpoint_ms = 200\n")
+        .start()
+        .await
+        .unwrap();
+    let (id, admin, key) = account(&sandbox).await;
+    sandbox.credit(&id, "1", "seed").await.unwrap();
+    // Far more than the socket buffers hold (~40 MB of chunks); the mock
+    // takes seconds to start answering, longer than the 2 s lease, so the
+    // hold must live through the wait for the first byte too.
+    let stream = json!({"model": "paid-chat", "max_tokens": 200000, "stream": true,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "mock": {"words": 200000}});
+    let mut response = chat(&sandbox, &key, &stream).await;
+    assert_eq!(response.status(), 200);
+    response.chunk().await.unwrap().unwrap();
+    tokio::time::sleep(std::time::Duration::from_secs(4)).await;
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(std::time::Duration::from_secs(60), async {
+        while let Ok(Some(chunk)) = response.chunk().await {
+            rest.extend_from_slice(&chunk);
+        }
+    })
+    .await;
+    assert!(read.is_ok(), "the stream went on");
+    let rest = String::from_utf8_lossy(&rest);
+    assert!(
+        !rest.contains("[DONE]"),
+        "the whole stream waited for the reader"
+    );
+    let mut after = 1.0;
+    for _ in 0..50 {
+        after = balance(&sandbox, &admin).await["balances"]["usd"]
+            .as_f64()
+            .unwrap();
+        if after < 1.0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    let charged = 1.0 - after;
+    // Charged what it was sent: something, and less than the whole stream.
+    assert!(charged > 0.0 && charged < 0.2, "charged {charged}");
 }
 
 /// The gateway dies in the middle of a stream: the stream's hold outlives

@@ -284,6 +284,29 @@ async fn bad_requests_are_4xx(world: &World) {
     }
     assert!(body["details"]["rialto_parameters"]["enable_web_search"]["_errors"][0].is_string());
 
+    // Stop sequences are searched on every token: at most 4, each at most
+    // 256 bytes (a list of thousands once froze the built-in model).
+    let hi = json!([{"role": "user", "content": "hi"}]);
+    for stop in [
+        json!(vec!["x"; 5]),
+        json!(["x".repeat(257)]),
+        json!("x".repeat(257)),
+        json!([""]),
+        json!([]),
+        json!([1]),
+        json!(7),
+    ] {
+        let response = post(
+            world,
+            &key,
+            json!({"model": "mock-chat", "messages": hi, "stop": stop}),
+        )
+        .await;
+        assert_eq!(response.status(), 400, "stop {stop}");
+        let body: Value = response.json().await.unwrap();
+        assert!(body["details"]["stop"]["_errors"][0].is_string(), "{body}");
+    }
+
     let unknown_model = post(
         world,
         &key,

@@ -106,6 +106,11 @@ name = "Limited Chat"
 tier = "XS"
 global_rpm = 1
 backends = [{{ kind = "openai", url = "{}", model = "mock-model" }}]
+
+# The script signs in an empty wallet and uses free models with it (the
+# default minimum refuses that: tests/e2e/wallet.rs).
+[wallet]
+min_balance_usd = "0"
 "#,
         mock.base_url()
     );

@@ -378,6 +378,13 @@ backends = [
         .config(&config)
         // The file server below is on loopback.
         .env("RIALTO_GATEWAY__FILE_URLS_ALLOW_PRIVATE", "true")
+        // A proxy that is not there, for everything but the backends on
+        // 127.0.0.1: a file fetch that took it (and resolved the name
+        // again behind our address check) would fail.
+        .env("HTTP_PROXY", "http://127.0.0.1:9")
+        .env("HTTPS_PROXY", "http://127.0.0.1:9")
+        .env("ALL_PROXY", "http://127.0.0.1:9")
+        .env("NO_PROXY", "127.0.0.1")
         .start()
         .await
         .unwrap();
@@ -482,8 +489,101 @@ backends = [
         "{body}"
     );
 
+    // Hostile documents: each once aborted the whole process (a parser's
+    // stack overflow, a 550 GB allocation). Now each is a 400 naming its
+    // part, and the server goes on serving.
+    let named = |name: &str, bytes: &[u8]| {
+        let data = base64::engine::general_purpose::STANDARD.encode(bytes);
+        json!({"model": "vision-cache", "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "summarize"},
+            {"type": "file", "file": {"filename": name, "file_data": data}}]}]})
+    };
+    let mut nested = b"%PDF-1.5\n1 0 obj\n".to_vec();
+    nested.extend(std::iter::repeat_n(b'[', 5_000));
+    nested.extend(std::iter::repeat_n(b']', 5_000));
+    nested.extend_from_slice(b"\nendobj\ntrailer << /Root 1 0 R >>\n%%EOF\n");
+    // Arrays nested 5,000 deep inside a page's content stream: the checks
+    // before parsing skip stream bytes, so only the sandbox stands between
+    // the content parser and the server.
+    let content = format!(
+        "BT /F1 12 Tf 100 700 Td {}(x){} TJ ET",
+        "[".repeat(5_000),
+        "]".repeat(5_000)
+    );
+    let objects = [
+        "<< /Type /Catalog /Pages 2 0 R >>".to_owned(),
+        "<< /Type /Pages /Kids [3 0 R] /Count 1 >>".to_owned(),
+        "<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R \
+         /Resources << /Font << /F1 5 0 R >> >> >>"
+            .to_owned(),
+        format!(
+            "<< /Length {} >>\nstream\n{content}\nendstream",
+            content.len()
+        ),
+        "<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>".to_owned(),
+    ];
+    let mut deep = b"%PDF-1.5\n".to_vec();
+    let mut offsets = Vec::new();
+    for (i, object) in objects.iter().enumerate() {
+        offsets.push(deep.len());
+        deep.extend_from_slice(format!("{} 0 obj\n{object}\nendobj\n", i + 1).as_bytes());
+    }
+    let xref = deep.len();
+    deep.extend_from_slice(
+        format!("xref\n0 {}\n0000000000 65535 f \n", objects.len() + 1).as_bytes(),
+    );
+    for offset in offsets {
+        deep.extend_from_slice(format!("{offset:010} 00000 n \n").as_bytes());
+    }
+    deep.extend_from_slice(
+        format!(
+            "trailer << /Size {} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n",
+            objects.len() + 1
+        )
+        .as_bytes(),
+    );
+    let mut sheet = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
+    for (name, xml) in [
+        (
+            "[Content_Types].xml",
+            r#"<?xml version="1.0"?><Types xmlns="http://schemas.openxmlformats.org/package/2006/content-types"/>"#,
+        ),
+        (
+            "xl/workbook.xml",
+            r#"<?xml version="1.0"?><workbook xmlns="http://schemas.openxmlformats.org/spreadsheetml/2006/main" xmlns:r="http://schemas.openxmlformats.org/officeDocument/2006/relationships"><sheets><sheet name="S" sheetId="1" r:id="rId1"/></sheets></workbook>"#,
+        ),
+        (
+            "xl/_rels/workbook.xml.rels",
+            r#"<?xml version="1.0"?><Relationships xmlns="http://schemas.openxmlformats.org/package/2006/relationships"><Relationship Id="rId1" Type="http://schemas.openxmlformats.org/officeDocument/2006/relationships/worksheet" Target="worksheets/sheet1.xml"/></Relationships>"#,
+        ),
+        (
+            "xl/worksheets/sheet1.xml",
+            r#"<?xml version="1.0"?><worksheet xmlns="http://schemas.openxmlformats.org/spreadsheetml/2006/main"><sheetData><row r="1"><c r="A1" t="inlineStr"><is><t>a</t></is></c></row><row r="1048576"><c r="XFD1048576" t="inlineStr"><is><t>b</t></is></c></row></sheetData></worksheet>"#,
+        ),
+    ] {
+        sheet
+            .start_file(name, zip::write::SimpleFileOptions::default())
+            .unwrap();
+        std::io::Write::write_all(&mut sheet, xml.as_bytes()).unwrap();
+    }
+    let sheet = sheet.finish().unwrap().into_inner();
+    for (name, bytes) in [
+        ("nested.pdf", nested.as_slice()),
+        ("deep.pdf", deep.as_slice()),
+        ("wide.xlsx", sheet.as_slice()),
+    ] {
+        let (status, body) = send(named(name, bytes)).await;
+        assert_eq!(status, 400, "{name}: {body}");
+        let why = body["details"]["messages"]["0"]["content"]["1"]["file"]["_errors"][0]
+            .as_str()
+            .unwrap_or_default();
+        assert!(why.contains(name), "{name}: {body}");
+    }
+    assert_eq!(send(with_file("vision-cache", &encoded)).await.0, 200);
+
     // A file by URL: fetched, then converted.
-    let files = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    // On 127.0.0.2, which NO_PROXY above does not name.
+    let files = tokio::net::TcpListener::bind("127.0.0.2:0").await.unwrap();
     let file_url = format!("http://{}/sales.csv", files.local_addr().unwrap());
     tokio::spawn(async move {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -45,13 +45,17 @@ async fn world(topology: Topology) -> World {
 id = "paid-chat"
 input_usd_per_mtok = 1.0
 output_usd_per_mtok = 1.0
-backends = [{{ kind = "openai", url = "{}", model = "mock-model" }}]
+backends = [{{ kind = "openai", url = "{0}", model = "mock-model" }}]
+
+[[models]]
+id = "free-chat"
+backends = [{{ kind = "openai", url = "{0}", model = "mock-model" }}]
 
 [wallet]
 domains = ["127.0.0.1:8080", "localhost:8080"]
 
 [x402]
-facilitator_url = "{}"
+facilitator_url = "{1}"
 pay_to_evm = "{PAY_TO}"
 pay_to_solana = "9xQeWvG816bUx9EPjHmaT23yvVM2ZWbrrpZb9PusVFin"
 min_usd = "5"
@@ -256,7 +260,9 @@ async fn a_wallet_signs_in_tops_up_and_chats() {
     assert_eq!(again.status(), 200);
     let again: Value = again.json().await.unwrap();
     assert_eq!(again["data"]["paymentId"], payment_id);
-    assert_eq!(again["data"]["newBalance"].to_string(), "5");
+    assert_eq!(again["data"]["amountCredited"].to_string(), "5");
+    // Whoever replays a payment's bytes learns no balance.
+    assert!(again["data"].get("newBalance").is_none(), "{again}");
     assert_eq!(world.facilitator.settlements().len(), 1);
     // What the facilitator was asked to settle: our requirements.
     let asked = &world.facilitator.settlements()[0];
@@ -357,6 +363,46 @@ async fn a_wallet_signs_in_tops_up_and_chats() {
 }
 
 /// Sign-ins the service refuses, each with its reason.
+/// A wallet made a moment ago is not a free account: free models want
+/// `wallet.min_balance_usd` too, and signed-in wallets' failures count
+/// against the wallet and against the client's address, so rotating
+/// wallets ends in 429.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fresh_wallets_are_not_free_accounts() {
+    let world = world(Topology::OneProcess).await;
+    let sandbox = &world.sandbox;
+    let mut statuses = Vec::new();
+    for _ in 0..30 {
+        let wallet = PrivateKeySigner::random();
+        let response = sandbox
+            .http()
+            .post(sandbox.api("/chat/completions"))
+            .header(
+                "SIGN-IN-WITH-X",
+                sign_in(&wallet, &fresh_nonce(), 0, "127.0.0.1:8080"),
+            )
+            .json(&json!({"model": "free-chat", "max_tokens": 10,
+                "messages": [{"role": "user", "content": "hello"}]}))
+            .send()
+            .await
+            .unwrap();
+        let status = response.status().as_u16();
+        if statuses.is_empty() {
+            let body: Value = response.json().await.unwrap();
+            assert_eq!(body["reason"], "insufficient_balance", "{body}");
+            assert!(body["topUpInstructions"].is_object(), "{body}");
+        }
+        statuses.push(status);
+    }
+    assert!(
+        statuses.iter().all(|s| *s == 402 || *s == 429),
+        "{statuses:?}"
+    );
+    assert_eq!(statuses[0], 402);
+    // The default threshold is 20 failures in the window.
+    assert_eq!(statuses.last(), Some(&429), "{statuses:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sign_in_refusals() {
     let world = world(Topology::OneProcess).await;
@@ -742,6 +788,8 @@ backends = [{{ kind = "openai", url = "{}", model = "mock-model" }}]
 domains = ["127.0.0.1:8080"]
 [x402]
 facilitator_url = "{}"
+# Replays are answered this long after the payment, then refused.
+max_timeout_secs = 2
 pay_to_solana = "9xQeWvG816bUx9EPjHmaT23yvVM2ZWbrrpZb9PusVFin"
 solana_fee_payer = "{}"
 "#,
@@ -804,7 +852,8 @@ solana_fee_payer = "{}"
     let again = top_up(&sandbox, Some(&STANDARD.encode(copy.to_string()))).await;
     assert_eq!(again.status(), 200);
     let again: Value = again.json().await.unwrap();
-    assert_eq!(again["data"]["newBalance"].to_string(), "6");
+    assert_eq!(again["data"]["amountCredited"].to_string(), "6");
+    assert!(again["data"].get("newBalance").is_none(), "{again}");
     assert_eq!(facilitator.settlements().len(), 1);
     assert_eq!(
         facilitator.settlements()[0]["paymentRequirements"]["network"],
@@ -814,4 +863,12 @@ solana_fee_payer = "{}"
     let response = chat_as(&sandbox, Some(&solana_sign_in(&wallet))).await;
     assert_eq!(response.status(), 200);
     assert_eq!(response.headers()["x-balance-remaining"], "5.999988");
+
+    // Past the payment's window (2 s here), a replay is refused.
+    tokio::time::sleep(std::time::Duration::from_millis(2_500)).await;
+    let late = top_up(&sandbox, Some(&paid)).await;
+    assert_eq!(late.status(), 402);
+    let late: Value = late.json().await.unwrap();
+    assert_eq!(late["error"], "PAYMENT_EXPIRED", "{late}");
+    assert_eq!(facilitator.settlements().len(), 1);
 }

@@ -485,16 +485,17 @@ pub fn verify(header: &str, policy: &SiwxPolicy, now_ms: i64) -> Result<SignedIn
     })
 }
 
-/// The `host[:port]` of a URI (`scheme://authority/...`), without user info.
-fn authority(uri: &str) -> Option<&str> {
-    let rest = uri.split_once("://")?.1;
-    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let authority = &rest[..end];
-    Some(
-        authority
-            .rsplit_once('@')
-            .map_or(authority, |(_, host)| host),
-    )
+/// The `host[:port]` a browser would reach for `uri`, read by the WHATWG
+/// URL parser as browsers read it: in `http://evil.com\@localhost:8080`
+/// the `\` ends the authority, so the host is `evil.com`. A scheme's
+/// default port is left out, as browsers do.
+fn authority(uri: &str) -> Option<String> {
+    let url = url::Url::parse(uri).ok()?;
+    let host = url.host_str()?;
+    Some(match url.port() {
+        Some(port) => format!("{host}:{port}"),
+        None => host.to_owned(),
+    })
 }
 
 fn check_fields(fields: &Fields, policy: &SiwxPolicy, now_ms: i64) -> Result<(), Refusal> {
@@ -533,7 +534,7 @@ fn check_fields(fields: &Fields, policy: &SiwxPolicy, now_ms: i64) -> Result<(),
             ),
         );
     }
-    if !authority(&fields.uri).is_some_and(accepted) {
+    if !authority(&fields.uri).is_some_and(|name| accepted(&name)) {
         return refuse(
             "X402_SIGN_IN_DOMAIN_MISMATCH",
             format!(
@@ -839,6 +840,20 @@ mod tests {
             code(&with(&|f| f["uri"] = json!("https://evil.example/"))),
             "X402_SIGN_IN_DOMAIN_MISMATCH"
         );
+        // Browsers read `\` as `/`: the host is evil.com, not the one after `@`.
+        for uri in [
+            "http://evil.com\\@localhost:8080",
+            "http://evil.com\\@127.0.0.1:8080/",
+            "http://localhost:8080@evil.com/",
+            "http://localhost:8081/",
+            "not a uri",
+        ] {
+            assert_eq!(
+                code(&with(&|f| f["uri"] = json!(uri))),
+                "X402_SIGN_IN_DOMAIN_MISMATCH",
+                "{uri}"
+            );
+        }
         assert_eq!(
             code(&with(&|f| f["chainId"] = json!("eip155:1"))),
             "X402_SIGN_IN_UNSUPPORTED_CHAIN"

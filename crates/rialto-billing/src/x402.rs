@@ -80,7 +80,7 @@ pub struct TopUp {
     pub wallet: String,
     /// USD credited (exact decimal).
     pub amount_usd: String,
-    /// The wallet's USD balance after it.
+    /// The wallet's USD balance after it; empty for a replay.
     pub new_balance_usd: String,
     pub payment_id: String,
     /// The `SettleResponse` for the `PAYMENT-RESPONSE` header.
@@ -643,7 +643,7 @@ impl X402 {
         match claimed {
             Ok(_) => {}
             Err(sqlx::Error::Database(e)) if e.is_unique_violation() => {
-                return self.replayed(payment_key, &owner).await;
+                return self.replayed(payment_key).await;
             }
             Err(error) => return Err(internal(error)),
         }
@@ -740,10 +740,10 @@ impl X402 {
     }
 
     /// A payment seen before: credited (answer as then), or still settling.
-    async fn replayed(&self, payment_key: &str, owner: &str) -> Result<TopUp, TopUpError> {
+    async fn replayed(&self, payment_key: &str) -> Result<TopUp, TopUpError> {
         let row = sqlx::query(
-            "SELECT id, wallet, network, amount_nanos, state, transaction_ref FROM x402_payments \
-             WHERE payment_key = $1",
+            "SELECT id, wallet, network, amount_nanos, state, transaction_ref, created_at_ms \
+             FROM x402_payments WHERE payment_key = $1",
         )
         .bind(payment_key)
         .fetch_optional(self.db.pool())
@@ -778,16 +778,30 @@ impl X402 {
         let wallet: String = row.try_get("wallet").map_err(internal)?;
         let amount: i64 = row.try_get("amount_nanos").map_err(internal)?;
         let network: String = row.try_get("network").map_err(internal)?;
+        let created: i64 = row.try_get("created_at_ms").map_err(internal)?;
+        // An EVM authorization carries its own window (validBefore, checked
+        // before this); a Solana transaction's is its blockhash, which only
+        // a node can date. Its replays are answered within the window we
+        // offered (maxTimeoutSeconds) after we first saw it, then refused.
+        let window_ms = i64::try_from(self.config.max_timeout_secs)
+            .unwrap_or(i64::MAX)
+            .saturating_mul(1000);
+        if network.starts_with("solana:") && now_ms().saturating_sub(created) > window_ms {
+            return fail(
+                402,
+                "PAYMENT_EXPIRED",
+                "This payment is older than its window: sign a new payment",
+                "payment_expired",
+            );
+        }
         let transaction: Option<String> = row.try_get("transaction_ref").map_err(internal)?;
-        let balance = self
-            .ledger
-            .balance(owner)
-            .await
-            .map_err(|e| internal(e.message))?;
         Ok(TopUp {
             wallet: wallet.clone(),
             amount_usd: crate::from_nanos(amount),
-            new_balance_usd: crate::from_nanos(balance.usd),
+            // Whoever replays a payment holds only its signed bytes, which
+            // travel in headers and logs: they learn nothing of the
+            // wallet's balance now.
+            new_balance_usd: String::new(),
             payment_id: row.try_get("id").map_err(internal)?,
             settle_response: json!({"success": true, "network": network, "payer": wallet,
                 "transaction": transaction.unwrap_or_default()}),

@@ -177,7 +177,8 @@ impl Bus {
             .map_err(|e| {
                 crate::Error::new(
                     crate::ErrorCode::Unavailable,
-                    format!("cannot reach NATS at {url}: {e}"),
+                    // The URL may carry a user and password or a token.
+                    format!("cannot reach NATS at {}: {e}", crate::db::redacted(url)),
                 )
             })?;
         Ok(Self {
@@ -588,6 +589,15 @@ impl Transport for Nats {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_nats_url_is_named_without_its_credentials() {
+        let Err(error) = Bus::nats("nats://rialto:s3cret@[::1", "t").await else {
+            panic!("a malformed URL connects")
+        };
+        assert!(error.message.contains("***@"), "{}", error.message);
+        assert!(!error.message.contains("s3cret"), "{}", error.message);
+    }
 
     #[tokio::test]
     async fn in_process_fans_out_and_queue_groups_share() {

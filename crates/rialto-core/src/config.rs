@@ -13,7 +13,7 @@ use std::path::Path;
 use figment::Figment;
 use figment::providers::{Env, Format, Serialized, Toml};
 use rust_decimal::Decimal;
-use secrecy::SecretString;
+use secrecy::{ExposeSecret, SecretString};
 use serde::{Deserialize, Serialize};
 
 /// Environment variable naming the configuration file.
@@ -135,6 +135,10 @@ pub struct WalletConfig {
     pub tier: String,
     /// The statement of the sign-in challenge in 402 answers.
     pub statement: String,
+    /// USD a signed-in wallet must hold to be served at all, free models
+    /// included: below it, the 402 with top-up instructions. Above 0, so
+    /// a wallet made a moment ago is not a free account.
+    pub min_balance_usd: String,
 }
 
 impl Default for WalletConfig {
@@ -145,6 +149,7 @@ impl Default for WalletConfig {
             solana_chains: vec!["5eykt4UsFv8P8NJdTREpY1vzqKqZKvdp".into()],
             tier: "standard".into(),
             statement: "Sign in to Rialto".into(),
+            min_balance_usd: "0.01".into(),
         }
     }
 }
@@ -893,8 +898,40 @@ impl Config {
         if !(self.bus.url.is_empty() || self.bus.url.starts_with("nats://")) {
             return invalid(format!(
                 "bus.url {:?} must be empty (in-process) or nats://host:port",
-                self.bus.url
+                crate::db::redacted(&self.bus.url)
             ));
+        }
+        if !matches!(
+            self.wallet.min_balance_usd.trim().parse::<Decimal>(),
+            Ok(usd) if !usd.is_sign_negative()
+        ) {
+            return invalid(format!(
+                "wallet.min_balance_usd {:?} must be a USD amount such as \"0.01\"",
+                self.wallet.min_balance_usd
+            ));
+        }
+        let billing = &self.billing;
+        if billing.stream_lease_secs == 0
+            || billing.checkpoint_ms.saturating_mul(2)
+                >= billing.stream_lease_secs.saturating_mul(1000)
+        {
+            // A stream waits at most half its lease for a slow client, and
+            // checkpoints between: both together must fit in the lease.
+            return invalid(format!(
+                "billing.checkpoint_ms ({}) must be under half of billing.stream_lease_secs ({} s)",
+                billing.checkpoint_ms, billing.stream_lease_secs
+            ));
+        }
+        if self
+            .grpc
+            .token
+            .as_ref()
+            .is_some_and(|t| t.expose_secret().is_empty())
+        {
+            // An empty token would match a call that sends none.
+            return invalid(
+                "grpc.token must not be empty: leave it out on loopback, or set a secret".into(),
+            );
         }
         let router = &self.router;
         if router.breaker_failure_threshold == 0
@@ -1015,6 +1052,7 @@ mod tests {
             assert_eq!(config.metrics.listen, "0.0.0.0:9464");
             assert!(config.remote.limiter.contains(','), "two limiter replicas");
             assert_eq!(config.shutdown.delay_ms, 5000);
+            assert_ne!(config.wallet.domains, WalletConfig::default().domains);
         }
     }
 
@@ -1125,6 +1163,22 @@ backends = [{ kind = "openai", url = "http://127.0.0.1:18999/v1", model = "mock-
             assert!(Config::load(Some(Path::new("rialto.toml"))).is_err());
             Ok(())
         });
+    }
+
+    #[test]
+    fn an_empty_grpc_token_is_refused() {
+        let error = Config::from_toml("[grpc]\ntoken = \"\"").unwrap_err();
+        assert!(error.to_string().contains("grpc.token"), "{error}");
+        assert!(Config::from_toml("[grpc]\ntoken = \"s3cret\"").is_ok());
+    }
+
+    #[test]
+    fn a_bad_bus_url_is_named_without_its_credentials() {
+        let error = Config::from_toml("[bus]\nurl = \"tls://rialto:s3cret@nats:4222\"")
+            .unwrap_err()
+            .to_string();
+        assert!(error.contains("bus.url"), "{error}");
+        assert!(!error.contains("s3cret"), "{error}");
     }
 
     #[test]

@@ -57,6 +57,8 @@ struct Exchange {
     wallet_usd_before: Option<rust_decimal::Decimal>,
     /// How often the stream checkpoints its usage.
     checkpoint_every: std::time::Duration,
+    /// How long a stream waits for its client to take a chunk.
+    reader_patience: std::time::Duration,
 }
 
 /// `X-Balance-Remaining`: a wallet's USD balance after the request.
@@ -67,10 +69,10 @@ pub(crate) const BALANCE_REMAINING: &str = "x-balance-remaining";
 const RETRY_COUNT: &str = "x-retry-count";
 
 /// Tells the limiter what an admitted request really used, at most once:
-/// the real usage when the response ends (a stream cut by the client
-/// included), none when no backend answered. A request dropped any other way
-/// (the client left a non-streamed call) sends nothing, so its estimate
-/// stands: its backend may well have used the tokens.
+/// the real usage when the response ends (a stream cut by the client, or a
+/// non-streamed call the client left, included: both run to their end in a
+/// task of their own), none when no backend answered. A settlement dropped
+/// any other way sends nothing, so its estimate stands.
 pub(crate) struct Settlement {
     limiter: RateLimiter,
     ticket: Option<Ticket>,
@@ -325,7 +327,7 @@ async fn complete_or_stream(
         .ok_or_else(|| ApiError::new(ErrorCode::ModelNotFound, "Specified model not found"))?;
     // A trait or alias names the model from here on.
     chat.model_id.clone_from(&model.config.id);
-    convert_files(&mut body, &mut chat, gateway.file_urls_allow_private).await?;
+    convert_files(&mut body, &mut chat, gateway).await?;
     // Validation refused anything but an object.
     let Value::Object(body) = body else {
         return Err(rialto_core::Error::internal("a validated chat body is not an object").into());
@@ -363,6 +365,7 @@ async fn complete_or_stream(
         settlement,
         wallet_usd_before,
         checkpoint_every: gateway.checkpoint_every,
+        reader_patience: gateway.reader_patience,
     };
     if exchange.chat.stream {
         stream(gateway, model, router_request, exchange).await
@@ -535,6 +538,15 @@ pub(crate) async fn admit(
         settlement.key_id.clone_from(&principal.key_id);
         settlement.key_period = hold.key_period;
     }
+    if !principal.wallet.is_empty() {
+        // A hold of nothing (a free model) is placed for any wallet: one
+        // made a moment ago must still hold `wallet.min_balance_usd`.
+        let usd = hold.before.as_ref().map_or("0", |b| b.usd.as_str());
+        if below_wallet_minimum(gateway, usd) {
+            settlement.release();
+            return Err(crate::wallet::insufficient(gateway, request, usd));
+        }
+    }
     let wallet_usd_before = if principal.wallet.is_empty() {
         None
     } else {
@@ -546,6 +558,17 @@ pub(crate) async fn admit(
     })
 }
 
+/// Whether a wallet's USD balance is under `wallet.min_balance_usd`.
+fn below_wallet_minimum(gateway: &Gateway, usd: &str) -> bool {
+    let minimum: rust_decimal::Decimal = gateway
+        .wallet
+        .min_balance_usd
+        .trim()
+        .parse()
+        .unwrap_or(rust_decimal::Decimal::ZERO);
+    !matches!(usd.parse::<rust_decimal::Decimal>(), Ok(balance) if balance >= minimum)
+}
+
 pub(crate) fn invalid_answer() -> ApiError {
     ApiError::new(
         ErrorCode::UpstreamFailed,
@@ -553,12 +576,58 @@ pub(crate) fn invalid_answer() -> ApiError {
     )
 }
 
+/// A non-streamed answer, billed: what the response is built from.
+struct Answered {
+    body: Value,
+    backend: String,
+    retry_count: u32,
+    /// `X-Balance-Remaining` of a signed-in wallet.
+    balance_remaining: Option<String>,
+}
+
 async fn complete(
-    gateway: &Gateway,
+    gateway: &web::Data<Gateway>,
     model: &ModelEntry,
     router_request: rialto_router::Chat,
     exchange: Exchange,
 ) -> Result<HttpResponse, ApiError> {
+    // The backend's work and its settlement run as a task of their own: a
+    // client that leaves meanwhile drops this handler but not the task, so
+    // what the backend did is still charged (a dropped settlement would
+    // leave the hold to expire free).
+    let task = tokio::spawn({
+        let gateway = gateway.clone();
+        let model_id = model.config.id.clone();
+        // In the request's span: the router's call continues its trace.
+        tracing::Instrument::instrument(
+            async move { answer(&gateway, &model_id, router_request, exchange).await },
+            tracing::Span::current(),
+        )
+    });
+    let answered = task
+        .await
+        .map_err(|e| rialto_core::Error::internal(format!("the answer's task failed: {e}")))??;
+    let mut response = HttpResponse::Ok();
+    model_headers(
+        &mut response,
+        gateway,
+        model,
+        &answered.backend,
+        answered.retry_count,
+    );
+    if let Some(remaining) = answered.balance_remaining {
+        response.insert_header((BALANCE_REMAINING, remaining));
+    }
+    Ok(response.json(answered.body))
+}
+
+/// Asks the router for the whole answer, bills it, and shapes the body.
+async fn answer(
+    gateway: &Gateway,
+    model_id: &str,
+    router_request: rialto_router::Chat,
+    exchange: Exchange,
+) -> Result<Answered, ApiError> {
     let mut exchange = exchange;
     let answer = match gateway.services.router.chat(router_request).await {
         Ok(answer) => answer,
@@ -574,7 +643,7 @@ async fn complete(
     };
     object.insert("id".into(), json!(exchange.completion_id));
     object.insert("object".into(), json!("chat.completion"));
-    object.insert("model".into(), json!(model.config.id));
+    object.insert("model".into(), json!(model_id));
     object.entry("created").or_insert_with(|| json!(now()));
     object.remove("system_fingerprint");
     if let Some(Value::Array(choices)) = object.get_mut("choices") {
@@ -597,23 +666,17 @@ async fn complete(
         gateway.brand.parameters_field.clone(),
         Value::Object(exchange.chat.parameters),
     );
-    let mut response = HttpResponse::Ok();
-    model_headers(
-        &mut response,
-        gateway,
-        model,
-        &answer.backend,
-        answer.retry_count,
-    );
-    if let Some(before) = exchange.wallet_usd_before {
+    let balance_remaining = exchange.wallet_usd_before.map(|before| {
         let charged: rust_decimal::Decimal =
             body["cost"]["usd"].to_string().parse().unwrap_or_default();
-        response.insert_header((
-            BALANCE_REMAINING,
-            (before - charged).normalize().to_string(),
-        ));
-    }
-    Ok(response.json(body))
+        (before - charged).normalize().to_string()
+    });
+    Ok(Answered {
+        body,
+        backend: answer.backend,
+        retry_count: answer.retry_count,
+        balance_remaining,
+    })
 }
 
 async fn stream(
@@ -623,7 +686,21 @@ async fn stream(
     exchange: Exchange,
 ) -> Result<HttpResponse, ApiError> {
     let mut exchange = exchange;
-    let mut events = match gateway.services.router.chat_stream(router_request).await {
+    // The stream's hold lives on a lease that checkpoints renew: while the
+    // backend thinks before its first byte too (a long prompt can take
+    // longer than the lease), or the hold would expire and the stream run
+    // free.
+    let opening = gateway.services.router.chat_stream(router_request);
+    tokio::pin!(opening);
+    let every = exchange.checkpoint_every;
+    let mut checkpoints = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    let opened = loop {
+        tokio::select! {
+            opened = &mut opening => break opened,
+            _ = checkpoints.tick() => exchange.settlement.checkpoint(&Usage::completion_only(0)),
+        }
+    };
+    let mut events = match opened {
         Ok(events) => events,
         Err(error) => {
             exchange.settlement.release();
@@ -682,6 +759,13 @@ const DONE: &[u8] = b"data: [DONE]\n\n";
 /// Relays upstream chunks to the client, then a final chunk with `usage` and
 /// `cost`, then `[DONE]`. Runs as its own task so a slow client never holds
 /// a worker; stops reading the upstream as soon as the client goes away.
+///
+/// The stream's hold lives on a lease that each checkpoint renews, so the
+/// relay checkpoints on a clock, whether chunks come or not (a backend
+/// silent for longer than the lease must not let the hold expire and the
+/// stream go free), and never waits longer than `reader_patience` for the
+/// client to take a chunk: a reader that slow is ended and charged what it
+/// was sent, before the lease could run out under it.
 async fn relay(
     mut events: rialto_router::ChatStream,
     sender: mpsc::Sender<Bytes>,
@@ -693,7 +777,10 @@ async fn relay(
     let estimate = |usage: &Option<Value>, text: usize| {
         usage_or_estimate(usage.as_ref(), exchange.chat.prompt_tokens_estimate, text)
     };
-    let mut checkpointed = tokio::time::Instant::now();
+    let every = exchange.checkpoint_every;
+    let mut checkpoints = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    checkpoints.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let patience = exchange.reader_patience;
     let mut content_chunks = 0u64;
     loop {
         let event = tokio::select! {
@@ -703,6 +790,16 @@ async fn relay(
                 let used = estimate(&upstream_usage, completion_text);
                 exchange.settlement.bill_later(&used);
                 return;
+            }
+            _ = checkpoints.tick() => {
+                // The least the stream has used: a token per chunk of text
+                // so far and no prompt (estimates could overshoot the
+                // upstream's own count), so a crash never charges more
+                // than the stream would have cost.
+                exchange
+                    .settlement
+                    .checkpoint(&Usage::completion_only(content_chunks));
+                continue;
             }
             event = events.next() => event,
         };
@@ -754,16 +851,6 @@ async fn relay(
         let chars = delta_chars(chunk.get("choices"));
         completion_text += chars;
         content_chunks += u64::from(chars > 0);
-        if checkpointed.elapsed() >= exchange.checkpoint_every {
-            checkpointed = tokio::time::Instant::now();
-            // The least the stream has used: a token per chunk of text so
-            // far and no prompt (estimates could overshoot the upstream's
-            // own count), so a crash never charges more than the stream
-            // would have cost.
-            exchange
-                .settlement
-                .checkpoint(&Usage::completion_only(content_chunks));
-        }
         chunk.insert("id".into(), json!(exchange.completion_id));
         chunk.insert("object".into(), json!("chat.completion.chunk"));
         chunk.insert("model".into(), json!(exchange.chat.model_id));
@@ -771,9 +858,20 @@ async fn relay(
             created.get_or_insert_with(|| chunk.get("created").cloned().unwrap_or(json!(now())));
         chunk.insert("created".into(), created.clone());
         chunk.remove("system_fingerprint");
-        if sender.send(sse(&Value::Object(chunk))).await.is_err() {
+        match tokio::time::timeout(patience, sender.send(sse(&Value::Object(chunk)))).await {
+            Ok(Ok(())) => {}
             // Closed: the select above settles on the next turn.
-            continue;
+            Ok(Err(_)) => continue,
+            Err(_) => {
+                tracing::warn!(
+                    request_id = exchange.request_id,
+                    patience_secs = patience.as_secs(),
+                    "the client stopped reading the stream: ended"
+                );
+                let used = estimate(&upstream_usage, completion_text);
+                exchange.settlement.bill_later(&used);
+                return;
+            }
         }
     }
     let usage = estimate(&upstream_usage, completion_text);
@@ -954,8 +1052,9 @@ fn delta_chars(choices: Option<&Value>) -> usize {
 async fn convert_files(
     body: &mut Value,
     chat: &mut Chat,
-    allow_private: bool,
+    gateway: &Gateway,
 ) -> Result<(), ApiError> {
+    let allow_private = gateway.file_urls_allow_private;
     let Some(Value::Array(messages)) = body.get_mut("messages") else {
         return Ok(());
     };
@@ -977,15 +1076,7 @@ async fn convert_files(
         );
         return Err(ApiError::validation(details));
     }
-    let mut taken = std::mem::take(messages);
-    let (result, converted) = tokio::task::spawn_blocking(move || {
-        let result = crate::files::convert(&mut taken);
-        (result, taken)
-    })
-    .await
-    .map_err(rialto_core::Error::internal)?;
-    *messages = converted;
-    if let Err((m, p, why)) = result {
+    if let Err((m, p, why)) = crate::files::convert(messages, &gateway.converter).await {
         let mut details = Details::new();
         details.push(
             &[
@@ -1098,6 +1189,7 @@ fn validate(gateway: &Gateway, body: &mut Value) -> Result<Chat, ApiError> {
             },
         }
     }
+    check_stop(&mut details, object.get("stop"));
     if object
         .get("prompt_cache_key")
         .is_some_and(|v| !v.is_string() && !v.is_null())
@@ -1165,13 +1257,25 @@ fn validate(gateway: &Gateway, body: &mut Value) -> Result<Chat, ApiError> {
         character_prompt,
     };
 
+    let model = gateway.model(&model_id);
     let completion_budget = max_tokens
-        .or_else(|| {
-            gateway
-                .model(&model_id)
-                .and_then(|m| m.config.max_completion_tokens)
-        })
+        .or_else(|| model.and_then(|m| m.config.max_completion_tokens))
         .unwrap_or(gateway.services.limiter.policy().default_completion_tokens);
+    if max_tokens.is_none() {
+        // The hold covers this many: the backend must not write more.
+        object.insert("max_tokens".into(), Value::from(completion_budget));
+    }
+    // Everything else the model reads: tools and schemas, tool calls,
+    // media, and the system prompts the router puts first.
+    prompt_chars = prompt_chars
+        .saturating_add(other_prompt_chars(object))
+        .saturating_add(service.character_prompt.len());
+    if service.include_system_prompt {
+        let system_prompt = model
+            .and_then(|m| m.config.system_prompt.as_ref())
+            .map_or(gateway.system_prompt_chars, String::len);
+        prompt_chars = prompt_chars.saturating_add(system_prompt);
+    }
     let prompt_tokens_estimate = (prompt_chars as u64).div_ceil(4).max(1);
     Ok(Chat {
         model_id,
@@ -1184,6 +1288,59 @@ fn validate(gateway: &Gateway, body: &mut Value) -> Result<Chat, ApiError> {
     })
 }
 
+/// What one image is counted as in a hold, in characters (four a token):
+/// 1,600 tokens, above what the common vision encoders make of a
+/// high-detail image.
+const IMAGE_CHARS: usize = 1_600 * 4;
+
+/// Characters of what reaches the model besides the messages' text: the
+/// JSON of `tools`, `functions`, `response_format` and `tool_choice` and
+/// of tool calls (as a chat template writes them), each image at
+/// [`IMAGE_CHARS`], and audio and video parts at the length of their data.
+fn other_prompt_chars(object: &Map<String, Value>) -> usize {
+    let mut chars = ["tools", "functions", "response_format", "tool_choice"]
+        .iter()
+        .filter_map(|field| object.get(*field))
+        .map(json_len)
+        .fold(0usize, usize::saturating_add);
+    let Some(Value::Array(messages)) = object.get("messages") else {
+        return chars;
+    };
+    for message in messages {
+        if let Some(calls) = message.get("tool_calls") {
+            chars = chars.saturating_add(json_len(calls));
+        }
+        let Some(Value::Array(parts)) = message.get("content") else {
+            continue;
+        };
+        for part in parts {
+            chars = chars.saturating_add(match part.get("type").and_then(Value::as_str) {
+                Some("image_url") => IMAGE_CHARS,
+                Some("input_audio" | "video_url") => json_len(part),
+                _ => 0,
+            });
+        }
+    }
+    chars
+}
+
+/// The length of a value's JSON, written nowhere.
+fn json_len(value: &Value) -> usize {
+    struct Count(usize);
+    impl std::io::Write for Count {
+        fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+            self.0 = self.0.saturating_add(bytes.len());
+            Ok(bytes.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut count = Count(0);
+    let _ = serde_json::to_writer(&mut count, value);
+    count.0
+}
+
 /// Content part types beyond text, and the capability each needs.
 const MEDIA_PARTS: [(&str, &str, &str); 4] = [
     ("image_url", "vision", "image"),
@@ -1194,6 +1351,46 @@ const MEDIA_PARTS: [(&str, &str, &str); 4] = [
 
 /// Validates one message; returns the characters of text it carries.
 /// `capabilities` are the model's (None: the model is unknown).
+/// The most stop sequences a request may give (the hosted API's bound).
+const MAX_STOPS: usize = 4;
+/// The longest stop sequence, in bytes: a backend searches each of them
+/// in the text generated so far, on every token.
+const MAX_STOP_BYTES: usize = 256;
+
+/// `stop`: a string or up to four, none empty or longer than 256 bytes.
+fn check_stop(details: &mut Details, stop: Option<&Value>) {
+    let stops: Vec<&Value> = match stop {
+        None | Some(Value::Null) => return,
+        Some(Value::String(_)) => vec![stop.unwrap_or(&Value::Null)],
+        Some(Value::Array(stops)) if (1..=MAX_STOPS).contains(&stops.len()) => {
+            stops.iter().collect()
+        }
+        Some(Value::Array(_)) => {
+            details.push(
+                &["stop"],
+                format!("Expected 1 to {MAX_STOPS} stop sequences"),
+            );
+            return;
+        }
+        Some(_) => {
+            details.push(&["stop"], "Expected a string or an array of strings");
+            return;
+        }
+    };
+    for stop in stops {
+        match stop.as_str() {
+            Some(text) if !text.is_empty() && text.len() <= MAX_STOP_BYTES => {}
+            _ => {
+                details.push(
+                    &["stop"],
+                    format!("Each stop sequence must be a string of 1 to {MAX_STOP_BYTES} bytes"),
+                );
+                return;
+            }
+        }
+    }
+}
+
 fn validate_message(
     details: &mut Details,
     index: &str,

@@ -11,9 +11,11 @@
 //! `gateway.file_urls_allow_private`, pinning the address it checked (no
 //! DNS rebinding), following no redirects, within 15 s and the size limit.
 //! Limits: [`MAX_FILE_BYTES`] per file decoded and
-//! [`MAX_TEXT_CHARS`] of text per file. A file that cannot be read is a 400
-//! naming its part, never a 500. Conversion runs on the blocking pool: a
-//! large PDF must not stall the gateway's workers.
+//! [`MAX_TEXT_CHARS`] of text per file. Before any parser sees a file,
+//! [`precheck`] refuses what would make one recurse or allocate without
+//! bound (PDFs nested too deep, sheets spanning too many cells); then the
+//! parsing itself runs in a bounded child process (`convert.rs`). A file
+//! that cannot be read is a 400 naming its part, never a 500.
 
 use std::io::{Cursor, Read};
 
@@ -22,6 +24,11 @@ use serde_json::{Value, json};
 
 /// The largest file accepted, decoded.
 pub const MAX_FILE_BYTES: usize = 10 * 1024 * 1024;
+/// The most `file` parts one request may carry.
+pub const MAX_FILE_PARTS: usize = 10;
+/// The most bytes the files of one request may hold together, inline and
+/// fetched: what one request can make the gateway hold in memory.
+pub const MAX_REQUEST_FILE_BYTES: usize = 20 * 1024 * 1024;
 /// The most text one file may become.
 pub const MAX_TEXT_CHARS: usize = 1_000_000;
 /// The most entries of a DOCX, PPTX or XLSX archive read (zip bombs).
@@ -29,7 +36,7 @@ const MAX_ARCHIVE_BYTES: u64 = 64 * 1024 * 1024;
 
 /// A file's format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Format {
+pub(crate) enum Format {
     Pdf,
     Docx,
     Pptx,
@@ -37,7 +44,7 @@ enum Format {
     Text,
 }
 
-fn format_of(name: &str, media_type: &str) -> Option<Format> {
+pub(crate) fn format_of(name: &str, media_type: &str) -> Option<Format> {
     let extension = name.rsplit_once('.').map(|(_, e)| e.to_ascii_lowercase());
     match (extension.as_deref(), media_type) {
         (Some("pdf"), _) | (_, "application/pdf") => Some(Format::Pdf),
@@ -57,6 +64,168 @@ fn format_of(name: &str, media_type: &str) -> Option<Format> {
         | (_, "text/plain" | "text/csv" | "text/markdown") => Some(Format::Text),
         _ => None,
     }
+}
+
+/// The deepest nesting of arrays and dictionaries a PDF may have. Real
+/// documents stay in single digits; lopdf's parser recurses once a level,
+/// and a few thousand levels overflow its stack.
+const MAX_PDF_NESTING: usize = 64;
+/// The most cells a sheet's bounding box may span: calamine allocates
+/// every cell between the first and the last, so two cells at A1 and
+/// XFD1048576 would ask for ~550 GB.
+const MAX_SHEET_CELLS: u64 = 4_000_000;
+
+/// Bounded checks of a file's structure before any parser sees it: what
+/// would make a parser recurse or allocate without bound is refused here,
+/// in linear time and constant memory (the sandbox in `convert.rs` is the
+/// second line, for what these checks cannot foresee).
+pub(crate) fn precheck(name: &str, format: Format, bytes: &[u8]) -> Result<(), String> {
+    match format {
+        Format::Pdf => pdf_nesting(bytes).map_err(|why| format!("{name:?} {why}")),
+        Format::Xlsx => sheet_extent(bytes)
+            .map_err(|why| format!("{name:?} could not be read as an XLSX file: {why}")),
+        Format::Docx | Format::Pptx | Format::Text => Ok(()),
+    }
+}
+
+/// Refuses a PDF whose arrays and dictionaries nest deeper than
+/// [`MAX_PDF_NESTING`], skipping what is not syntax: strings (`(...)`,
+/// with escapes and balanced parentheses), comments, and the bytes of
+/// streams (`stream` ... `endstream`), which may hold anything.
+fn pdf_nesting(bytes: &[u8]) -> Result<(), String> {
+    let mut depth = 0usize;
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'(' => {
+                // A literal string: nested parentheses balance, `\` escapes.
+                let mut level = 1usize;
+                i += 1;
+                while i < bytes.len() && level > 0 {
+                    match bytes[i] {
+                        b'\\' => i += 1,
+                        b'(' => level += 1,
+                        b')' => level -= 1,
+                        _ => {}
+                    }
+                    i += 1;
+                }
+                continue;
+            }
+            b'%' => {
+                while i < bytes.len() && bytes[i] != b'\n' && bytes[i] != b'\r' {
+                    i += 1;
+                }
+            }
+            b'[' => depth += 1,
+            b'<' if bytes.get(i + 1) == Some(&b'<') => {
+                depth += 1;
+                i += 1;
+            }
+            b']' => depth = depth.saturating_sub(1),
+            b'>' if bytes.get(i + 1) == Some(&b'>') => {
+                depth = depth.saturating_sub(1);
+                i += 1;
+            }
+            // The keyword, after white space or a dictionary's end and
+            // before an end of line (not a name such as /streamX).
+            b's' if bytes[i..].starts_with(b"stream")
+                && matches!(bytes.get(i + 6), Some(b'\r' | b'\n'))
+                && (i == 0 || matches!(bytes[i - 1], b' ' | b'\t' | b'\r' | b'\n' | b'>')) =>
+            {
+                // Jump to the stream's end; an unterminated one ends the file.
+                let body = i + b"stream".len();
+                i = find(&bytes[body..], b"endstream").map_or(bytes.len(), |at| body + at + 9);
+                continue;
+            }
+            _ => {}
+        }
+        if depth > MAX_PDF_NESTING {
+            return Err(format!(
+                "nests arrays or dictionaries more than {MAX_PDF_NESTING} deep"
+            ));
+        }
+        i += 1;
+    }
+    Ok(())
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack
+        .windows(needle.len())
+        .position(|window| window == needle)
+}
+
+/// Refuses a workbook whose sheets' cells span more than
+/// [`MAX_SHEET_CELLS`], reading each sheet's cell references (`r="B7"`)
+/// as a stream of XML events (no sheet is held in memory whole).
+fn sheet_extent(bytes: &[u8]) -> Result<(), String> {
+    use quick_xml::events::Event;
+    let mut archive = zip::ZipArchive::new(Cursor::new(bytes)).map_err(|e| e.to_string())?;
+    let sheets: Vec<String> = archive
+        .file_names()
+        .filter(|n| n.starts_with("xl/worksheets/") && n.ends_with(".xml"))
+        .map(str::to_owned)
+        .collect();
+    for sheet in sheets {
+        let entry = archive
+            .by_name(&sheet)
+            .map_err(|e| e.to_string())?
+            .take(MAX_ARCHIVE_BYTES);
+        let mut reader = quick_xml::Reader::from_reader(std::io::BufReader::new(entry));
+        let mut buffer = Vec::new();
+        // (first row, last row, first column, last column), 1-based.
+        let mut extent: Option<(u64, u64, u64, u64)> = None;
+        loop {
+            let event = reader
+                .read_event_into(&mut buffer)
+                .map_err(|e| e.to_string())?;
+            match &event {
+                Event::Start(element) | Event::Empty(element)
+                    if element.local_name().as_ref() == b"c" =>
+                {
+                    let reference = element
+                        .attributes()
+                        .flatten()
+                        .find(|a| a.key.local_name().as_ref() == b"r");
+                    if let Some((row, column)) = reference.and_then(|a| cell_position(&a.value)) {
+                        let (r0, r1, c0, c1) = extent.unwrap_or((row, row, column, column));
+                        let grown = (r0.min(row), r1.max(row), c0.min(column), c1.max(column));
+                        let cells = (grown.1 - grown.0 + 1).saturating_mul(grown.3 - grown.2 + 1);
+                        if cells > MAX_SHEET_CELLS {
+                            return Err(format!(
+                                "a sheet spans {cells} cells, more than {MAX_SHEET_CELLS}"
+                            ));
+                        }
+                        extent = Some(grown);
+                    }
+                }
+                Event::Eof => break,
+                _ => {}
+            }
+            buffer.clear();
+        }
+    }
+    Ok(())
+}
+
+/// `B7` -> (row 7, column 2); None when it is not a cell reference.
+fn cell_position(reference: &[u8]) -> Option<(u64, u64)> {
+    let letters = reference
+        .iter()
+        .take_while(|b| b.is_ascii_alphabetic())
+        .count();
+    if letters == 0 || letters > 3 {
+        return None;
+    }
+    let column = reference[..letters].iter().fold(0u64, |column, letter| {
+        column * 26 + u64::from(letter.to_ascii_uppercase() - b'A' + 1)
+    });
+    let row: u64 = std::str::from_utf8(&reference[letters..])
+        .ok()?
+        .parse()
+        .ok()?;
+    (row >= 1).then_some((row, column))
 }
 
 /// The text of a file, or why it cannot be read.
@@ -114,18 +283,23 @@ fn office_text(
         (digits.parse::<u64>().unwrap_or(0), n.clone())
     });
     let mut text = String::new();
+    // What all entries may expand to together, read as a stream: a deck of
+    // many slides is bounded as a whole, not one slide at a time.
+    let mut expansion = MAX_ARCHIVE_BYTES;
     for name in names {
-        let mut xml = Vec::new();
-        archive
+        let mut entry = archive
             .by_name(&name)
             .map_err(|e| e.to_string())?
-            .take(MAX_ARCHIVE_BYTES)
-            .read_to_end(&mut xml)
-            .map_err(|e| e.to_string())?;
-        let mut reader = quick_xml::Reader::from_reader(xml.as_slice());
+            .take(expansion);
+        let mut reader = quick_xml::Reader::from_reader(std::io::BufReader::new(&mut entry));
         let mut buffer = Vec::new();
         let mut inside = false;
         loop {
+            // Four bytes a character at most: past this, the text is over
+            // its cap whatever it holds, so stop expanding.
+            if text.len() > MAX_TEXT_CHARS * 4 {
+                return Err(format!("more than {MAX_TEXT_CHARS} characters of text"));
+            }
             match reader
                 .read_event_into(&mut buffer)
                 .map_err(|e| e.to_string())?
@@ -154,6 +328,13 @@ fn office_text(
                 _ => {}
             }
             buffer.clear();
+        }
+        drop(reader);
+        expansion = entry.limit();
+        if expansion == 0 {
+            return Err(format!(
+                "its parts expand to more than {MAX_ARCHIVE_BYTES} bytes"
+            ));
         }
     }
     Ok(text.trim_end().to_owned())
@@ -213,10 +394,43 @@ fn decode_part(file: &Value) -> Result<(String, String, Vec<u8>), String> {
 /// Fetches the `file_url` parts' files into `file_data` (data: URLs), so
 /// that [`convert`] finds every file inline; the location and reason of
 /// the first that fails.
+///
+/// At most [`MAX_FILE_PARTS`] parts, holding [`MAX_REQUEST_FILE_BYTES`]
+/// together: inline files count first, and each download stops at what
+/// is left (the caps hold while bytes arrive, not after).
 pub async fn fetch_urls(
     messages: &mut [Value],
     allow_private: bool,
 ) -> Result<(), (usize, usize, String)> {
+    let mut budget = MAX_REQUEST_FILE_BYTES;
+    let mut count = 0usize;
+    let over_budget =
+        || format!("the files of one request may hold {MAX_REQUEST_FILE_BYTES} bytes together");
+    for (m, message) in messages.iter().enumerate() {
+        let Some(Value::Array(parts)) = message.get("content") else {
+            continue;
+        };
+        for (p, part) in parts.iter().enumerate() {
+            if part.get("type").and_then(Value::as_str) != Some("file") {
+                continue;
+            }
+            count += 1;
+            if count > MAX_FILE_PARTS {
+                return Err((
+                    m,
+                    p,
+                    format!("a request may carry at most {MAX_FILE_PARTS} file parts"),
+                ));
+            }
+            if let Some(Value::String(data)) = part["file"].get("file_data") {
+                // Base64: three bytes for four characters.
+                let decoded = data.len() / 4 * 3;
+                budget = budget
+                    .checked_sub(decoded)
+                    .ok_or_else(|| (m, p, over_budget()))?;
+            }
+        }
+    }
     for (m, message) in messages.iter_mut().enumerate() {
         let Some(Value::Array(parts)) = message.get_mut("content") else {
             continue;
@@ -237,9 +451,17 @@ pub async fn fetch_urls(
             else {
                 continue;
             };
-            let (media_type, bytes) = fetch(&url, allow_private)
+            let (media_type, bytes) = fetch(&url, allow_private, budget.min(MAX_FILE_BYTES))
                 .await
-                .map_err(|why| (m, p, why))?;
+                .map_err(|why| {
+                    let why = if why == TOO_LARGE && budget < MAX_FILE_BYTES {
+                        over_budget()
+                    } else {
+                        why
+                    };
+                    (m, p, why)
+                })?;
+            budget -= bytes.len();
             if file.get("filename").is_none() {
                 let name = url
                     .split(['?', '#'])
@@ -257,38 +479,86 @@ pub async fn fetch_urls(
     Ok(())
 }
 
-/// Whether an address is outside the operator's own networks.
+/// IPv4 ranges no file URL may reach: IANA's special-purpose registry
+/// (those not globally reachable, and relays that would forward elsewhere),
+/// as (network, prefix length).
+const V4_NOT_PUBLIC: [([u8; 4], u8); 17] = [
+    ([0, 0, 0, 0], 8),       // "this network"
+    ([10, 0, 0, 0], 8),      // private
+    ([100, 64, 0, 0], 10),   // carrier-grade NAT
+    ([127, 0, 0, 0], 8),     // loopback
+    ([169, 254, 0, 0], 16),  // link local (cloud metadata)
+    ([172, 16, 0, 0], 12),   // private
+    ([192, 0, 0, 0], 24),    // IETF protocol assignments
+    ([192, 0, 2, 0], 24),    // documentation
+    ([192, 88, 99, 0], 24),  // 6to4 relay anycast
+    ([192, 168, 0, 0], 16),  // private
+    ([198, 18, 0, 0], 15),   // benchmarking
+    ([198, 51, 100, 0], 24), // documentation
+    ([203, 0, 113, 0], 24),  // documentation
+    ([224, 0, 0, 0], 4),     // multicast
+    ([240, 0, 0, 0], 4),     // reserved, and the broadcast address
+    // The two below lie inside 0.0.0.0/8 and 240.0.0.0/4 already; listed
+    // for the reader who looks for them.
+    ([0, 0, 0, 0], 32),         // unspecified
+    ([255, 255, 255, 255], 32), // broadcast
+];
+
+/// IPv6 ranges no file URL may reach, as (network, prefix length). Ranges
+/// that carry an IPv4 address to another network (NAT64, 6to4, Teredo)
+/// are refused whole: the relay, not us, would pick the destination.
+/// IPv4-mapped addresses (`::ffff:a.b.c.d`) are judged by their IPv4 half.
+const V6_NOT_PUBLIC: [(u128, u8); 15] = [
+    (0, 128),                                        // unspecified
+    (1, 128),                                        // loopback
+    (0, 96),                                         // IPv4-compatible (deprecated)
+    (0x0064_ff9b_0000_0000_0000_0000_0000_0000, 96), // NAT64
+    (0x0064_ff9b_0001_0000_0000_0000_0000_0000, 48), // local-use NAT64
+    (0x0100_0000_0000_0000_0000_0000_0000_0000, 64), // discard only
+    (0x2001_0000_0000_0000_0000_0000_0000_0000, 23), // IETF assignments, Teredo
+    (0x2001_0db8_0000_0000_0000_0000_0000_0000, 32), // documentation
+    (0x2002_0000_0000_0000_0000_0000_0000_0000, 16), // 6to4
+    (0x3fff_0000_0000_0000_0000_0000_0000_0000, 20), // documentation
+    (0x5f00_0000_0000_0000_0000_0000_0000_0000, 16), // segment routing SIDs
+    (0xfc00_0000_0000_0000_0000_0000_0000_0000, 7),  // unique local
+    (0xfe80_0000_0000_0000_0000_0000_0000_0000, 10), // link local
+    (0xfec0_0000_0000_0000_0000_0000_0000_0000, 10), // site local (deprecated)
+    (0xff00_0000_0000_0000_0000_0000_0000_0000, 8),  // multicast
+];
+
+/// Whether an address is outside the operator's own networks and reaches
+/// the host it names.
 fn public(ip: std::net::IpAddr) -> bool {
     use std::net::IpAddr;
+    let within = |address: u128, network: u128, prefix: u8, bits: u8| {
+        let shift = bits - prefix;
+        prefix == 0 || address >> shift == network >> shift
+    };
     match ip {
-        IpAddr::V4(v4) => {
-            !(v4.is_loopback()
-                || v4.is_private()
-                || v4.is_link_local()
-                || v4.is_unspecified()
-                || v4.is_broadcast()
-                || v4.is_multicast()
-                || v4.is_documentation()
-                // 100.64.0.0/10, carrier-grade NAT.
-                || (v4.octets()[0] == 100 && (v4.octets()[1] & 0xc0) == 64))
-        }
+        IpAddr::V4(v4) => !V4_NOT_PUBLIC.iter().any(|(network, prefix)| {
+            within(
+                u32::from(v4).into(),
+                u32::from_be_bytes(*network).into(),
+                *prefix,
+                32,
+            )
+        }),
         IpAddr::V6(v6) => {
             if let Some(v4) = v6.to_ipv4_mapped() {
                 return public(IpAddr::V4(v4));
             }
-            let first = v6.segments()[0];
-            !(v6.is_loopback()
-                || v6.is_unspecified()
-                || v6.is_multicast()
-                // fc00::/7 unique local, fe80::/10 link local.
-                || (first & 0xfe00) == 0xfc00
-                || (first & 0xffc0) == 0xfe80)
+            !V6_NOT_PUBLIC
+                .iter()
+                .any(|(network, prefix)| within(u128::from(v6), *network, *prefix, 128))
         }
     }
 }
 
-/// Downloads `url`: (media type, bytes).
-async fn fetch(url: &str, allow_private: bool) -> Result<(String, Vec<u8>), String> {
+/// Why a download stopped at its limit.
+const TOO_LARGE: &str = "the file is larger than the bytes left for it";
+
+/// Downloads `url`, at most `limit` bytes of it: (media type, bytes).
+async fn fetch(url: &str, allow_private: bool, limit: usize) -> Result<(String, Vec<u8>), String> {
     let parsed = reqwest::Url::parse(url).map_err(|_| format!("{url:?} is not a URL"))?;
     if !matches!(parsed.scheme(), "http" | "https") {
         return Err("file URLs must be http or https".to_owned());
@@ -314,6 +584,8 @@ async fn fetch(url: &str, allow_private: bool) -> Result<(String, Vec<u8>), Stri
     // differently (DNS rebinding); a redirect could go anywhere.
     let client = reqwest::Client::builder()
         .resolve(&host, address)
+        // A proxy from HTTP(S)_PROXY would resolve the name again itself.
+        .no_proxy()
         .redirect(reqwest::redirect::Policy::none())
         .timeout(std::time::Duration::from_secs(15))
         .build()
@@ -338,17 +610,25 @@ async fn fetch(url: &str, allow_private: bool) -> Result<(String, Vec<u8>), Stri
         .await
         .map_err(|e| format!("the file could not be fetched ({})", e.without_url()))?
     {
-        if bytes.len() + chunk.len() > MAX_FILE_BYTES {
-            return Err(format!("the file is larger than {MAX_FILE_BYTES} bytes"));
+        if bytes.len() + chunk.len() > limit {
+            return Err(if limit == MAX_FILE_BYTES {
+                format!("the file is larger than {MAX_FILE_BYTES} bytes")
+            } else {
+                TOO_LARGE.to_owned()
+            });
         }
         bytes.extend_from_slice(&chunk);
     }
     Ok((media_type, bytes))
 }
 
-/// Replaces every `file` part of the messages with a text part; the
-/// location (message, part) and reason of the first that fails.
-pub fn convert(messages: &mut [Value]) -> Result<(), (usize, usize, String)> {
+/// Replaces every `file` part of the messages with a text part, read by
+/// `converter`; the location (message, part) and reason of the first that
+/// fails.
+pub async fn convert(
+    messages: &mut [Value],
+    converter: &crate::convert::Converter,
+) -> Result<(), (usize, usize, String)> {
     for (m, message) in messages.iter_mut().enumerate() {
         let Some(Value::Array(parts)) = message.get_mut("content") else {
             continue;
@@ -359,7 +639,10 @@ pub fn convert(messages: &mut [Value]) -> Result<(), (usize, usize, String)> {
             }
             let (name, media_type, bytes) =
                 decode_part(&part["file"]).map_err(|why| (m, p, why))?;
-            let text = to_text(&name, &media_type, &bytes).map_err(|why| (m, p, why))?;
+            let text = converter
+                .to_text(&name, &media_type, bytes)
+                .await
+                .map_err(|why| (m, p, why))?;
             *part = json!({"type": "text", "text": format!("File {name}:\n\n{text}")});
         }
     }
@@ -511,15 +794,16 @@ pub(crate) mod tests {
         );
     }
 
-    #[test]
-    fn parts_become_text_parts() {
+    #[tokio::test]
+    async fn parts_become_text_parts() {
+        let converter = crate::convert::Converter::in_process();
         let data = base64::engine::general_purpose::STANDARD.encode(docx("Inside"));
         let mut messages = vec![json!({"role": "user", "content": [
             {"type": "text", "text": "summarize"},
             {"type": "file", "file": {"filename": "a.docx",
                 "file_data": format!("data:application/octet-stream;base64,{data}")}}]})];
         assert!(any(&messages));
-        convert(&mut messages).unwrap();
+        convert(&mut messages, &converter).await.unwrap();
         assert_eq!(messages[0]["content"][1]["type"], "text");
         assert!(
             messages[0]["content"][1]["text"]
@@ -529,9 +813,98 @@ pub(crate) mod tests {
         );
         let mut bad = vec![json!({"role": "user", "content": [
             {"type": "file", "file": {"filename": "a.pdf", "file_data": "%%%"}}]})];
-        let (m, p, why) = convert(&mut bad).unwrap_err();
+        let (m, p, why) = convert(&mut bad, &converter).await.unwrap_err();
         assert_eq!((m, p), (0, 0));
         assert!(why.contains("base64"), "{why}");
+    }
+
+    /// A PDF whose arrays nest `depth` deep, inside an otherwise plain file.
+    pub fn nested_pdf(depth: usize) -> Vec<u8> {
+        let mut pdf = b"%PDF-1.5\n1 0 obj\n".to_vec();
+        pdf.extend(std::iter::repeat_n(b'[', depth));
+        pdf.extend(std::iter::repeat_n(b']', depth));
+        pdf.extend_from_slice(b"\nendobj\ntrailer << /Root 1 0 R >>\n%%EOF\n");
+        pdf
+    }
+
+    /// A workbook with two cells, at A1 and XFD1048576.
+    pub fn far_apart_cells() -> Vec<u8> {
+        archive(&[
+            (
+                "[Content_Types].xml",
+                r#"<?xml version="1.0"?><Types xmlns="http://schemas.openxmlformats.org/package/2006/content-types"/>"#,
+            ),
+            (
+                "xl/workbook.xml",
+                r#"<?xml version="1.0"?><workbook xmlns="http://schemas.openxmlformats.org/spreadsheetml/2006/main" xmlns:r="http://schemas.openxmlformats.org/officeDocument/2006/relationships"><sheets><sheet name="S" sheetId="1" r:id="rId1"/></sheets></workbook>"#,
+            ),
+            (
+                "xl/_rels/workbook.xml.rels",
+                r#"<?xml version="1.0"?><Relationships xmlns="http://schemas.openxmlformats.org/package/2006/relationships"><Relationship Id="rId1" Type="http://schemas.openxmlformats.org/officeDocument/2006/relationships/worksheet" Target="worksheets/sheet1.xml"/></Relationships>"#,
+            ),
+            (
+                "xl/worksheets/sheet1.xml",
+                r#"<?xml version="1.0"?><worksheet xmlns="http://schemas.openxmlformats.org/spreadsheetml/2006/main"><sheetData><row r="1"><c r="A1" t="inlineStr"><is><t>a</t></is></c></row><row r="1048576"><c r="XFD1048576" t="inlineStr"><is><t>b</t></is></c></row></sheetData></worksheet>"#,
+            ),
+        ])
+    }
+
+    #[test]
+    fn deep_pdfs_and_sprawling_sheets_are_refused_before_parsing() {
+        let why = precheck("deep.pdf", Format::Pdf, &nested_pdf(5_000)).unwrap_err();
+        assert!(
+            why.contains("\"deep.pdf\"") && why.contains("deep"),
+            "{why}"
+        );
+        let why = precheck("wide.xlsx", Format::Xlsx, &far_apart_cells()).unwrap_err();
+        assert!(
+            why.contains("\"wide.xlsx\"") && why.contains("cells"),
+            "{why}"
+        );
+        // Ordinary files pass, and so do brackets inside strings, comments
+        // and streams, which are not syntax.
+        precheck("doc.pdf", Format::Pdf, &pdf("Hello [[[[")).unwrap();
+        precheck("shallow.pdf", Format::Pdf, &nested_pdf(MAX_PDF_NESTING)).unwrap();
+        let mut noisy = b"%PDF-1.5\n% [[[[[[[[\n(((( [[[[[[ ))))\n".to_vec();
+        noisy.extend_from_slice(b"<< /Length 100 >>\nstream\n");
+        noisy.extend(std::iter::repeat_n(b'[', 1_000));
+        noisy.extend_from_slice(b"\nendstream\n");
+        precheck("noisy.pdf", Format::Pdf, &noisy).unwrap();
+        precheck("prices.xlsx", Format::Xlsx, &xlsx()).unwrap();
+        assert_eq!(cell_position(b"XFD1048576"), Some((1_048_576, 16_384)));
+        assert_eq!(cell_position(b"B7"), Some((7, 2)));
+        assert_eq!(cell_position(b"7"), None);
+    }
+
+    #[tokio::test]
+    async fn a_request_carries_a_bounded_number_and_size_of_files() {
+        let part =
+            |data: &str| json!({"type": "file", "file": {"filename": "a.txt", "file_data": data}});
+        let many: Vec<Value> = (0..=MAX_FILE_PARTS).map(|_| part("aGk=")).collect();
+        let mut messages = vec![json!({"role": "user", "content": many})];
+        let (m, p, why) = fetch_urls(&mut messages, false).await.unwrap_err();
+        assert_eq!((m, p), (0, MAX_FILE_PARTS));
+        assert!(why.contains("at most"), "{why}");
+        // Three files of 7.5 MB: each under the file limit, over the
+        // request's together.
+        let big = "A".repeat(10 * 1024 * 1024);
+        let mut messages =
+            vec![json!({"role": "user", "content": [part(&big), part(&big), part(&big)]})];
+        let (_, p, why) = fetch_urls(&mut messages, false).await.unwrap_err();
+        assert_eq!(p, 2);
+        assert!(why.contains("together"), "{why}");
+    }
+
+    #[test]
+    fn an_archive_stops_expanding_at_the_text_cap() {
+        // A slide of 5 MB of text: refused while it is read.
+        let run = "x".repeat(MAX_TEXT_CHARS * 5);
+        let slide = format!(
+            r#"<p:sld xmlns:p="p" xmlns:a="a"><a:p><a:r><a:t>{run}</a:t></a:r></a:p></p:sld>"#
+        );
+        let deck = archive(&[("ppt/slides/slide1.xml", &slide)]);
+        let why = to_text("deck.pptx", "", &deck).unwrap_err();
+        assert!(why.contains("characters"), "{why}");
     }
 
     #[tokio::test]
@@ -554,5 +927,71 @@ pub(crate) mod tests {
         assert!(!public("100.64.1.1".parse().unwrap()));
         assert!(!public("::ffff:192.168.1.1".parse().unwrap()));
         assert!(public("93.184.216.34".parse().unwrap()));
+    }
+
+    /// One address inside each refused range, and the public ones just
+    /// outside some of them.
+    #[test]
+    fn every_special_range_is_refused() {
+        for address in [
+            "0.0.0.0",
+            "0.1.2.3",
+            "10.255.0.1",
+            "100.127.255.255",
+            "127.0.0.2",
+            "169.254.169.254",
+            "172.31.0.1",
+            "192.0.0.8",
+            "192.0.2.1",
+            "192.88.99.1",
+            "192.168.1.1",
+            "198.18.0.1",
+            "198.19.255.255",
+            "198.51.100.7",
+            "203.0.113.9",
+            "224.0.0.1",
+            "239.255.255.250",
+            "240.0.0.1",
+            "255.255.255.255",
+            "::",
+            "::1",
+            "::127.0.0.1",
+            "::ffff:127.0.0.1",
+            "::ffff:10.0.0.1",
+            "64:ff9b::a9fe:a9fe",
+            "64:ff9b::8.8.8.8",
+            "64:ff9b:1::1",
+            "100::1",
+            "2001::1",
+            "2001:db8::1",
+            "2002:a9fe:a9fe::1",
+            "3fff::1",
+            "5f00::1",
+            "fc00::1",
+            "fd12:3456::1",
+            "fe80::1",
+            "fec0::1",
+            "feff::1",
+            "ff02::1",
+        ] {
+            let ip: std::net::IpAddr = address.parse().unwrap();
+            assert!(!public(ip), "{address} passed as public");
+        }
+        for address in [
+            "1.1.1.1",
+            "8.8.8.8",
+            "100.63.255.255",
+            "100.128.0.0",
+            "172.32.0.1",
+            "198.17.255.255",
+            "198.20.0.0",
+            "223.255.255.255",
+            "::ffff:8.8.8.8",
+            "2001:4860:4860::8888",
+            "2606:4700::1111",
+        ] {
+            let ip: std::net::IpAddr = address.parse().unwrap();
+            assert!(public(ip), "{address} refused as private");
+        }
     }
 }

@@ -33,6 +33,7 @@ use secrecy::SecretString;
 
 mod characters;
 mod chat;
+pub mod convert;
 mod embeddings;
 pub mod error;
 mod files;
@@ -94,8 +95,15 @@ pub struct Gateway {
     configured_characters: Vec<rialto_core::config::CharacterConfig>,
     /// Whether `file` URLs may point inside the operator's network.
     file_urls_allow_private: bool,
+    /// Where documents become text (a sandboxed child under `rialto serve`).
+    converter: convert::Converter,
+    /// Length of `router.system_prompt`, counted in holds when it is sent.
+    system_prompt_chars: usize,
     /// How often a running stream checkpoints what it used so far.
     checkpoint_every: std::time::Duration,
+    /// How long a stream waits for its client to take a chunk: half the
+    /// stream's lease, so a blocked relay cannot outlive its hold.
+    reader_patience: std::time::Duration,
 }
 
 impl std::fmt::Debug for Gateway {
@@ -153,8 +161,17 @@ impl Gateway {
             ))),
             configured_characters: config.characters.clone(),
             file_urls_allow_private: config.gateway.file_urls_allow_private,
+            converter: convert::Converter::in_process(),
+            system_prompt_chars: config.router.system_prompt.len(),
             checkpoint_every: std::time::Duration::from_millis(
                 config.billing.checkpoint_ms.max(100),
+            ),
+            reader_patience: std::time::Duration::from_millis(
+                config
+                    .billing
+                    .stream_lease_secs
+                    .saturating_mul(500)
+                    .max(500),
             ),
             client_address_header: match config.gateway.client_address_header.as_str() {
                 "" => None,
@@ -171,6 +188,13 @@ impl Gateway {
 
     pub fn revision(&self) -> &str {
         &self.revision
+    }
+
+    /// Where documents become text: `rialto serve` passes a sandboxed
+    /// [`convert::Converter::subprocess`]; the default converts in process.
+    pub fn with_converter(mut self, converter: convert::Converter) -> Self {
+        self.converter = converter;
+        self
     }
 
     /// A model by id, or by a trait or compatibility alias of one.
@@ -491,6 +515,7 @@ async fn authenticate_caller(
     }
     if let Some(header) = wallet::sign_in_header(request.headers()).filter(|_| wallets) {
         let principal = wallet::sign_in(gateway, header).await?;
+        limits::refuse_blocked_wallet(gateway, &principal.account_id)?;
         request.extensions_mut().insert(Authenticated {
             account_id: principal.account_id.clone(),
             key_id: principal.key_id.clone(),

@@ -164,12 +164,24 @@ impl AbuseSubjects {
         if !is_failure(status) {
             return;
         }
-        let subject = match authenticated {
-            Some(_) => self.credential,
-            None => self.address,
+        let subjects = match authenticated {
+            // A signed-in wallet brings no credential to fingerprint: its
+            // address counts, and so does the client's (a new wallet costs
+            // nothing to make).
+            Some(who) if self.credential.is_none() => {
+                [Some(wallet_subject(gateway, &who.account_id)), self.address]
+            }
+            Some(_) => [self.credential, None],
+            None => [self.address, None],
         };
-        let Some(subject) = subject else { return };
-        if gateway.abuse.record_failure(subject, Instant::now()) == Recorded::Blocked {
+        let now = Instant::now();
+        let blocked = subjects
+            .into_iter()
+            .flatten()
+            .fold(false, |blocked, subject| {
+                (gateway.abuse.record_failure(subject, now) == Recorded::Blocked) | blocked
+            });
+        if blocked {
             tracing::warn!(path, "too many failed requests: blocking the caller");
             if let Some(who) = authenticated {
                 gateway.services.limiter.record_hit(limiter_pb::LimitHit {
@@ -182,6 +194,33 @@ impl AbuseSubjects {
                 });
             }
         }
+    }
+}
+
+/// The abuse guard's subject for a signed-in wallet (`wallet:<address>`).
+fn wallet_subject(gateway: &Gateway, owner: &str) -> Subject {
+    gateway.abuse.credential(owner.as_bytes())
+}
+
+/// A 429 when a signed-in wallet (`wallet:<address>`) failed too often of
+/// late: checked once its signature is, since only then is the address
+/// known (a claimed one could block somebody else's wallet).
+pub fn refuse_blocked_wallet(gateway: &Gateway, owner: &str) -> Result<(), ApiError> {
+    let now = Instant::now();
+    match gateway
+        .abuse
+        .blocked_until(&wallet_subject(gateway, owner), now)
+    {
+        None => Ok(()),
+        Some(until) => Err(ApiError::new(
+            ErrorCode::RateLimited,
+            format!(
+                "Too many failed attempts (> {}) resulting in a non-success status code. \
+                 Please wait {}s and try again.",
+                gateway.abuse.threshold(),
+                until.saturating_duration_since(now).as_secs().max(1)
+            ),
+        )),
     }
 }
 

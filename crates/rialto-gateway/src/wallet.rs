@@ -279,17 +279,19 @@ pub async fn top_up(
     }
     let number = |text: &str| serde_json::from_str::<Value>(text).unwrap_or(json!(0));
     let settle: Value = serde_json::from_str(&answer.settle_response_json).unwrap_or(json!({}));
+    let mut data = json!({
+        "walletAddress": answer.wallet,
+        "amountCredited": number(&answer.amount_usd),
+        "paymentId": answer.payment_id,
+    });
+    // A replay (the payment credited before) is told no balance: its
+    // sender holds only the payment's bytes, not the wallet.
+    if answer.applied {
+        data["newBalance"] = number(&answer.new_balance_usd);
+    }
     Ok(HttpResponse::Ok()
         .insert_header(("PAYMENT-RESPONSE", x402::header_value(&settle)))
-        .json(json!({
-            "success": true,
-            "data": {
-                "walletAddress": answer.wallet,
-                "amountCredited": number(&answer.amount_usd),
-                "newBalance": number(&answer.new_balance_usd),
-                "paymentId": answer.payment_id,
-            }
-        })))
+        .json(json!({"success": true, "data": data})))
 }
 
 /// `?amount=` of the discovery call: USD within the configured bounds.

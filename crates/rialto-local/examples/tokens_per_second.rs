@@ -23,6 +23,7 @@ async fn main() {
         threads: None,
         context_size: Some(2048),
         max_queue: 1,
+        reader_lag: rialto_local::DEFAULT_READER_LAG,
     })
     .expect("load the model");
     let mut prompt = Vec::new();

@@ -41,7 +41,14 @@ pub struct ChatOptions {
     pub context_size: Option<u32>,
     /// Generations that may wait while one runs.
     pub max_queue: usize,
+    /// Events a reader may leave unread before its generation is cancelled
+    /// ([`DEFAULT_READER_LAG`]): the model serves one generation at a time,
+    /// so a reader that stops reading must not hold it for everyone.
+    pub reader_lag: usize,
 }
+
+/// Events (text pieces, about a token each) a reader may fall behind.
+pub const DEFAULT_READER_LAG: usize = 1024;
 
 /// One message of a conversation, already flattened to text.
 #[derive(Debug, Clone)]
@@ -127,6 +134,7 @@ struct Job {
 pub struct ChatModel {
     jobs: SyncSender<Job>,
     info: Arc<ModelInfo>,
+    reader_lag: usize,
 }
 
 impl std::fmt::Debug for ChatModel {
@@ -161,6 +169,7 @@ impl ChatModel {
             )));
         }
         let (jobs, queue) = mpsc::sync_channel::<Job>(options.max_queue);
+        let reader_lag = options.reader_lag.max(1);
         let (ready_tx, ready_rx) = mpsc::sync_channel(1);
         let name = format!(
             "llama:{}",
@@ -180,6 +189,7 @@ impl ChatModel {
         Ok(Self {
             jobs,
             info: Arc::new(info),
+            reader_lag,
         })
     }
 
@@ -193,7 +203,7 @@ impl ChatModel {
         &self,
         generation: Generation,
     ) -> Result<async_mpsc::Receiver<Event>, LocalError> {
-        let (events, receiver) = async_mpsc::channel(64);
+        let (events, receiver) = async_mpsc::channel(self.reader_lag);
         let job = Job {
             generation,
             events,
@@ -263,7 +273,7 @@ fn engine_thread(
                         "local generation"
                     );
                 }
-                let _ = job.events.blocking_send(done);
+                deliver(&job.events, done);
             }
             // The caller went away.
             Ok(None) => {}
@@ -271,9 +281,24 @@ fn engine_thread(
                 // The KV cache may be half written: start clean next time.
                 context.clear_kv_cache();
                 cache.tokens.clear();
-                let _ = job.events.blocking_send(Event::Failed(error));
+                deliver(&job.events, Event::Failed(error));
             }
         }
+    }
+}
+
+/// Hands an event to the generation's reader without waiting: false when
+/// the reader left, or fell [`ChatOptions::reader_lag`] events behind. Then
+/// the generation ends there (its reader sees the events end without
+/// `Done`), and the model goes on to the next one.
+fn deliver(events: &async_mpsc::Sender<Event>, event: Event) -> bool {
+    match events.try_send(event) {
+        Ok(()) => true,
+        Err(async_mpsc::error::TrySendError::Full(_)) => {
+            tracing::warn!("a local generation's reader fell behind: generation cancelled");
+            false
+        }
+        Err(async_mpsc::error::TrySendError::Closed(_)) => false,
     }
 }
 
@@ -420,7 +445,7 @@ impl Engine {
             }
             generated += 1;
             let (visible, stopped) = text.push(&vocab.token_to_piece(token, false, None));
-            if !visible.is_empty() && events.blocking_send(Event::Text(visible)).is_err() {
+            if !visible.is_empty() && !deliver(events, Event::Text(visible)) {
                 return Ok(None);
             }
             if stopped {
@@ -441,7 +466,7 @@ impl Engine {
             position += 1;
         }
         let rest = text.finish();
-        if !rest.is_empty() && events.blocking_send(Event::Text(rest)).is_err() {
+        if !rest.is_empty() && !deliver(events, Event::Text(rest)) {
             return Ok(None);
         }
         Ok(Some(Event::Done {

@@ -17,7 +17,8 @@ pub mod embed;
 mod template;
 
 pub use chat::{
-    ChatModel, ChatOptions, Event, FinishReason, Generation, Message, ModelInfo, Timings,
+    ChatModel, ChatOptions, DEFAULT_READER_LAG, Event, FinishReason, Generation, Message,
+    ModelInfo, Timings,
 };
 pub use embed::{EmbeddingModel, EmbeddingOptions, Embeddings};
 

@@ -15,11 +15,16 @@ fn models_dir() -> PathBuf {
 }
 
 fn chat_model(max_queue: usize) -> ChatModel {
+    chat_model_with_lag(max_queue, rialto_local::DEFAULT_READER_LAG)
+}
+
+fn chat_model_with_lag(max_queue: usize, reader_lag: usize) -> ChatModel {
     ChatModel::load(ChatOptions {
         path: models_dir().join("SmolLM2-135M-Instruct.Q4_1.gguf"),
         threads: None,
         context_size: Some(2048),
         max_queue,
+        reader_lag,
     })
     .expect("the built-in chat model (run `make models`)")
 }
@@ -206,4 +211,33 @@ fn similar_sentences_embed_closer_than_unrelated_ones() {
         matches!(too_long, LocalError::InputTooLong { max: 256, .. }),
         "{too_long:?}"
     );
+}
+
+/// A reader that stops reading cannot hold the model: once it is
+/// `reader_lag` events behind, its generation ends and the next one runs.
+#[tokio::test]
+async fn a_reader_that_stops_reading_does_not_freeze_the_model() {
+    let model = chat_model_with_lag(4, 4);
+    // Never read while the second generation runs.
+    let mut stalled = model
+        .generate(ask("Count from one to one hundred in words.", 400))
+        .unwrap();
+    let answered = tokio::time::timeout(
+        std::time::Duration::from_secs(60),
+        run(
+            &model,
+            ask("What is the capital of France? Answer in one word.", 24),
+        ),
+    )
+    .await
+    .expect("the model froze behind a reader that stopped reading");
+    assert!(answered.0.contains("Paris"), "answer: {:?}", answered.0);
+    // What the stalled reader finds: the events it had room for, then the
+    // end, without Done.
+    let mut seen = 0;
+    while let Some(event) = stalled.recv().await {
+        assert!(matches!(event, Event::Text(_)), "{event:?}");
+        seen += 1;
+    }
+    assert!(seen <= 4, "{seen} events");
 }

@@ -75,6 +75,7 @@ pub fn load(model_id: &str, config: &BackendConfig) -> Result<Arc<dyn InProcessM
         threads: config.threads,
         context_size: config.context_size,
         max_queue,
+        reader_lag: rialto_local::DEFAULT_READER_LAG,
     })
     .map_err(failed)?;
     tracing::info!(

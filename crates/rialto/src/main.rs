@@ -48,6 +48,15 @@ enum Command {
     },
     /// Print the build revision.
     Version,
+    /// Read a document on stdin, print its text (the gateway runs this in a
+    /// bounded child process for each PDF, DOCX, PPTX or XLSX part).
+    #[command(hide = true, name = "convert-file")]
+    ConvertFile {
+        #[arg(long)]
+        name: String,
+        #[arg(long, default_value = "")]
+        media_type: String,
+    },
 }
 
 #[derive(Args)]
@@ -112,6 +121,10 @@ enum AccountsCommand {
 
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
+    if let Command::ConvertFile { name, media_type } = &cli.command {
+        // No configuration, no telemetry: a converter reads stdin only.
+        return rialto_gateway::convert::child_main(name, media_type);
+    }
     let config = match Config::load(cli.config.as_deref()) {
         Ok(config) => config,
         Err(error) => {
@@ -155,6 +168,7 @@ fn main() -> std::process::ExitCode {
             println!("{REVISION}");
             Ok(())
         }
+        Command::ConvertFile { .. } => unreachable!("handled before the configuration"),
     };
     match result {
         Ok(()) => std::process::ExitCode::SUCCESS,

@@ -27,6 +27,7 @@ use crate::REVISION;
 
 pub fn run(config: Config, services: Option<Vec<String>>) -> anyhow::Result<()> {
     let here = selected_services(&config, services)?;
+    refuse_open_exposure(&config, &here)?;
     // `rialto-gateway`, `rialto-billing`, or `rialto` for all in one.
     let name = if here.len() == SERVICES.len() {
         "rialto".to_owned()
@@ -72,6 +73,35 @@ fn selected_services(
     }
     anyhow::ensure!(!here.is_empty(), "no service to run");
     Ok(here)
+}
+
+/// Refuses to start where a default that is safe on loopback would open a
+/// door on a public address: gRPC without `grpc.token` (services trust
+/// their callers: anyone reaching the port could create keys or credit
+/// accounts), and wallet sign-in with the localhost default of
+/// `wallet.domains` (messages would not be bound to the host clients use).
+fn refuse_open_exposure(config: &Config, here: &BTreeSet<&'static str>) -> anyhow::Result<()> {
+    let serves_grpc = here.iter().any(|s| *s != "gateway") && here.len() != SERVICES.len();
+    if serves_grpc && config.grpc.token.is_none() && !config.grpc.listen.ip().is_loopback() {
+        anyhow::bail!(
+            "grpc.listen = {} is not a loopback address and grpc.token is unset: anyone who \
+             reaches the port could call the services; set grpc.token (RIALTO_GRPC__TOKEN) \
+             in every process, or listen on 127.0.0.1",
+            config.grpc.listen
+        );
+    }
+    if here.contains("gateway")
+        && !config.gateway.listen.ip().is_loopback()
+        && config.wallet.domains == rialto_core::config::WalletConfig::default().domains
+    {
+        anyhow::bail!(
+            "gateway.listen = {} is not a loopback address but wallet.domains is its localhost \
+             default: name the host clients reach the gateway by in [wallet] domains \
+             (e.g. RIALTO_WALLET__DOMAINS='[\"api.example.com\"]')",
+            config.gateway.listen
+        );
+    }
+    Ok(())
 }
 
 /// A lazy channel to a remote service: processes of a split deployment may
@@ -325,7 +355,12 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
             )
         })?;
         let addr = listener.local_addr()?;
-        let gateway = Arc::new(Gateway::new(&config, services.clone(), REVISION)?);
+        // Documents are read by this binary in a bounded child process.
+        let program = std::env::current_exe().context("cannot find this binary's path")?;
+        let gateway = Arc::new(
+            Gateway::new(&config, services.clone(), REVISION)?
+                .with_converter(rialto_gateway::convert::Converter::subprocess(program)),
+        );
         gateway_ready = Some(Arc::clone(&gateway));
         let server = rialto_gateway::serve(listener, gateway, config.gateway.workers, drain)?;
         let handle = server.handle();
@@ -431,4 +466,45 @@ fn capitalized(name: &str) -> String {
         .next()
         .map(|first| first.to_ascii_uppercase().to_string() + chars.as_str())
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(text: &str) -> Config {
+        Config::from_toml(text).unwrap()
+    }
+
+    fn services(names: &str) -> BTreeSet<&'static str> {
+        let names = names.split(',').map(str::to_owned).collect();
+        selected_services(&config(""), Some(names)).unwrap()
+    }
+
+    #[test]
+    fn grpc_on_a_public_address_needs_a_token() {
+        let billing = services("billing");
+        let open = config("[grpc]\nlisten = \"0.0.0.0:9090\"");
+        let error = refuse_open_exposure(&open, &billing).unwrap_err();
+        assert!(error.to_string().contains("grpc.token"), "{error}");
+        let closed = config("[grpc]\nlisten = \"0.0.0.0:9090\"\ntoken = \"t\"");
+        refuse_open_exposure(&closed, &billing).unwrap();
+        refuse_open_exposure(&config(""), &billing).unwrap();
+        // The all-in-one process serves no gRPC at all.
+        let all = services("gateway,auth,limiter,billing,router");
+        refuse_open_exposure(&open, &all).unwrap();
+    }
+
+    #[test]
+    fn a_public_gateway_needs_its_wallet_domains() {
+        let gateway = services("gateway");
+        let public = config("[gateway]\nlisten = \"0.0.0.0:8080\"");
+        let error = refuse_open_exposure(&public, &gateway).unwrap_err();
+        assert!(error.to_string().contains("wallet.domains"), "{error}");
+        let named = config(
+            "[gateway]\nlisten = \"0.0.0.0:8080\"\n[wallet]\ndomains = [\"api.example.com\"]",
+        );
+        refuse_open_exposure(&named, &gateway).unwrap();
+        refuse_open_exposure(&config(""), &gateway).unwrap();
+    }
 }
