@@ -9,6 +9,7 @@
 mod billing;
 mod chat;
 mod crash;
+mod documents;
 mod keys;
 mod limits;
 mod local_models;

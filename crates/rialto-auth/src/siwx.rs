@@ -937,3 +937,67 @@ mod tests {
         );
     }
 }
+
+/// Properties: no header, however malformed, panics the verifier.
+#[cfg(test)]
+mod properties {
+    use super::*;
+    use base64::Engine;
+    use base64::engine::general_purpose::STANDARD;
+    use proptest::prelude::*;
+
+    const NOW: i64 = 1_763_805_600_000;
+
+    fn policy() -> SiwxPolicy {
+        SiwxPolicy {
+            domains: vec!["127.0.0.1:8080".into()],
+            ..SiwxPolicy::default()
+        }
+    }
+
+    /// A structured payload with each field drawn from strings that are
+    /// near misses of valid ones.
+    fn payloads() -> impl Strategy<Value = String> {
+        let field = prop_oneof![
+            Just(String::new()),
+            Just("127.0.0.1:8080".to_owned()),
+            Just("http://evil.com\\@127.0.0.1:8080".to_owned()),
+            Just("eip155:8453".to_owned()),
+            Just("solana:5eykt4UsFv8P8NJdTREpY1vzqKqZKvdp".to_owned()),
+            Just("0xf39Fd6e51aad88F6F4ce6aB8827279cffFb92266".to_owned()),
+            Just("2025-11-22T10:00:00.000Z".to_owned()),
+            Just("eip191".to_owned()),
+            Just("ed25519".to_owned()),
+            ".{0,40}",
+        ];
+        proptest::collection::vec(field, 12).prop_map(|f| {
+            serde_json::json!({
+                "domain": f[0], "address": f[1], "statement": f[2], "uri": f[3],
+                "version": f[4], "chainId": f[5], "type": f[6], "nonce": f[7],
+                "issuedAt": f[8], "expirationTime": f[9], "signature": f[10],
+                "message": f[11],
+            })
+            .to_string()
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_headers_are_refused_not_panicked_on(header in ".{0,200}") {
+            prop_assert!(verify(&header, &policy(), NOW).is_err());
+        }
+
+        #[test]
+        fn arbitrary_bytes_in_base64_are_refused(bytes in proptest::collection::vec(any::<u8>(), 0..400)) {
+            prop_assert!(verify(&STANDARD.encode(bytes), &policy(), NOW).is_err());
+        }
+
+        /// Fields of the right names with wrong or hostile values: a
+        /// refusal, never a panic, and never a sign-in without a signature
+        /// that verifies.
+        #[test]
+        fn near_miss_payloads_are_refused(payload in payloads()) {
+            prop_assert!(verify(&STANDARD.encode(payload), &policy(), NOW).is_err());
+        }
+    }
+}

@@ -110,10 +110,14 @@ impl Prices {
         let cached = usage.cached_prompt_tokens.min(usage.prompt_tokens);
         let written = usage.cache_write_tokens.min(usage.prompt_tokens - cached);
         let plain = usage.prompt_tokens - cached - written;
-        let per_mtok = Decimal::from(plain) * self.input
-            + Decimal::from(cached) * self.cached_input
-            + Decimal::from(written) * self.cache_write
-            + Decimal::from(usage.completion_tokens) * self.output;
+        // Saturating: token counts come from backends, and a product past
+        // the decimal's range would panic (it is refused as out of range
+        // when turned into nano-units).
+        let per_mtok = Decimal::from(plain)
+            .saturating_mul(self.input)
+            .saturating_add(Decimal::from(cached).saturating_mul(self.cached_input))
+            .saturating_add(Decimal::from(written).saturating_mul(self.cache_write))
+            .saturating_add(Decimal::from(usage.completion_tokens).saturating_mul(self.output));
         (per_mtok / Decimal::from(1_000_000u32)).normalize()
     }
 }
@@ -155,9 +159,12 @@ const NANOS: i64 = 1_000_000_000;
 /// of a nano-dollar is charged as one).
 pub fn to_nanos(amount: Decimal) -> Result<i64> {
     use rust_decimal::prelude::ToPrimitive;
-    (amount * Decimal::from(NANOS))
-        .ceil()
-        .to_i64()
+    // Checked: an amount from a request may be as large as a decimal goes,
+    // and an overflowing product panics (found by the property below).
+    amount
+        .checked_mul(Decimal::from(NANOS))
+        .map(|nanos| nanos.ceil())
+        .and_then(|nanos| nanos.to_i64())
         .ok_or_else(|| Error::invalid("amount out of range"))
 }
 
@@ -919,5 +926,54 @@ mod tests {
             .await
             .unwrap_err();
         assert_eq!(error.code, ErrorCode::ModelNotFound);
+    }
+}
+
+/// Properties of the amounts on the wire.
+#[cfg(test)]
+mod properties {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Any usage a backend reports is a cost or out of range, never a
+        /// panic, at any configured price.
+        #[test]
+        fn any_usage_has_a_cost_or_is_out_of_range(
+            prompt in any::<u64>(),
+            completion in any::<u64>(),
+            cached in any::<u64>(),
+            price in 0u64..=u64::MAX,
+        ) {
+            let price = Decimal::from(price);
+            let prices = Prices { input: price, output: price, cached_input: price, cache_write: price };
+            let usage = pb::Usage {
+                prompt_tokens: prompt,
+                completion_tokens: completion,
+                cached_prompt_tokens: cached,
+                ..Default::default()
+            };
+            let _ = to_nanos(prices.cost(&usage));
+        }
+
+        /// Nano-units written as a decimal read back exactly.
+        #[test]
+        fn nanos_round_trip_through_their_decimal(nanos in any::<i64>()) {
+            let text = from_nanos(nanos);
+            let back = to_nanos(text.parse::<Decimal>().unwrap()).unwrap();
+            prop_assert_eq!(back, nanos);
+        }
+
+        /// Any decimal string is an amount or a refusal, never a panic;
+        /// an amount is never less than what was asked (rounded up).
+        #[test]
+        fn any_amount_text_is_read_or_refused(text in "-?[0-9]{0,30}(\\.[0-9]{0,30})?") {
+            if let Ok(amount) = text.parse::<Decimal>()
+                && let Ok(nanos) = to_nanos(amount)
+            {
+                let exact = amount.checked_mul(Decimal::from(NANOS));
+                prop_assert!(exact.is_some_and(|exact| Decimal::from(nanos) >= exact));
+            }
+        }
     }
 }

@@ -493,3 +493,51 @@ pub(crate) mod tests {
         assert!(check(&good[..good.len() - 3], &rail, 1, u64::MAX).is_err());
     }
 }
+
+/// Properties: no transaction bytes, however malformed, panic the checks.
+#[cfg(test)]
+mod properties {
+    use super::tests::{MINT, PAY_TO, payment};
+    use super::*;
+    use ed25519_dalek::SigningKey;
+    use proptest::prelude::*;
+
+    fn rail() -> Rail<'static> {
+        Rail {
+            mint: MINT,
+            pay_to: PAY_TO,
+            fee_payer: "",
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_bytes_are_refused(bytes in proptest::collection::vec(any::<u8>(), 0..600)) {
+            prop_assert!(check(&bytes, &rail(), 1, u64::MAX).is_err());
+        }
+
+        /// A real payment with bytes changed, cut or added: refused or, if
+        /// the change missed everything that is checked, the same transfer.
+        #[test]
+        fn a_mangled_payment_is_refused_or_unchanged(
+            edits in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..6),
+            cut in proptest::option::of(any::<prop::sample::Index>()),
+        ) {
+            let payer = SigningKey::from_bytes(&[9u8; 32]);
+            let good = payment(&payer, [1u8; 32], PAY_TO, 5_000_000);
+            let expected = check(&good, &rail(), 1, u64::MAX).unwrap();
+            let mut bytes = good.clone();
+            for (at, value) in edits {
+                let i = at.index(bytes.len());
+                bytes[i] = value;
+            }
+            if let Some(cut) = cut {
+                bytes.truncate(cut.index(bytes.len()));
+            }
+            if let Ok(transfer) = check(&bytes, &rail(), 1, u64::MAX) {
+                prop_assert_eq!(transfer.payer, expected.payer);
+                prop_assert_eq!(transfer.amount, expected.amount);
+            }
+        }
+    }
+}

@@ -93,13 +93,19 @@ pub struct TopUp {
 fn usd_to_atomic(text: &str) -> Option<u64> {
     use rust_decimal::prelude::ToPrimitive;
     let usd: Decimal = text.trim().parse().ok()?;
-    let atomic = usd * Decimal::from(1_000_000u32);
+    // Checked: a product past the decimal's range would panic (found by
+    // the property below).
+    let atomic = usd.checked_mul(Decimal::from(1_000_000u32))?;
     (atomic.fract().is_zero() && !atomic.is_sign_negative()).then(|| atomic.to_u64())?
 }
 
 /// Atomic units as an exact USD decimal string.
 fn atomic_to_usd(atomic: u64) -> String {
-    Decimal::new(atomic as i64, 6).normalize().to_string()
+    // Through i128: `as i64` would turn amounts past i64::MAX negative
+    // (found by the property below).
+    Decimal::from_i128_with_scale(i128::from(atomic), 6)
+        .normalize()
+        .to_string()
 }
 
 /// The payment options we accept for `amount` atomic units: one per
@@ -952,5 +958,84 @@ mod tests {
         assert_eq!(usd_to_atomic("0.0000001"), None);
         assert_eq!(atomic_to_usd(5_000_000), "5");
         assert_eq!(caip2_network("base"), "eip155:8453");
+    }
+}
+
+/// Properties: no payment header, however malformed, panics its parsing.
+#[cfg(test)]
+mod properties {
+    use super::*;
+    use base64::Engine;
+    use base64::engine::general_purpose::STANDARD;
+    use proptest::prelude::*;
+
+    /// JSON of the payload's shape with values drawn from near misses.
+    fn payloads() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            ".{0,24}".prop_map(Value::from),
+            Just(Value::from("0x2222222222222222222222222222222222222222")),
+            Just(Value::from(
+                "115792089237316195423570985008687907853269984665640564039457584007913129639936"
+            )),
+            Just(Value::from("eip155:8453")),
+            Just(Value::from("exact")),
+        ];
+        leaf.prop_recursive(3, 24, 6, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::from),
+                proptest::collection::btree_map(
+                    prop::sample::select(vec![
+                        "x402Version",
+                        "accepted",
+                        "payload",
+                        "authorization",
+                        "from",
+                        "to",
+                        "value",
+                        "validAfter",
+                        "validBefore",
+                        "nonce",
+                        "signature",
+                        "transaction",
+                        "scheme",
+                        "network",
+                        "asset",
+                        "amount",
+                        "payTo",
+                    ]),
+                    inner,
+                    0..6,
+                )
+                .prop_map(|map| Value::Object(
+                    map.into_iter().map(|(k, v)| (k.to_owned(), v)).collect()
+                )),
+            ]
+        })
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_headers_are_refused(header in ".{0,300}") {
+            prop_assert!(decode(&header).is_err());
+        }
+
+        #[test]
+        fn payload_shaped_json_is_parsed_or_refused(payload in payloads()) {
+            let header = STANDARD.encode(payload.to_string());
+            if let Ok(payment) = decode(&header) {
+                let _ = parse_authorization(&payment.payload);
+            }
+            let _ = parse_authorization(&payload);
+        }
+
+        #[test]
+        fn usd_amounts_are_read_or_refused(text in "-?[0-9]{0,40}(\\.[0-9]{0,12})?") {
+            if let Some(atomic) = usd_to_atomic(&text) {
+                prop_assert_eq!(usd_to_atomic(&atomic_to_usd(atomic)), Some(atomic));
+            }
+        }
     }
 }

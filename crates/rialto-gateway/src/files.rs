@@ -995,3 +995,40 @@ pub(crate) mod tests {
         }
     }
 }
+
+/// Properties: the checks before parsing take anything.
+#[cfg(test)]
+mod properties {
+    use super::{Format, cell_position, pdf_nesting, precheck};
+    use proptest::prelude::*;
+
+    proptest! {
+        /// Any bytes, under any format's name: a verdict, never a panic.
+        #[test]
+        fn prechecks_take_any_bytes(bytes in proptest::collection::vec(prop::num::u8::ANY, 0..4_096)) {
+            for format in [Format::Pdf, Format::Docx, Format::Pptx, Format::Xlsx, Format::Text] {
+                let _ = precheck("f", format, &bytes);
+            }
+        }
+
+        /// PDF-like text: brackets, strings, escapes, comments and streams
+        /// in any order and unbalanced: a verdict, never a panic.
+        #[test]
+        fn pdf_nesting_is_measured_outside_strings_and_streams(
+            pieces in proptest::collection::vec(
+                prop::sample::select(vec!["[", "]", "<<", ">>", "(", ")", "\\", "%", "\n", " stream\n", "endstream", "x"]),
+                0..400,
+            ),
+        ) {
+            let text = pieces.concat();
+            let _ = pdf_nesting(text.as_bytes());
+        }
+
+        #[test]
+        fn cell_references_are_read_or_refused(reference in "[A-Za-z]{0,5}[0-9]{0,22}") {
+            if let Some((row, column)) = cell_position(reference.as_bytes()) {
+                prop_assert!(row >= 1 && column >= 1);
+            }
+        }
+    }
+}

@@ -171,3 +171,66 @@ mod tests {
         assert_eq!(stripper.push("b>"), "<b>");
     }
 }
+
+/// Properties over generated text: a stream may split a tag anywhere.
+#[cfg(test)]
+mod properties {
+    use super::*;
+    use proptest::prelude::*;
+
+    /// Text made of pieces that look like tags, so that cuts land inside
+    /// them, with multi-byte characters among them.
+    fn texts() -> impl Strategy<Value = String> {
+        let piece = prop_oneof![
+            Just("<think>"),
+            Just("</think>"),
+            Just("<th"),
+            Just("ink>"),
+            Just("</"),
+            Just("<"),
+            Just(">"),
+            Just("a"),
+            Just(" "),
+            Just("\n"),
+            Just("é"),
+            Just("思"),
+        ];
+        proptest::collection::vec(piece, 0..48).prop_map(|pieces| pieces.concat())
+    }
+
+    proptest! {
+        /// However a stream cuts the text, the stripper lets through what
+        /// stripping the whole text does; text without a block passes as it is.
+        #[test]
+        fn any_cutting_strips_as_the_whole(
+            text in texts(),
+            cuts in proptest::collection::vec(any::<prop::sample::Index>(), 0..8),
+        ) {
+            let boundaries: Vec<usize> = text
+                .char_indices()
+                .map(|(i, _)| i)
+                .chain([text.len()])
+                .collect();
+            let mut points: Vec<usize> =
+                cuts.iter().map(|c| boundaries[c.index(boundaries.len())]).collect();
+            points.sort_unstable();
+            points.dedup();
+            let mut stripper = ThinkStripper::new();
+            let mut streamed = String::new();
+            let mut last = 0;
+            for point in points {
+                streamed.push_str(&stripper.push(&text[last..point]));
+                last = point;
+            }
+            streamed.push_str(&stripper.push(&text[last..]));
+            streamed.push_str(&stripper.finish());
+            let whole = strip(&text);
+            prop_assert_eq!(&streamed, &whole);
+            // Nothing visible is lost: without a block, the text passes
+            // as it is, but for the white space it starts with.
+            if !text.contains(OPEN) {
+                prop_assert_eq!(whole.as_str(), text.trim_start());
+            }
+        }
+    }
+}
