@@ -503,3 +503,47 @@ async fn models_and_openapi(world: &World) {
     assert!(text.contains("/api/v1/chat/completions"));
     assert!(!text.contains("{{"));
 }
+
+/// A client that sends a request's head slower than
+/// `gateway.client_request_timeout_ms` (slowloris) is answered 408 and
+/// its connection closed, and the server goes on answering others.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_request_head_is_cut_off() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let sandbox = rialto_test_kit::Sandbox::builder(rialto_test_kit::Topology::OneProcess)
+        .env("RIALTO_GATEWAY__CLIENT_REQUEST_TIMEOUT_MS", "500")
+        .start()
+        .await
+        .unwrap();
+    let address = sandbox.url.trim_start_matches("http://").to_owned();
+    let mut slow = tokio::net::TcpStream::connect(&address).await.unwrap();
+    // A head that never ends.
+    slow.write_all(b"GET /healthz HTTP/1.1\r\nHost: rialto\r\nX-Slow: 1\r\n")
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let mut answer = Vec::new();
+    let read = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        slow.read_to_end(&mut answer),
+    )
+    .await;
+    assert!(read.is_ok(), "the slow connection was held open");
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(5),
+        "cut off after {:?}",
+        started.elapsed()
+    );
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        answer.is_empty() || answer.starts_with("HTTP/1.1 408"),
+        "{answer}"
+    );
+    let healthy = sandbox
+        .http()
+        .get(format!("{}/healthz", sandbox.url))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(healthy.status(), 200);
+}

@@ -251,6 +251,13 @@ pub struct GatewayConfig {
     /// link-local addresses (off: the gateway must not be a way into the
     /// operator's network; tests turn it on).
     pub file_urls_allow_private: bool,
+    /// Connections each HTTP worker holds at most; beyond, new ones wait
+    /// in the listen backlog.
+    pub max_connections: usize,
+    /// Time a client has to send a request's head (method, path and
+    /// headers) once connected or between keep-alive requests; slower
+    /// (slowloris) connections are answered 408 and closed.
+    pub client_request_timeout_ms: u64,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -647,6 +654,8 @@ impl Default for GatewayConfig {
             workers: 0,
             client_address_header: String::new(),
             file_urls_allow_private: false,
+            max_connections: 25_000,
+            client_request_timeout_ms: 5_000,
         }
     }
 }
@@ -900,6 +909,12 @@ impl Config {
                 "bus.url {:?} must be empty (in-process) or nats://host:port",
                 crate::db::redacted(&self.bus.url)
             ));
+        }
+        if self.gateway.max_connections == 0 || self.gateway.client_request_timeout_ms == 0 {
+            return invalid(
+                "gateway.max_connections and gateway.client_request_timeout_ms must be at least 1"
+                    .into(),
+            );
         }
         if !matches!(
             self.wallet.min_balance_usd.trim().parse::<Decimal>(),

@@ -99,6 +99,9 @@ pub struct Gateway {
     converter: convert::Converter,
     /// Length of `router.system_prompt`, counted in holds when it is sent.
     system_prompt_chars: usize,
+    /// Connections per HTTP worker, and the time a request's head may take.
+    max_connections: usize,
+    client_request_timeout: std::time::Duration,
     /// How often a running stream checkpoints what it used so far.
     checkpoint_every: std::time::Duration,
     /// How long a stream waits for its client to take a chunk: half the
@@ -163,6 +166,10 @@ impl Gateway {
             file_urls_allow_private: config.gateway.file_urls_allow_private,
             converter: convert::Converter::in_process(),
             system_prompt_chars: config.router.system_prompt.len(),
+            max_connections: config.gateway.max_connections,
+            client_request_timeout: std::time::Duration::from_millis(
+                config.gateway.client_request_timeout_ms,
+            ),
             checkpoint_every: std::time::Duration::from_millis(
                 config.billing.checkpoint_ms.max(100),
             ),
@@ -358,6 +365,8 @@ pub fn serve(
             }
         }
     });
+    let (max_connections, request_timeout) =
+        (gateway.max_connections, gateway.client_request_timeout);
     let gateway = web::Data::from(gateway);
     let mut server = HttpServer::new(move || {
         App::new()
@@ -371,6 +380,10 @@ pub fn serve(
     // Without it, a stream's first chunk waits for the ACK of its headers
     // (Nagle against delayed ACK): ~40 ms to the first token.
     .tcp_nodelay(true)
+    // Bounds on what idle or slow clients hold: connections per worker,
+    // and the time a request's head may take (slowloris).
+    .max_connections(max_connections)
+    .client_request_timeout(request_timeout)
     .listen(listener)?;
     if workers > 0 {
         server = server.workers(workers);
