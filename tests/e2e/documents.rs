@@ -4,12 +4,12 @@
 //! the answer is its text or a reason naming it, within the time limit;
 //! never a hang, and never anything that could reach the server.
 
-use std::io::Write;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
 use rialto_gateway::convert::{Converter, WALL_TIME};
+use rialto_test_kit::documents;
 
 fn converter() -> &'static Converter {
     static CONVERTER: OnceLock<Converter> = OnceLock::new();
@@ -76,71 +76,48 @@ fn pdfs() -> impl Strategy<Value = Vec<u8>> {
                     content.len()
                 ),
             ];
-            let mut pdf = b"%PDF-1.5\n".to_vec();
-            let mut offsets = Vec::new();
-            for (i, object) in objects.iter().enumerate() {
-                offsets.push(pdf.len());
-                pdf.extend_from_slice(format!("{} 0 obj\n{object}\nendobj\n", i + 1).as_bytes());
-            }
-            pdf.extend_from_slice(&noise);
-            if xref {
-                let at = pdf.len();
-                pdf.extend_from_slice(b"xref\n0 5\n0000000000 65535 f \n");
-                for offset in offsets {
-                    pdf.extend_from_slice(format!("{offset:010} 00000 n \n").as_bytes());
+            let mut pdf = if xref {
+                documents::pdf(&objects)
+            } else {
+                let mut pdf = b"%PDF-1.5\n".to_vec();
+                for (i, object) in objects.iter().enumerate() {
+                    pdf.extend_from_slice(
+                        format!("{} 0 obj\n{object}\nendobj\n", i + 1).as_bytes(),
+                    );
                 }
-                pdf.extend_from_slice(
-                    format!("trailer << /Size 5 /Root 1 0 R >>\nstartxref\n{at}\n").as_bytes(),
-                );
-            }
-            pdf.extend_from_slice(b"%%EOF\n");
+                pdf
+            };
+            pdf.extend_from_slice(&noise);
             pdf
         })
 }
 
-/// An Office archive with one XML part: entries nested to a drawn depth,
-/// text runs, and cell references anywhere on the sheet.
+/// An Office file with one XML part: elements nested to a drawn depth,
+/// text runs, and (in a workbook) cells anywhere on the sheet.
 fn office(entry: &'static str, depth: usize, runs: usize, cells: &[(u32, u32)]) -> Vec<u8> {
-    let mut xml = String::from(r#"<?xml version="1.0"?><root>"#);
-    xml.push_str(&"<a:p>".repeat(depth));
+    let mut xml = "<a:p>".repeat(depth);
     for i in 0..runs {
         xml.push_str(&format!("<a:t>run {i}</a:t>"));
     }
     xml.push_str(&"</a:p>".repeat(depth));
-    xml.push_str("<sheetData>");
-    for (row, column) in cells {
-        let mut letters = String::new();
-        let mut n = *column;
-        while n > 0 {
-            letters.insert(0, char::from(b'A' + ((n - 1) % 26) as u8));
-            n = (n - 1) / 26;
-        }
-        xml.push_str(&format!(
-            r#"<row r="{row}"><c r="{letters}{row}"><v>1</v></c></row>"#
-        ));
-    }
-    xml.push_str("</sheetData></root>");
-    let mut zip = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
-    zip.start_file(entry, zip::write::SimpleFileOptions::default())
-        .unwrap();
-    zip.write_all(xml.as_bytes()).unwrap();
     if entry.starts_with("xl/") {
-        for (name, body) in [
-            (
-                "xl/workbook.xml",
-                r#"<?xml version="1.0"?><workbook xmlns="http://schemas.openxmlformats.org/spreadsheetml/2006/main" xmlns:r="http://schemas.openxmlformats.org/officeDocument/2006/relationships"><sheets><sheet name="S" sheetId="1" r:id="rId1"/></sheets></workbook>"#,
-            ),
-            (
-                "xl/_rels/workbook.xml.rels",
-                r#"<?xml version="1.0"?><Relationships xmlns="http://schemas.openxmlformats.org/package/2006/relationships"><Relationship Id="rId1" Type="http://schemas.openxmlformats.org/officeDocument/2006/relationships/worksheet" Target="worksheets/sheet1.xml"/></Relationships>"#,
-            ),
-        ] {
-            zip.start_file(name, zip::write::SimpleFileOptions::default())
-                .unwrap();
-            zip.write_all(body.as_bytes()).unwrap();
+        for (row, column) in cells {
+            let mut letters = String::new();
+            let mut n = *column;
+            while n > 0 {
+                letters.insert(0, char::from(b'A' + ((n - 1) % 26) as u8));
+                n = (n - 1) / 26;
+            }
+            xml.push_str(&format!(
+                r#"<row r="{row}"><c r="{letters}{row}"><v>1</v></c></row>"#
+            ));
         }
+        return documents::workbook(&xml);
     }
-    zip.finish().unwrap().into_inner()
+    documents::archive(&[(
+        entry,
+        &format!(r#"<?xml version="1.0"?><root>{xml}</root>"#),
+    )])
 }
 
 proptest! {

@@ -498,75 +498,17 @@ backends = [
             {"type": "text", "text": "summarize"},
             {"type": "file", "file": {"filename": name, "file_data": data}}]}]})
     };
-    let mut nested = b"%PDF-1.5\n1 0 obj\n".to_vec();
-    nested.extend(std::iter::repeat_n(b'[', 5_000));
-    nested.extend(std::iter::repeat_n(b']', 5_000));
-    nested.extend_from_slice(b"\nendobj\ntrailer << /Root 1 0 R >>\n%%EOF\n");
+    use rialto_test_kit::documents::{far_apart_cells, nested_pdf, page_pdf};
+    let nested = nested_pdf(5_000);
     // Arrays nested 5,000 deep inside a page's content stream: the checks
     // before parsing skip stream bytes, so only the sandbox stands between
     // the content parser and the server.
-    let content = format!(
+    let deep = page_pdf(&format!(
         "BT /F1 12 Tf 100 700 Td {}(x){} TJ ET",
         "[".repeat(5_000),
         "]".repeat(5_000)
-    );
-    let objects = [
-        "<< /Type /Catalog /Pages 2 0 R >>".to_owned(),
-        "<< /Type /Pages /Kids [3 0 R] /Count 1 >>".to_owned(),
-        "<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R \
-         /Resources << /Font << /F1 5 0 R >> >> >>"
-            .to_owned(),
-        format!(
-            "<< /Length {} >>\nstream\n{content}\nendstream",
-            content.len()
-        ),
-        "<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>".to_owned(),
-    ];
-    let mut deep = b"%PDF-1.5\n".to_vec();
-    let mut offsets = Vec::new();
-    for (i, object) in objects.iter().enumerate() {
-        offsets.push(deep.len());
-        deep.extend_from_slice(format!("{} 0 obj\n{object}\nendobj\n", i + 1).as_bytes());
-    }
-    let xref = deep.len();
-    deep.extend_from_slice(
-        format!("xref\n0 {}\n0000000000 65535 f \n", objects.len() + 1).as_bytes(),
-    );
-    for offset in offsets {
-        deep.extend_from_slice(format!("{offset:010} 00000 n \n").as_bytes());
-    }
-    deep.extend_from_slice(
-        format!(
-            "trailer << /Size {} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n",
-            objects.len() + 1
-        )
-        .as_bytes(),
-    );
-    let mut sheet = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
-    for (name, xml) in [
-        (
-            "[Content_Types].xml",
-            r#"<?xml version="1.0"?><Types xmlns="http://schemas.openxmlformats.org/package/2006/content-types"/>"#,
-        ),
-        (
-            "xl/workbook.xml",
-            r#"<?xml version="1.0"?><workbook xmlns="http://schemas.openxmlformats.org/spreadsheetml/2006/main" xmlns:r="http://schemas.openxmlformats.org/officeDocument/2006/relationships"><sheets><sheet name="S" sheetId="1" r:id="rId1"/></sheets></workbook>"#,
-        ),
-        (
-            "xl/_rels/workbook.xml.rels",
-            r#"<?xml version="1.0"?><Relationships xmlns="http://schemas.openxmlformats.org/package/2006/relationships"><Relationship Id="rId1" Type="http://schemas.openxmlformats.org/officeDocument/2006/relationships/worksheet" Target="worksheets/sheet1.xml"/></Relationships>"#,
-        ),
-        (
-            "xl/worksheets/sheet1.xml",
-            r#"<?xml version="1.0"?><worksheet xmlns="http://schemas.openxmlformats.org/spreadsheetml/2006/main"><sheetData><row r="1"><c r="A1" t="inlineStr"><is><t>a</t></is></c></row><row r="1048576"><c r="XFD1048576" t="inlineStr"><is><t>b</t></is></c></row></sheetData></worksheet>"#,
-        ),
-    ] {
-        sheet
-            .start_file(name, zip::write::SimpleFileOptions::default())
-            .unwrap();
-        std::io::Write::write_all(&mut sheet, xml.as_bytes()).unwrap();
-    }
-    let sheet = sheet.finish().unwrap().into_inner();
+    ));
+    let sheet = far_apart_cells();
     for (name, bytes) in [
         ("nested.pdf", nested.as_slice()),
         ("deep.pdf", deep.as_slice()),

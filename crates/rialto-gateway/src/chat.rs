@@ -560,13 +560,7 @@ pub(crate) async fn admit(
 
 /// Whether a wallet's USD balance is under `wallet.min_balance_usd`.
 fn below_wallet_minimum(gateway: &Gateway, usd: &str) -> bool {
-    let minimum: rust_decimal::Decimal = gateway
-        .wallet
-        .min_balance_usd
-        .trim()
-        .parse()
-        .unwrap_or(rust_decimal::Decimal::ZERO);
-    !matches!(usd.parse::<rust_decimal::Decimal>(), Ok(balance) if balance >= minimum)
+    !matches!(usd.parse::<rust_decimal::Decimal>(), Ok(balance) if balance >= gateway.wallet_min_balance)
 }
 
 pub(crate) fn invalid_answer() -> ApiError {

@@ -403,32 +403,22 @@ pub async fn fetch_urls(
     allow_private: bool,
 ) -> Result<(), (usize, usize, String)> {
     let mut budget = MAX_REQUEST_FILE_BYTES;
-    let mut count = 0usize;
     let over_budget =
         || format!("the files of one request may hold {MAX_REQUEST_FILE_BYTES} bytes together");
-    for (m, message) in messages.iter().enumerate() {
-        let Some(Value::Array(parts)) = message.get("content") else {
-            continue;
-        };
-        for (p, part) in parts.iter().enumerate() {
-            if part.get("type").and_then(Value::as_str) != Some("file") {
-                continue;
-            }
-            count += 1;
-            if count > MAX_FILE_PARTS {
-                return Err((
-                    m,
-                    p,
-                    format!("a request may carry at most {MAX_FILE_PARTS} file parts"),
-                ));
-            }
-            if let Some(Value::String(data)) = part["file"].get("file_data") {
-                // Base64: three bytes for four characters.
-                let decoded = data.len() / 4 * 3;
-                budget = budget
-                    .checked_sub(decoded)
-                    .ok_or_else(|| (m, p, over_budget()))?;
-            }
+    for (count, (m, p, part)) in file_parts(messages).enumerate() {
+        if count >= MAX_FILE_PARTS {
+            return Err((
+                m,
+                p,
+                format!("a request may carry at most {MAX_FILE_PARTS} file parts"),
+            ));
+        }
+        if let Some(Value::String(data)) = part["file"].get("file_data") {
+            // Base64: three bytes for four characters.
+            let decoded = data.len() / 4 * 3;
+            budget = budget
+                .checked_sub(decoded)
+                .ok_or_else(|| (m, p, over_budget()))?;
         }
     }
     for (m, message) in messages.iter_mut().enumerate() {
@@ -482,8 +472,8 @@ pub async fn fetch_urls(
 /// IPv4 ranges no file URL may reach: IANA's special-purpose registry
 /// (those not globally reachable, and relays that would forward elsewhere),
 /// as (network, prefix length).
-const V4_NOT_PUBLIC: [([u8; 4], u8); 17] = [
-    ([0, 0, 0, 0], 8),       // "this network"
+const V4_NOT_PUBLIC: [([u8; 4], u8); 15] = [
+    ([0, 0, 0, 0], 8),       // "this network", with the unspecified address
     ([10, 0, 0, 0], 8),      // private
     ([100, 64, 0, 0], 10),   // carrier-grade NAT
     ([127, 0, 0, 0], 8),     // loopback
@@ -498,10 +488,6 @@ const V4_NOT_PUBLIC: [([u8; 4], u8); 17] = [
     ([203, 0, 113, 0], 24),  // documentation
     ([224, 0, 0, 0], 4),     // multicast
     ([240, 0, 0, 0], 4),     // reserved, and the broadcast address
-    // The two below lie inside 0.0.0.0/8 and 240.0.0.0/4 already; listed
-    // for the reader who looks for them.
-    ([0, 0, 0, 0], 32),         // unspecified
-    ([255, 255, 255, 255], 32), // broadcast
 ];
 
 /// IPv6 ranges no file URL may reach, as (network, prefix length). Ranges
@@ -651,34 +637,28 @@ pub async fn convert(
 
 /// Whether any message carries a `file` part (most requests: no).
 pub fn any(messages: &[Value]) -> bool {
-    messages.iter().any(|message| {
+    file_parts(messages).next().is_some()
+}
+
+/// Every `file` part of the messages: (message, part, the part).
+fn file_parts(messages: &[Value]) -> impl Iterator<Item = (usize, usize, &Value)> {
+    messages.iter().enumerate().flat_map(|(m, message)| {
         message
             .get("content")
             .and_then(Value::as_array)
-            .is_some_and(|parts| {
-                parts
-                    .iter()
-                    .any(|p| p.get("type").and_then(Value::as_str) == Some("file"))
-            })
+            .into_iter()
+            .flatten()
+            .enumerate()
+            .filter(|(_, part)| part.get("type").and_then(Value::as_str) == Some("file"))
+            .map(move |(p, part)| (m, p, part))
     })
 }
 
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
-    use std::io::Write;
 
-    /// An Office archive with `entries` (name, XML).
-    pub fn archive(entries: &[(&str, &str)]) -> Vec<u8> {
-        let mut writer = zip::ZipWriter::new(Cursor::new(Vec::new()));
-        for (name, xml) in entries {
-            writer
-                .start_file(*name, zip::write::SimpleFileOptions::default())
-                .unwrap();
-            writer.write_all(xml.as_bytes()).unwrap();
-        }
-        writer.finish().unwrap().into_inner()
-    }
+    pub use rialto_test_kit::documents::archive;
 
     pub fn docx(text: &str) -> Vec<u8> {
         let xml = format!(
@@ -818,37 +798,7 @@ pub(crate) mod tests {
         assert!(why.contains("base64"), "{why}");
     }
 
-    /// A PDF whose arrays nest `depth` deep, inside an otherwise plain file.
-    pub fn nested_pdf(depth: usize) -> Vec<u8> {
-        let mut pdf = b"%PDF-1.5\n1 0 obj\n".to_vec();
-        pdf.extend(std::iter::repeat_n(b'[', depth));
-        pdf.extend(std::iter::repeat_n(b']', depth));
-        pdf.extend_from_slice(b"\nendobj\ntrailer << /Root 1 0 R >>\n%%EOF\n");
-        pdf
-    }
-
-    /// A workbook with two cells, at A1 and XFD1048576.
-    pub fn far_apart_cells() -> Vec<u8> {
-        archive(&[
-            (
-                "[Content_Types].xml",
-                r#"<?xml version="1.0"?><Types xmlns="http://schemas.openxmlformats.org/package/2006/content-types"/>"#,
-            ),
-            (
-                "xl/workbook.xml",
-                r#"<?xml version="1.0"?><workbook xmlns="http://schemas.openxmlformats.org/spreadsheetml/2006/main" xmlns:r="http://schemas.openxmlformats.org/officeDocument/2006/relationships"><sheets><sheet name="S" sheetId="1" r:id="rId1"/></sheets></workbook>"#,
-            ),
-            (
-                "xl/_rels/workbook.xml.rels",
-                r#"<?xml version="1.0"?><Relationships xmlns="http://schemas.openxmlformats.org/package/2006/relationships"><Relationship Id="rId1" Type="http://schemas.openxmlformats.org/officeDocument/2006/relationships/worksheet" Target="worksheets/sheet1.xml"/></Relationships>"#,
-            ),
-            (
-                "xl/worksheets/sheet1.xml",
-                r#"<?xml version="1.0"?><worksheet xmlns="http://schemas.openxmlformats.org/spreadsheetml/2006/main"><sheetData><row r="1"><c r="A1" t="inlineStr"><is><t>a</t></is></c></row><row r="1048576"><c r="XFD1048576" t="inlineStr"><is><t>b</t></is></c></row></sheetData></worksheet>"#,
-            ),
-        ])
-    }
-
+    use rialto_test_kit::documents::{far_apart_cells, nested_pdf};
     #[test]
     fn deep_pdfs_and_sprawling_sheets_are_refused_before_parsing() {
         let why = precheck("deep.pdf", Format::Pdf, &nested_pdf(5_000)).unwrap_err();

@@ -88,6 +88,8 @@ pub struct Gateway {
     client_address_header: Option<HeaderName>,
     /// Wallet sign-in and x402 top-ups (`[wallet]`, `[x402]`).
     wallet: rialto_core::config::WalletConfig,
+    /// `wallet.min_balance_usd`, read once (validated at start).
+    wallet_min_balance: rust_decimal::Decimal,
     x402: rialto_core::config::X402Config,
     /// The characters of the configuration and of the database (refreshed
     /// every few seconds and after each change through this gateway).
@@ -157,6 +159,12 @@ impl Gateway {
             brand,
             abuse: AbuseGuard::new(&config.limits.abuse),
             wallet: config.wallet.clone(),
+            wallet_min_balance: config
+                .wallet
+                .min_balance_usd
+                .trim()
+                .parse()
+                .unwrap_or_default(),
             x402: config.x402.clone(),
             characters: std::sync::RwLock::new(Arc::new(characters::CharacterSet::new(
                 config.characters.clone(),

@@ -129,15 +129,7 @@ impl AbuseSubjects {
         let guard = &gateway.abuse;
         let wait = until.saturating_duration_since(self.started);
         let reset = Utc::now().timestamp() + wait.as_secs_f64().ceil() as i64;
-        let error = ApiError::new(
-            ErrorCode::RateLimited,
-            format!(
-                "Too many failed attempts (> {}) resulting in a non-success status code. \
-                 Please wait {}s and try again.",
-                guard.threshold(),
-                guard.block().as_secs()
-            ),
-        );
+        let error = too_many_failures(guard, guard.block());
         let headers = RateHeaders {
             scope: rialto_limiter::Scope::ApiKey,
             limit_requests: guard.threshold() as u64,
@@ -212,16 +204,24 @@ pub fn refuse_blocked_wallet(gateway: &Gateway, owner: &str) -> Result<(), ApiEr
         .blocked_until(&wallet_subject(gateway, owner), now)
     {
         None => Ok(()),
-        Some(until) => Err(ApiError::new(
-            ErrorCode::RateLimited,
-            format!(
-                "Too many failed attempts (> {}) resulting in a non-success status code. \
-                 Please wait {}s and try again.",
-                gateway.abuse.threshold(),
-                until.saturating_duration_since(now).as_secs().max(1)
-            ),
+        Some(until) => Err(too_many_failures(
+            &gateway.abuse,
+            until.saturating_duration_since(now),
         )),
     }
+}
+
+/// The abuse guard's 429, in the hosted API's words.
+fn too_many_failures(guard: &AbuseGuard, wait: std::time::Duration) -> ApiError {
+    ApiError::new(
+        ErrorCode::RateLimited,
+        format!(
+            "Too many failed attempts (> {}) resulting in a non-success status code. \
+             Please wait {}s and try again.",
+            guard.threshold(),
+            wait.as_secs().max(1)
+        ),
+    )
 }
 
 /// The client address in a proxy's header: only the last element, the one

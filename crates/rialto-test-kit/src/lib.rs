@@ -10,9 +10,12 @@
 //! - [`Facilitator`]: an x402 facilitator double (`/verify`, `/settle`)
 //!   with answers the test chooses.
 //!
+//! - [`documents`]: PDFs and workbooks, plain and hostile, for file parts.
+//!
 //! Nothing here is used in production code.
 
 pub mod collector;
+pub mod documents;
 pub mod facilitator;
 pub mod mock_upstream;
 pub mod sandbox;
