@@ -255,6 +255,48 @@ async fn the_hold_covers_tools_and_bounds_the_completion() {
     assert_eq!(seen["max_tokens"], 1024, "{seen}");
 }
 
+/// A backend that reports more than the hold assumed (its tokenizer counts
+/// 30,000 prompt tokens where the gateway estimated 3): the request is
+/// charged what the balance has, the rest is owed, the balance reads below
+/// zero, the next request is refused with 402 until a top-up covers the
+/// debt, and the request after the top-up pays it first. Split topology:
+/// the debt crosses the gRPC hop.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cost_above_the_hold_is_owed_not_written_off() {
+    let world = world(Topology::Split, Storage::Sqlite).await;
+    let sandbox = &world.sandbox;
+    let (id, admin, key) = account(sandbox).await;
+    sandbox.credit(&id, "0.01", "seed").await.unwrap();
+    let heavy = json!({"model": "paid-chat", "max_tokens": 10,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "mock": {"words": 10, "prompt_tokens": 30000}});
+    let response = chat(sandbox, &key, &heavy).await;
+    assert_eq!(response.status(), 200, "{}", response.text().await.unwrap());
+    // $0.03001 used; $0.01 charged; $0.02001 owed.
+    assert_eq!(
+        balance(sandbox, &admin).await["balances"]["usd"],
+        json!(-0.02001)
+    );
+    let light = json!({"model": "paid-chat", "max_tokens": 10,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "mock": {"words": 10}});
+    let response = chat(sandbox, &key, &light).await;
+    assert_eq!(response.status(), 402, "{}", response.text().await.unwrap());
+    assert_eq!(
+        world._mock.request_count(),
+        1,
+        "the backend saw the refused one"
+    );
+    sandbox.credit(&id, "0.05", "top-up").await.unwrap();
+    let response = chat(sandbox, &key, &light).await;
+    assert_eq!(response.status(), 200);
+    // 0.06 - 0.03001 - 0.000012 (2 prompt + 10 completion tokens).
+    assert_eq!(
+        balance(sandbox, &admin).await["balances"]["usd"],
+        json!(0.029978)
+    );
+}
+
 /// An account without credit is refused with 402 before any backend call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_credit_no_call() {

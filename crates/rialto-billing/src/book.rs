@@ -69,11 +69,11 @@ pub struct SettleOrder<'a> {
     pub model_id: &'a str,
     pub prompt_tokens: i64,
     pub completion_tokens: i64,
-    /// What the hold reserved, as the caller knows it: bounds a settlement
-    /// of a hold this process does not know (it restarted).
-    pub held: Option<(i64, i64)>,
     /// The capped key and period the hold counted in.
     pub key: Option<(&'a str, &'a str)>,
+    /// That key's caps (USD, DIEM; None: not capped in that currency): a
+    /// charge beyond the hold stays within them.
+    pub cap: Option<(Option<i64>, Option<i64>)>,
 }
 
 /// An open hold in memory.
@@ -447,11 +447,12 @@ impl Book {
         }
     }
 
-    /// Settles `request_id`: charges its cost against its hold (DIEM first,
-    /// never more than was held) and releases the rest, durably before
-    /// this returns. A hold this process does not know (it restarted, or
-    /// the hold expired) is settled from what the balance has now, at most
-    /// what the caller says was held. Once: a repeat is `NotOpen`.
+    /// Settles `request_id`: charges its cost against its hold, then what
+    /// the hold did not cover and what the owner owes from the rest of the
+    /// balance within the key's cap, owing what neither covers
+    /// ([`decide_settle`]); durably before this returns. A hold this
+    /// process does not know (it restarted, or the hold expired) is settled
+    /// the same way with nothing held. Once: a repeat is `NotOpen`.
     pub async fn settle(&self, owner: &str, order: &SettleOrder<'_>) -> Result<SettleOutcome> {
         self.ensure_key(owner, order.key).await?;
         let wait = self
@@ -642,6 +643,12 @@ fn decide_hold(state: &mut State, order: &HoldOrder<'_>, lease_ms: i64) -> HoldD
             currency: "USD",
         });
     }
+    // What the owner owes is paid by this request's settlement: the balance
+    // beyond this hold must cover it.
+    let spare = (diem_usable - diem).saturating_add(before.usd_available() - usd);
+    if before.owed > spare {
+        return HoldDecision::Refused(HoldOutcome::Insufficient { before });
+    }
     state.balance.usd_held += usd;
     state.balance.diem_held += diem;
     if let Some((key, _, _)) = &key
@@ -673,83 +680,89 @@ fn decide_hold(state: &mut State, order: &HoldOrder<'_>, lease_ms: i64) -> HoldD
 }
 
 /// Decides a settlement in memory; the record to write, if any.
+///
+/// The request's cost is charged from its hold first (DIEM first), the hold
+/// is released, and what the hold did not cover, with what the owner owed
+/// before, is charged from the balance beyond every other hold (DIEM first),
+/// within the key's cap. What that cannot cover is owed: never written off.
+/// A settlement of a hold this process does not hold open (it restarted,
+/// the hold expired, or this is a repeat) is the same with nothing held; a
+/// repeat is undone when the journal finds its key taken.
 pub(crate) fn decide_settle(
     entry: &Arc<Owner>,
     state: &mut State,
     order: &SettleOrder<'_>,
 ) -> (Option<Record>, SettleOutcome) {
     let cost = order.cost.max(0);
-    let Some(hold) = state.holds.remove(order.request_id) else {
-        return decide_late_settle(entry, state, order, cost);
+    let hold = state.holds.remove(order.request_id);
+    let key = match &hold {
+        Some(hold) => hold.key.clone(),
+        None => order.key.and_then(|(key_id, period)| {
+            let wanted = (key_id.to_owned(), period.to_owned());
+            state.keys.get_key_value(&wanted).map(|(k, _)| k.clone())
+        }),
     };
-    let diem = cost.min(hold.diem);
-    let usd = (cost - diem).min(hold.usd);
-    let written_off = cost - diem - usd;
-    state.balance.usd_held -= hold.usd;
-    state.balance.diem_held -= hold.diem;
-    state.balance.usd -= usd;
-    state.balance.diem -= diem;
-    if let Some(key) = &hold.key
-        && let Some(spend) = state.keys.get_mut(key)
-    {
-        spend.usd += usd;
-        spend.diem += diem;
-        spend.usd_held -= hold.usd;
-        spend.diem_held -= hold.diem;
+    let owed_before = state.balance.owed;
+    // 1. From the hold, which is released.
+    let (mut diem, mut usd) = (0, 0);
+    if let Some(hold) = &hold {
+        diem = cost.min(hold.diem);
+        usd = (cost - diem).min(hold.usd);
+        state.balance.usd_held -= hold.usd;
+        state.balance.diem_held -= hold.diem;
+        if let Some(spend) = key.as_ref().and_then(|k| state.keys.get_mut(k)) {
+            spend.usd_held -= hold.usd;
+            spend.diem_held -= hold.diem;
+        }
     }
-    let outcome = SettleOutcome::Settled {
-        usd,
-        diem,
-        written_off,
-    };
-    if !hold.durable && usd == 0 && diem == 0 && written_off == 0 {
-        // Nothing was ever written and nothing is charged.
-        return (None, outcome);
+    // 2. The rest, and the debt, from what no hold reserves.
+    let due = cost - diem - usd + owed_before;
+    if due > 0 {
+        let spend = key.as_ref().and_then(|k| state.keys.get(k)).copied();
+        let room = |cap: Option<i64>, spent: i64, held: i64| {
+            cap.map_or(i64::MAX, |cap| (cap - spent - held).max(0))
+        };
+        let (usd_cap, diem_cap) = order.cap.unwrap_or((None, None));
+        let (usd_room, diem_room) = match spend {
+            Some(s) => (
+                room(usd_cap, s.usd + usd, s.usd_held),
+                room(diem_cap, s.diem + diem, s.diem_held),
+            ),
+            None => (i64::MAX, i64::MAX),
+        };
+        let more_diem = due
+            .min((state.balance.diem_available() - diem).max(0))
+            .min(diem_room);
+        let more_usd = (due - more_diem)
+            .min((state.balance.usd_available() - usd).max(0))
+            .min(usd_room);
+        diem += more_diem;
+        usd += more_usd;
+        state.balance.owed = due - more_diem - more_usd;
     }
-    let record = Record::close(
-        entry.clone(),
-        state.fence,
-        RecordKind::Settle,
-        order,
-        [usd, diem, written_off],
-        Some(&hold),
-    );
-    (Some(record), outcome)
-}
-
-/// A settlement of a hold this process does not hold open: charged from
-/// what the balance has available now, at most what was held.
-fn decide_late_settle(
-    entry: &Arc<Owner>,
-    state: &mut State,
-    order: &SettleOrder<'_>,
-    cost: i64,
-) -> (Option<Record>, SettleOutcome) {
-    let most = order
-        .held
-        .map_or(cost, |(usd, diem)| usd.saturating_add(diem));
-    let chargeable = cost.min(most);
-    let diem = chargeable.min(state.balance.diem_available().max(0));
-    let usd = (chargeable - diem).min(state.balance.usd_available().max(0));
-    let written_off = cost - diem - usd;
-    if usd == 0 && diem == 0 {
-        // Nothing to take (or settled before): the caller reads what the
-        // journal has.
+    let owed_change = state.balance.owed - owed_before;
+    if hold.is_none() && usd == 0 && diem == 0 && owed_change == 0 {
+        // Nothing to take (a free request, or settled before): the caller
+        // reads what the journal has.
         return (None, SettleOutcome::NotOpen);
     }
     state.balance.usd -= usd;
     state.balance.diem -= diem;
-    let key = order.key.and_then(|(key_id, period)| {
-        let wanted = (key_id.to_owned(), period.to_owned());
-        state.keys.get_key_value(&wanted).map(|(k, _)| k.clone())
-    });
-    if let Some(key) = &key
-        && let Some(spend) = state.keys.get_mut(key)
-    {
+    if let Some(spend) = key.as_ref().and_then(|k| state.keys.get_mut(k)) {
         spend.usd += usd;
         spend.diem += diem;
     }
-    let late = OpenHold {
+    let outcome = SettleOutcome::Settled {
+        usd,
+        diem,
+        owed: state.balance.owed,
+    };
+    let durable = hold.as_ref().is_some_and(|h| h.durable);
+    if !durable && usd == 0 && diem == 0 && owed_change == 0 {
+        // Nothing was ever written and nothing is charged.
+        return (None, outcome);
+    }
+    let closed = hold.unwrap_or_else(|| OpenHold {
         usd: 0,
         diem: 0,
         expires_at_ms: 0,
@@ -758,23 +771,16 @@ fn decide_late_settle(
         checkpoint: 0,
         checkpoint_tokens: (0, 0),
         model_id: order.model_id.into(),
-    };
+    });
     let record = Record::close(
         entry.clone(),
         state.fence,
         RecordKind::Settle,
         order,
-        [usd, diem, written_off],
-        Some(&late),
+        [usd, diem, owed_change],
+        Some(&closed),
     );
-    (
-        Some(record),
-        SettleOutcome::Settled {
-            usd,
-            diem,
-            written_off,
-        },
-    )
+    (Some(record), outcome)
 }
 
 /// What a capped key spent and holds in `period`, from the database.
@@ -874,8 +880,8 @@ mod tests {
             model_id: "m",
             prompt_tokens: 10,
             completion_tokens: 20,
-            held: None,
             key: None,
+            cap: None,
         }
     }
 
@@ -1036,9 +1042,9 @@ mod tests {
     }
 
     /// A settlement of a hold this process never knew (billing restarted
-    /// between the hold and the settlement) charges at most what was held.
+    /// between the hold and the settlement) charges what was used, once.
     #[tokio::test]
-    async fn a_settlement_after_a_restart_charges_at_most_the_hold() {
+    async fn a_settlement_after_a_restart_charges_what_was_used() {
         let (_dir, db) = sqlite().await;
         let ledger = Ledger::new(db.clone());
         ledger
@@ -1046,17 +1052,14 @@ mod tests {
             .await
             .unwrap();
         let book = Book::start(db.clone(), 30_000);
-        let order = SettleOrder {
-            held: Some((2 * NANO, 0)),
-            ..settle("r1", 3 * NANO)
-        };
+        let order = settle("r1", 3 * NANO);
         let settled = book.settle("account:r", &order).await.unwrap();
         assert_eq!(
             settled,
             SettleOutcome::Settled {
-                usd: 2 * NANO,
+                usd: 3 * NANO,
                 diem: 0,
-                written_off: NANO
+                owed: 0
             }
         );
         // Again (a redelivered record): nothing more.
@@ -1065,8 +1068,150 @@ mod tests {
             SettleOutcome::NotOpen
         );
         let stored = reconcile(&book, &ledger, "account:r").await;
-        assert_eq!(stored.usd, 8 * NANO);
-        assert_eq!(book.snapshot("account:r").unwrap().balance.usd, 8 * NANO);
+        assert_eq!(stored.usd, 7 * NANO);
+        assert_eq!(book.snapshot("account:r").unwrap().balance.usd, 7 * NANO);
+    }
+
+    /// Issue 16, finding 2: what the balance cannot cover is owed, not
+    /// written off: it survives a restart, the owner's next hold must cover
+    /// it on top of its own, and that request's settlement pays it first.
+    #[tokio::test]
+    async fn what_the_balance_cannot_cover_is_owed_and_paid_first() {
+        let (_dir, db) = sqlite().await;
+        let ledger = Ledger::new(db.clone());
+        ledger.credit("account:o", NANO, 0, "seed").await.unwrap();
+        let book = Book::start(db.clone(), 30_000);
+        let placed = book.hold("account:o", &hold("o1", NANO, false)).await;
+        assert!(matches!(placed.unwrap(), HoldOutcome::Placed { .. }));
+        // The backend did three times what the hold assumed.
+        let settled = book.settle("account:o", &settle("o1", 3 * NANO)).await;
+        assert_eq!(
+            settled.unwrap(),
+            SettleOutcome::Settled {
+                usd: NANO,
+                diem: 0,
+                owed: 2 * NANO
+            }
+        );
+        let stored = reconcile(&book, &ledger, "account:o").await;
+        assert_eq!((stored.usd, stored.owed), (0, 2 * NANO));
+        // A restart forgets nothing.
+        drop(book);
+        let book = Book::start(db.clone(), 30_000);
+        let small = hold("o2", NANO / 10, false);
+        let refused = book.hold("account:o", &small).await.unwrap();
+        assert!(
+            matches!(refused, HoldOutcome::Insufficient { .. }),
+            "{refused:?}"
+        );
+        assert_eq!(book.snapshot("account:o").unwrap().balance.owed, 2 * NANO);
+        // $2.05 more: not enough for $2 owed and a $0.10 hold.
+        ledger
+            .credit("account:o", 2 * NANO + NANO / 20, 0, "top-up-1")
+            .await
+            .unwrap();
+        let refused = book.hold("account:o", &small).await.unwrap();
+        assert!(
+            matches!(refused, HoldOutcome::Insufficient { .. }),
+            "{refused:?}"
+        );
+        ledger
+            .credit("account:o", NANO, 0, "top-up-2")
+            .await
+            .unwrap();
+        let placed = book.hold("account:o", &small).await.unwrap();
+        assert!(matches!(placed, HoldOutcome::Placed { .. }), "{placed:?}");
+        let settled = book.settle("account:o", &settle("o2", NANO / 10)).await;
+        assert_eq!(
+            settled.unwrap(),
+            SettleOutcome::Settled {
+                usd: 2 * NANO + NANO / 10,
+                diem: 0,
+                owed: 0
+            }
+        );
+        let stored = reconcile(&book, &ledger, "account:o").await;
+        assert_eq!((stored.usd, stored.owed), (NANO - NANO / 20, 0));
+    }
+
+    /// Issue 16, finding 5: a charge beyond the hold stays within the key's
+    /// cap, on the hold's settlement and on a late one (the hold unknown
+    /// here); what the cap keeps back is owed by the account, and another
+    /// key's request pays it.
+    #[tokio::test]
+    async fn a_charge_beyond_the_hold_stays_within_the_keys_cap() {
+        let (_dir, db) = sqlite().await;
+        let ledger = Ledger::new(db.clone());
+        ledger
+            .credit("account:c", 10 * NANO, 0, "seed")
+            .await
+            .unwrap();
+        let book = Book::start(db.clone(), 30_000);
+        let cap = KeyCap {
+            key_id: "key-c".into(),
+            period: "EPOCH:1".into(),
+            usd: Some(NANO),
+            diem: None,
+        };
+        let capped = |request_id, cost| SettleOrder {
+            key: Some(("key-c", "EPOCH:1")),
+            cap: Some((Some(NANO), None)),
+            ..settle(request_id, cost)
+        };
+        let order = HoldOrder {
+            cap: Some(&cap),
+            ..hold("c1", NANO / 2, false)
+        };
+        assert!(matches!(
+            book.hold("account:c", &order).await.unwrap(),
+            HoldOutcome::Placed { .. }
+        ));
+        // $3 used against a $0.50 hold under a $1 cap: $1 charged.
+        let settled = book.settle("account:c", &capped("c1", 3 * NANO)).await;
+        assert_eq!(
+            settled.unwrap(),
+            SettleOutcome::Settled {
+                usd: NANO,
+                diem: 0,
+                owed: 2 * NANO
+            }
+        );
+        // A late settlement of the same key: nothing more within its cap.
+        let late = book.settle("account:c", &capped("c2", NANO)).await;
+        assert_eq!(
+            late.unwrap(),
+            SettleOutcome::Settled {
+                usd: 0,
+                diem: 0,
+                owed: 3 * NANO
+            }
+        );
+        book.flush().await.unwrap();
+        let spend = read_key_spend(&book.shared.db, "key-c", "EPOCH:1").await;
+        assert_eq!(spend.unwrap().usd, NANO, "the key spent its cap, no more");
+        // The capped key is refused; an uncapped one pays the debt first.
+        let order = HoldOrder {
+            cap: Some(&cap),
+            ..hold("c3", NANO / 10, false)
+        };
+        assert!(matches!(
+            book.hold("account:c", &order).await.unwrap(),
+            HoldOutcome::KeyLimitReached { .. }
+        ));
+        book.hold("account:c", &hold("c4", NANO / 10, false))
+            .await
+            .unwrap();
+        let settled = book.settle("account:c", &settle("c4", NANO / 10)).await;
+        assert_eq!(
+            settled.unwrap(),
+            SettleOutcome::Settled {
+                usd: 3 * NANO + NANO / 10,
+                diem: 0,
+                owed: 0
+            }
+        );
+        let stored = reconcile(&book, &ledger, "account:c").await;
+        assert_eq!((stored.usd, stored.owed), (6 * NANO - NANO / 10, 0));
     }
 
     /// A process killed after answering, with settlements in the ledger's
@@ -1366,14 +1511,14 @@ mod tests {
         assert_eq!((spend.usd, spend.usd_held), (NANO / 2, 0));
     }
 
-    /// DIEM pays first; a cost above the hold is written off, never taken
-    /// from the unreserved balance.
+    /// DIEM pays first, from the hold and then beyond it: a cost above the
+    /// hold is charged from the balance no other hold reserves.
     #[tokio::test]
-    async fn diem_pays_first_and_a_cost_above_the_hold_is_written_off() {
+    async fn diem_pays_first_and_a_cost_above_the_hold_is_charged_from_the_rest() {
         let (_dir, db) = sqlite().await;
         let ledger = Ledger::new(db.clone());
         ledger
-            .credit("account:w", NANO, NANO, "seed")
+            .credit("account:w", 2 * NANO, NANO, "seed")
             .await
             .unwrap();
         let book = Book::start(db, 30_000);
@@ -1383,17 +1528,22 @@ mod tests {
             .unwrap();
         assert!(matches!(placed, HoldOutcome::Placed { usd, diem, .. }
             if usd == NANO / 2 && diem == NANO));
+        // Another request's hold is not touched.
+        let other = book.hold("account:w", &hold("w2", NANO, false)).await;
+        assert!(matches!(other.unwrap(), HoldOutcome::Placed { usd, .. } if usd == NANO));
         let settled = book.settle("account:w", &settle("w1", 2 * NANO)).await;
         assert_eq!(
             settled.unwrap(),
             SettleOutcome::Settled {
-                usd: NANO / 2,
+                usd: NANO,
                 diem: NANO,
-                written_off: NANO / 2
+                owed: 0
             }
         );
         let stored = reconcile(&book, &ledger, "account:w").await;
-        assert_eq!((stored.usd, stored.diem), (NANO / 2, 0));
+        assert_eq!((stored.usd, stored.diem), (NANO, 0));
+        // w2's hold (in memory: a plain request's hold is not written).
+        assert_eq!(book.snapshot("account:w").unwrap().balance.usd_held, NANO);
     }
 
     /// A day later the stake allocates again: no roll-over, and what open

@@ -28,6 +28,9 @@ pub struct Balance {
     pub diem: i64,
     pub usd_held: i64,
     pub diem_held: i64,
+    /// What settlements could not charge: the next request must cover it
+    /// on top of its own hold, and its settlement pays it first.
+    pub owed: i64,
 }
 
 impl Balance {
@@ -37,6 +40,12 @@ impl Balance {
 
     pub fn diem_available(&self) -> i64 {
         self.diem - self.diem_held
+    }
+
+    /// USD as the owner sees it: the balance less what is owed (below zero
+    /// when the debt is larger).
+    pub fn usd_net(&self) -> i64 {
+        self.usd.saturating_sub(self.owed)
     }
 }
 
@@ -84,7 +93,9 @@ pub enum SettleOutcome {
     Settled {
         usd: i64,
         diem: i64,
-        written_off: i64,
+        /// What the owner owes after it: the part of this cost (and of
+        /// earlier debt) the balance and the key's cap could not cover.
+        owed: i64,
     },
     /// No open hold with this request id (settled or released already).
     NotOpen,
@@ -213,7 +224,7 @@ impl Ledger {
     async fn read(&self, owner: &str) -> Result<(Balance, i64, Option<i64>)> {
         let row = sqlx::query(
             "SELECT l.usd_nanos, l.diem_nanos, l.usd_held_nanos, l.diem_held_nanos, \
-             l.diem_epoch, s.diem_per_day_nanos \
+             l.diem_epoch, s.diem_per_day_nanos, l.owed_nanos \
              FROM ledgers l LEFT JOIN stakes s ON s.owner = l.owner WHERE l.owner = $1",
         )
         .bind(owner)
@@ -226,6 +237,7 @@ impl Ledger {
                     diem: row.try_get(1)?,
                     usd_held: row.try_get(2)?,
                     diem_held: row.try_get(3)?,
+                    owed: row.try_get(6)?,
                 },
                 row.try_get(4)?,
                 row.try_get(5)?,
@@ -486,14 +498,15 @@ impl Ledger {
         })
     }
 
-    /// The journal's sums for `owner`: (usd, diem, usd_held, diem_held).
-    /// They equal the balance at all times (tests reconcile them).
+    /// The journal's sums for `owner`: (usd, diem, usd_held, diem_held,
+    /// owed). They equal the balance at all times (tests reconcile them).
     pub async fn journal_sums(&self, owner: &str) -> Result<Balance> {
         let row = sqlx::query(
             "SELECT CAST(COALESCE(SUM(usd_nanos), 0) AS BIGINT), \
              CAST(COALESCE(SUM(diem_nanos), 0) AS BIGINT), \
              CAST(COALESCE(SUM(usd_held_nanos), 0) AS BIGINT), \
-             CAST(COALESCE(SUM(diem_held_nanos), 0) AS BIGINT) \
+             CAST(COALESCE(SUM(diem_held_nanos), 0) AS BIGINT), \
+             CAST(COALESCE(SUM(owed_nanos), 0) AS BIGINT) \
              FROM ledger_journal WHERE owner = $1",
         )
         .bind(owner)
@@ -504,6 +517,7 @@ impl Ledger {
             diem: row.try_get(1)?,
             usd_held: row.try_get(2)?,
             diem_held: row.try_get(3)?,
+            owed: row.try_get(4)?,
         })
     }
 }

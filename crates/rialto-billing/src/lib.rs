@@ -123,8 +123,10 @@ impl Prices {
 }
 
 /// What the ledger charges when it settles `usage` against a hold of
-/// `held_usd` and `held_diem`: DIEM first, never more than was held. The
-/// gateway reports it as `cost` when it had to queue the settlement.
+/// `held_usd` and `held_diem` (DIEM first) when the hold covers it and
+/// nothing is owed; the ledger charges any excess from the rest of the
+/// balance later. The gateway reports it as `cost` when it had to queue
+/// the settlement.
 pub fn expected_cost(
     prices: &Prices,
     usage: &pb::Usage,
@@ -175,7 +177,7 @@ pub fn from_nanos(nanos: i64) -> String {
 
 fn balance_pb(balance: &ledger::Balance) -> pb::Balance {
     pb::Balance {
-        usd: from_nanos(balance.usd),
+        usd: from_nanos(balance.usd_net()),
         diem: from_nanos(balance.diem),
         usd_held: from_nanos(balance.usd_held),
         diem_held: from_nanos(balance.diem_held),
@@ -412,24 +414,19 @@ impl BillingService for LocalBilling {
         if request.owner.is_empty() {
             return Err(Error::invalid("a settlement names its ledger owner"));
         }
-        let held = if request.held_usd.is_empty() && request.held_diem.is_empty() {
-            None
-        } else {
-            Some((
-                parse_amount("held_usd", &request.held_usd)?,
-                parse_amount("held_diem", &request.held_diem)?,
-            ))
-        };
         let key = Some((request.key_id.as_str(), request.key_period.as_str()))
             .filter(|(id, period)| !id.is_empty() && !period.is_empty());
+        let cap = key
+            .and(request.key_limit.as_ref())
+            .map(|limit| (limit.usd_nanos, limit.diem_nanos));
         let order = book::SettleOrder {
             request_id: &request.request_id,
             cost: to_nanos(cost)?,
             model_id: &request.model_id,
             prompt_tokens: i64::try_from(usage.prompt_tokens).unwrap_or(i64::MAX),
             completion_tokens: i64::try_from(usage.completion_tokens).unwrap_or(i64::MAX),
-            held,
             key,
+            cap,
         };
         let settled = self.book.settle(&request.owner, &order).await?;
         match settled {

@@ -55,7 +55,7 @@ impl Book {
                     model_id: &hold.model_id,
                     prompt_tokens: hold.checkpoint_tokens.0,
                     completion_tokens: hold.checkpoint_tokens.1,
-                    held: None,
+                    cap: None,
                     key: None,
                 };
                 let (record, _) = decide_settle(&entry, state, &order);

@@ -90,6 +90,8 @@ pub(crate) struct Settlement {
     /// The capped key and the period its hold counted in, if any.
     key_id: String,
     key_period: String,
+    /// That key's caps, which bound a charge beyond the hold.
+    key_limit: Option<billing_pb::KeyLimit>,
     prices: rialto_billing::Prices,
 }
 
@@ -117,6 +119,7 @@ impl Settlement {
             held_diem: self.held_diem.clone(),
             key_id: self.key_id.clone(),
             key_period: self.key_period.clone(),
+            key_limit: self.key_limit.clone(),
         }
     }
 
@@ -447,6 +450,7 @@ pub(crate) async fn admit(
             held_diem: hold.held_diem.clone(),
             key_id: principal.key_id.clone(),
             key_period: hold.key_period.clone(),
+            key_limit: None,
             prices: prices.clone(),
         };
         orphan.release();
@@ -483,6 +487,7 @@ pub(crate) async fn admit(
         held_diem: String::new(),
         key_id: String::new(),
         key_period: String::new(),
+        key_limit: None,
         prices,
     };
     let hold = match hold {
@@ -537,6 +542,7 @@ pub(crate) async fn admit(
     if !hold.key_period.is_empty() {
         settlement.key_id.clone_from(&principal.key_id);
         settlement.key_period = hold.key_period;
+        settlement.key_limit = crate::key_limit(&principal.key_id, principal.key_limit.as_ref());
     }
     if !principal.wallet.is_empty() {
         // A hold of nothing (a free model) is placed for any wallet: one

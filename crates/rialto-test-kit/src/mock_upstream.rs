@@ -5,7 +5,8 @@
 //! `POST /v1/chat/completions` (plain and SSE streaming), records every chat request body and its
 //! `Authorization` header, and obeys per-request directives in the body field `mock`:
 //! `reply`, `words`, `status`, `delay_ms`, `chunk_delay_ms`, `fail_after_chunks`,
-//! `cached_tokens` and `cache_write_tokens` (reported in the usage).
+//! `cached_tokens`, `cache_write_tokens` and `prompt_tokens` (reported in
+//! the usage).
 //! [`MockUpstream::fail_next`] makes this one mock (not its siblings) fail its
 //! next requests, which is how a test fails one backend of several. The
 //! server stops when the [`MockUpstream`] is dropped or [`MockUpstream::stop`]ped.
@@ -302,11 +303,15 @@ async fn chat(req: HttpRequest, raw: web::Bytes, state: web::Data<State>) -> Htt
         })
         .collect();
 
-    let prompt_tokens = messages
-        .iter()
-        .map(|m| word_count(&content_text(&m["content"])))
-        .sum::<u64>()
-        .max(1);
+    // `prompt_tokens`: a tokenizer that counts more than the gateway's
+    // estimate (what a hold cannot know in advance).
+    let prompt_tokens = directive("prompt_tokens").unwrap_or_else(|| {
+        messages
+            .iter()
+            .map(|m| word_count(&content_text(&m["content"])))
+            .sum::<u64>()
+            .max(1)
+    });
     let completion_tokens = choices.first().map_or(0, |(t, _)| word_count(t)) * n as u64;
     let mut usage = json!({
         "prompt_tokens": prompt_tokens,

@@ -209,7 +209,7 @@ async fn pair(
                 model_id: MODEL,
                 prompt_tokens: 10,
                 completion_tokens: 20,
-                held: None,
+                cap: None,
                 key: None,
             },
         )

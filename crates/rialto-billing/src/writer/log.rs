@@ -354,7 +354,7 @@ fn encode(record: &Record, out: &mut Vec<u8>) {
         record.fence,
         record.usd,
         record.diem,
-        record.written_off,
+        record.owed,
         record.held.0,
         record.held.1,
         record.tokens.0,
@@ -433,7 +433,7 @@ fn decode(payload: &[u8]) -> Option<Record> {
         fence,
         usd,
         diem,
-        written_off,
+        owed,
         held_usd,
         held_diem,
         prompt,
@@ -463,7 +463,7 @@ fn decode(payload: &[u8]) -> Option<Record> {
         request_id: request_id.into(),
         usd,
         diem,
-        written_off,
+        owed,
         held: (held_usd, held_diem),
         durable: flags & DURABLE != 0,
         late: flags & LATE != 0,
@@ -512,7 +512,7 @@ mod tests {
         record.request_id = "0123456789abcdef".into();
         record.usd = 1_500;
         record.diem = 20;
-        record.written_off = 3;
+        record.owed = 3;
         record.held = (4_000, 100);
         record.durable = true;
         record.key = Some(Arc::new(("key-1".to_owned(), "2026-11-24".to_owned())));
@@ -524,10 +524,10 @@ mod tests {
     fn same(a: &Record, b: &Record) -> bool {
         format!(
             "{:?}",
-            (a.kind, &a.request_id, a.usd, a.diem, a.written_off, a.held)
+            (a.kind, &a.request_id, a.usd, a.diem, a.owed, a.held)
         ) == format!(
             "{:?}",
-            (b.kind, &b.request_id, b.usd, b.diem, b.written_off, b.held)
+            (b.kind, &b.request_id, b.usd, b.diem, b.owed, b.held)
         ) && (a.durable, a.late, &a.key, &a.model_id, a.tokens, a.fence)
             == (b.durable, b.late, &b.key, &b.model_id, b.tokens, b.fence)
             && a.owner.name == b.owner.name

@@ -74,7 +74,9 @@ pub(crate) struct Record {
     /// change for an epoch.
     usd: i64,
     diem: i64,
-    written_off: i64,
+    /// The change in what the owner owes (settle): positive when the
+    /// settlement left part of its cost unpaid, negative when it paid debt.
+    owed: i64,
     /// The durable hold's reservation: placed (open) or released (close).
     held: (i64, i64),
     durable: bool,
@@ -99,7 +101,7 @@ impl Record {
             request_id: "".into(),
             usd: 0,
             diem: 0,
-            written_off: 0,
+            owed: 0,
             held: (0, 0),
             durable: false,
             late: false,
@@ -159,7 +161,7 @@ impl Record {
         fence: i64,
         kind: RecordKind,
         order: &SettleOrder<'_>,
-        [usd, diem, written_off]: [i64; 3],
+        [usd, diem, owed]: [i64; 3],
         hold: Option<&OpenHold>,
     ) -> Self {
         let late = hold.is_none_or(|h| h.usd == 0 && h.diem == 0 && !h.durable);
@@ -168,7 +170,7 @@ impl Record {
             request_id: order.request_id.into(),
             usd,
             diem,
-            written_off,
+            owed,
             held: hold
                 .filter(|h| h.durable)
                 .map_or((0, 0), |h| (h.usd, h.diem)),
@@ -198,6 +200,7 @@ impl Record {
             RecordKind::Settle if self.late => {
                 state.balance.usd += self.usd;
                 state.balance.diem += self.diem;
+                state.balance.owed -= self.owed;
                 if let Some(spend) = self.key.as_ref().and_then(|k| state.key_mut(k)) {
                     spend.usd -= self.usd;
                     spend.diem -= self.diem;
@@ -232,15 +235,15 @@ impl Record {
         }
     }
 
-    /// Signed effects on (usd, diem, usd_held, diem_held).
-    fn effects(&self) -> [i64; 4] {
+    /// Signed effects on (usd, diem, usd_held, diem_held, owed).
+    fn effects(&self) -> [i64; 5] {
         match self.kind {
-            RecordKind::Open => [0, 0, self.held.0, self.held.1],
+            RecordKind::Open => [0, 0, self.held.0, self.held.1, 0],
             RecordKind::Settle | RecordKind::Expire => {
-                [-self.usd, -self.diem, -self.held.0, -self.held.1]
+                [-self.usd, -self.diem, -self.held.0, -self.held.1, self.owed]
             }
-            RecordKind::Epoch => [0, self.diem, 0, 0],
-            RecordKind::Checkpoint | RecordKind::Refresh => [0; 4],
+            RecordKind::Epoch => [0, self.diem, 0, 0, 0],
+            RecordKind::Checkpoint | RecordKind::Refresh => [0; 5],
         }
     }
 
@@ -665,8 +668,8 @@ fn journal_rows(jobs: &[WriteJob]) -> Vec<(usize, String, &'static str)> {
 struct JournalValues<'a> {
     id: String,
     request_id: Option<&'a str>,
-    /// Signed effects on (usd, diem, usd_held, diem_held).
-    effects: [i64; 4],
+    /// Signed effects on (usd, diem, usd_held, diem_held, owed).
+    effects: [i64; 5],
     /// What a settlement or expiry was for: the usage history reads it.
     model_id: Option<&'a str>,
     tokens: (i64, i64),
@@ -690,12 +693,12 @@ fn journal_values(record: &Record) -> JournalValues<'_> {
 /// Each (owner, fence) a batch writes for.
 type OwnerSums = HashMap<(Arc<str>, i64), OwnerSum>;
 
-/// 2. Each owner's applied effects on (usd, diem, usd_held, diem_held)
-///    and its latest DIEM epoch day. Every owner with a record is listed,
+/// 2. Each owner's applied effects on (usd, diem, usd_held, diem_held,
+///    owed) and its latest DIEM epoch day. Every owner with a record is listed,
 ///    applied or not, so that its fence is checked.
 #[derive(Debug, Default)]
 struct OwnerSum {
-    effects: [i64; 4],
+    effects: [i64; 5],
     day: i64,
 }
 

@@ -144,7 +144,7 @@ async fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
     for chunk in journaled.chunks(ROWS_PER_STATEMENT) {
         let sql = format!(
             "INSERT INTO ledger_journal (id, owner, kind, idempotency_key, usd_nanos, \
-             diem_nanos, usd_held_nanos, diem_held_nanos, written_off_nanos, request_id, \
+             diem_nanos, usd_held_nanos, diem_held_nanos, owed_nanos, request_id, \
              reference, model_id, prompt_tokens, completion_tokens, at_ms) VALUES {} \
              ON CONFLICT (idempotency_key) DO NOTHING RETURNING idempotency_key",
             values(chunk.len(), 15)
@@ -153,7 +153,7 @@ async fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
         for (i, key, kind) in chunk {
             let record = &jobs[*i].record;
             let row = journal_values(record);
-            let [usd, diem, usd_held, diem_held] = row.effects;
+            let [usd, diem, usd_held, diem_held, owed] = row.effects;
             query = query
                 .bind(row.id)
                 .bind(&*record.owner.name)
@@ -163,7 +163,7 @@ async fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
                 .bind(diem)
                 .bind(usd_held)
                 .bind(diem_held)
-                .bind(record.written_off)
+                .bind(owed)
                 .bind(row.request_id)
                 .bind(None::<&str>)
                 .bind(row.model_id)
@@ -188,14 +188,15 @@ async fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
              diem_nanos = l.diem_nanos + v.diem, \
              usd_held_nanos = l.usd_held_nanos + v.usd_held, \
              diem_held_nanos = l.diem_held_nanos + v.diem_held, \
-             diem_epoch = GREATEST(l.diem_epoch, v.day), updated_at_ms = v.now \
-             FROM (VALUES {}) AS v(owner, fence, usd, diem, usd_held, diem_held, day, now) \
+             diem_epoch = GREATEST(l.diem_epoch, v.day), updated_at_ms = v.now, \
+             owed_nanos = l.owed_nanos + v.owed \
+             FROM (VALUES {}) AS v(owner, fence, usd, diem, usd_held, diem_held, day, now, owed) \
              WHERE l.owner = v.owner AND l.fence = v.fence RETURNING l.owner, l.fence",
-            values(chunk.len(), 8)
+            values(chunk.len(), 9)
         );
         let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
         for ((owner, fence), sum) in chunk {
-            let [usd, diem, usd_held, diem_held] = sum.effects;
+            let [usd, diem, usd_held, diem_held, owed] = sum.effects;
             query = query
                 .bind(&**owner)
                 .bind(*fence)
@@ -204,7 +205,8 @@ async fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
                 .bind(usd_held)
                 .bind(diem_held)
                 .bind(sum.day)
-                .bind(now);
+                .bind(now)
+                .bind(owed);
         }
         let mut updated = HashSet::with_capacity(chunk.len());
         for row in query.fetch_all(&mut *tx).await? {
@@ -331,7 +333,8 @@ async fn load(conn: &mut Connection, owner: &str) -> Result<Loaded> {
     let row = sqlx::query(
         "INSERT INTO ledgers (owner, updated_at_ms, fence) VALUES ($1, $2, 1) \
          ON CONFLICT (owner) DO UPDATE SET fence = ledgers.fence + 1 \
-         RETURNING usd_nanos, diem_nanos, usd_held_nanos, diem_held_nanos, diem_epoch, fence",
+         RETURNING usd_nanos, diem_nanos, usd_held_nanos, diem_held_nanos, diem_epoch, fence, \
+         owed_nanos",
     )
     .bind(owner)
     .bind(now_ms())
@@ -342,6 +345,7 @@ async fn load(conn: &mut Connection, owner: &str) -> Result<Loaded> {
         diem: row.try_get(1)?,
         usd_held: row.try_get(2)?,
         diem_held: row.try_get(3)?,
+        owed: row.try_get(6)?,
     };
     let (diem_epoch, fence): (i64, i64) = (row.try_get(4)?, row.try_get(5)?);
     let stake: Option<i64> = sqlx::query("SELECT diem_per_day_nanos FROM stakes WHERE owner = $1")

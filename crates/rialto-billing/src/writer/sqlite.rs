@@ -466,7 +466,7 @@ fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
     {
         let mut insert = tx.prepare_cached(
             "INSERT INTO ledger_journal (id, owner, kind, idempotency_key, usd_nanos, \
-             diem_nanos, usd_held_nanos, diem_held_nanos, written_off_nanos, request_id, \
+             diem_nanos, usd_held_nanos, diem_held_nanos, owed_nanos, request_id, \
              reference, model_id, prompt_tokens, completion_tokens, at_ms) \
              VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, NULL, ?11, ?12, ?13, ?14) \
              ON CONFLICT (idempotency_key) DO NOTHING",
@@ -474,7 +474,7 @@ fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
         for (i, key, kind) in journal_rows(jobs) {
             let record = &jobs[i].record;
             let row = journal_values(record);
-            let [usd, diem, usd_held, diem_held] = row.effects;
+            let [usd, diem, usd_held, diem_held, owed] = row.effects;
             let inserted = insert.execute(params![
                 row.id,
                 &*record.owner.name,
@@ -484,7 +484,7 @@ fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
                 diem,
                 usd_held,
                 diem_held,
-                record.written_off,
+                owed,
                 row.request_id,
                 row.model_id,
                 row.tokens.0,
@@ -503,13 +503,13 @@ fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
         let mut update = tx.prepare_cached(
             "UPDATE ledgers SET usd_nanos = usd_nanos + ?2, diem_nanos = diem_nanos + ?3, \
              usd_held_nanos = usd_held_nanos + ?4, diem_held_nanos = diem_held_nanos + ?5, \
-             diem_epoch = MAX(diem_epoch, ?6), updated_at_ms = ?7 \
+             diem_epoch = MAX(diem_epoch, ?6), updated_at_ms = ?7, owed_nanos = owed_nanos + ?9 \
              WHERE owner = ?1 AND fence = ?8",
         )?;
         for ((owner, fence), sum) in &owner_sums(jobs, &written) {
-            let [usd, diem, usd_held, diem_held] = sum.effects;
+            let [usd, diem, usd_held, diem_held, owed] = sum.effects;
             let updated = update.execute(params![
-                &**owner, usd, diem, usd_held, diem_held, sum.day, now, fence
+                &**owner, usd, diem, usd_held, diem_held, sum.day, now, fence, owed
             ])?;
             if updated != 1 {
                 fenced.insert((owner.clone(), *fence));
@@ -618,7 +618,7 @@ fn load_in(conn: &mut Connection, owner: &str) -> rusqlite::Result<Loaded> {
             "INSERT INTO ledgers (owner, updated_at_ms, fence) VALUES (?1, ?2, 1) \
              ON CONFLICT (owner) DO UPDATE SET fence = ledgers.fence + 1 \
              RETURNING usd_nanos, diem_nanos, usd_held_nanos, diem_held_nanos, diem_epoch, \
-             fence",
+             fence, owed_nanos",
         )?
         .query_row(params![owner, now_ms()], |row| {
             Ok((
@@ -627,6 +627,7 @@ fn load_in(conn: &mut Connection, owner: &str) -> rusqlite::Result<Loaded> {
                     diem: row.get(1)?,
                     usd_held: row.get(2)?,
                     diem_held: row.get(3)?,
+                    owed: row.get(6)?,
                 },
                 row.get::<_, i64>(4)?,
                 row.get::<_, i64>(5)?,
