@@ -11,13 +11,19 @@ use rialto_test_kit::{MockUpstream, Sandbox, Storage, Topology};
 use serde_json::{Value, json};
 
 /// `m-chat` is an M-tier model: the spec's 50 requests and 750,000 tokens
-/// per minute. `scarce` has a global limit of 3 requests per window.
+/// per minute (`m-files` too, and it reads files). `scarce` has a global limit of 3 requests per window.
 fn models(mock_url: &str) -> String {
     format!(
         r#"
 [[models]]
 id = "m-chat"
 tier = "M"
+backends = [{{ kind = "openai", url = "{mock_url}", model = "mock-model" }}]
+
+[[models]]
+id = "m-files"
+tier = "M"
+capabilities = ["files"]
 backends = [{{ kind = "openai", url = "{mock_url}", model = "mock-model" }}]
 
 [[models]]
@@ -408,6 +414,34 @@ async fn a_global_limit_is_shared_by_all_callers() {
         }
     }
     assert_eq!(statuses, [200, 200, 200, 429]);
+}
+
+/// Issue 16, finding 3: a file's download and conversion count in the
+/// caller's window before they are done, even when the file turns out
+/// unreadable (a 400): a caller cannot have unlimited files converted by
+/// sending ones that fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn file_work_counts_in_the_window_before_it_is_done() {
+    use base64::Engine as _;
+    let world = world(Topology::OneProcess, "[limits.tiers.standard.M]\nrpm = 3\n").await;
+    let sandbox = &world.sandbox;
+    let (_, _, _, key) = account(sandbox, "standard").await;
+    let broken = base64::engine::general_purpose::STANDARD.encode(b"%PDF-1.7 not really");
+    let body = json!({"model": "m-files", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "summarize"},
+        {"type": "file", "file": {"filename": "broken.pdf", "file_data": broken}}]}]});
+    let mut statuses = Vec::new();
+    for _ in 0..4 {
+        let response = chat_at(sandbox, &sandbox.url, &key, &body).await;
+        assert!(
+            response
+                .headers()
+                .contains_key("x-ratelimit-remaining-requests")
+        );
+        statuses.push(response.status().as_u16());
+    }
+    assert_eq!(statuses, [400, 400, 400, 429]);
+    assert_eq!(world.mock.request_count(), 0);
 }
 
 /// With a 2-second window: the limit, a refusal saying when, and admission

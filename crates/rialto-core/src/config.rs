@@ -258,6 +258,10 @@ pub struct GatewayConfig {
     /// headers) once connected or between keep-alive requests; slower
     /// (slowloris) connections are answered 408 and closed.
     pub client_request_timeout_ms: u64,
+    /// Connections the kernel queues for the gateway before it accepts
+    /// them (capped by `net.core.somaxconn`); a burst beyond it waits for
+    /// the client's SYN retry, a second or more.
+    pub listen_backlog: u32,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -656,6 +660,7 @@ impl Default for GatewayConfig {
             file_urls_allow_private: false,
             max_connections: 25_000,
             client_request_timeout_ms: 5_000,
+            listen_backlog: 4_096,
         }
     }
 }
@@ -910,9 +915,13 @@ impl Config {
                 crate::db::redacted(&self.bus.url)
             ));
         }
-        if self.gateway.max_connections == 0 || self.gateway.client_request_timeout_ms == 0 {
+        if self.gateway.max_connections == 0
+            || self.gateway.client_request_timeout_ms == 0
+            || self.gateway.listen_backlog == 0
+        {
             return invalid(
-                "gateway.max_connections and gateway.client_request_timeout_ms must be at least 1"
+                "gateway.max_connections, gateway.client_request_timeout_ms and \
+                 gateway.listen_backlog must be at least 1"
                     .into(),
             );
         }

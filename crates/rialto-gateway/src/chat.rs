@@ -16,7 +16,7 @@ use rialto_billing::BillingClient;
 use rialto_billing::usage_queue::{Settled, settle_durably};
 use rialto_core::ErrorCode;
 use rialto_core::metrics::metrics;
-use rialto_limiter::{RateLimiter, Target, Ticket};
+use rialto_limiter::{Admission, RateLimiter, Target, Ticket};
 use rialto_proto::auth::v1 as auth_pb;
 use rialto_proto::billing::v1 as billing_pb;
 use rialto_proto::router::v1 as router_pb;
@@ -330,12 +330,28 @@ async fn complete_or_stream(
         .ok_or_else(|| ApiError::new(ErrorCode::ModelNotFound, "Specified model not found"))?;
     // A trait or alias names the model from here on.
     chat.model_id.clone_from(&model.config.id);
-    convert_files(&mut body, &mut chat, gateway).await?;
+    let request_id = RequestId::of(request);
+    let limited = files_admitted(
+        gateway,
+        request,
+        principal,
+        model,
+        &request_id,
+        &chat,
+        &body,
+    )
+    .await?;
+    if let Err(error) = convert_files(&mut body, &mut chat, gateway).await {
+        if let Some(admission) = limited {
+            // The downloads and conversions were done: the request counts.
+            gateway.services.limiter.commit(admission.ticket, 0);
+        }
+        return Err(error);
+    }
     // Validation refused anything but an object.
     let Value::Object(body) = body else {
         return Err(rialto_core::Error::internal("a validated chat body is not an object").into());
     };
-    let request_id = RequestId::of(request);
 
     let Admitted {
         settlement,
@@ -351,6 +367,7 @@ async fn complete_or_stream(
             total_tokens: chat.estimated_tokens,
             durable: chat.stream,
         },
+        limited,
     )
     .await?;
 
@@ -375,6 +392,42 @@ async fn complete_or_stream(
     } else {
         complete(gateway, model, router_request, exchange).await
     }
+}
+
+/// A request with file parts is admitted by the limiter before its files
+/// are downloaded and converted (the costly part, and before the hold: its
+/// text is not known yet), so that file work counts in the caller's window
+/// even when the files turn out unreadable. None when it has none.
+async fn files_admitted(
+    gateway: &Gateway,
+    request: &HttpRequest,
+    principal: &auth_pb::Principal,
+    model: &ModelEntry,
+    request_id: &str,
+    chat: &Chat,
+    body: &Value,
+) -> Result<Option<Admission>, ApiError> {
+    let messages = body.get("messages").and_then(Value::as_array);
+    if !messages.is_some_and(|m| crate::files::any(m)) {
+        return Ok(None);
+    }
+    let mut admission = gateway
+        .services
+        .limiter
+        .admit(
+            crate::caller(principal),
+            Target::model(&model.config),
+            request_id,
+            chat.estimated_tokens,
+        )
+        .await?;
+    if let Some(headers) = admission.headers.take() {
+        request.extensions_mut().insert(RateLimitHeaders(headers));
+    }
+    if let Some(refusal) = admission.refusal {
+        return Err(refusal.into());
+    }
+    Ok(Some(admission))
 }
 
 /// A request the limiter admitted and the ledger holds credit for.
@@ -410,15 +463,27 @@ pub(crate) async fn admit(
     model: &ModelEntry,
     request_id: &str,
     reservation: Reservation,
+    limited: Option<Admission>,
 ) -> Result<Admitted, ApiError> {
     let limiter = &gateway.services.limiter;
     let owner = crate::ledger_owner(principal);
-    let admitting = limiter.admit(
-        crate::caller(principal),
-        Target::model(&model.config),
-        request_id,
-        reservation.total_tokens,
-    );
+    let admitting = async {
+        match limited {
+            // Admitted before its file work; the commit counts the tokens
+            // its files added.
+            Some(admission) => Ok(admission),
+            None => {
+                limiter
+                    .admit(
+                        crate::caller(principal),
+                        Target::model(&model.config),
+                        request_id,
+                        reservation.total_tokens,
+                    )
+                    .await
+            }
+        }
+    };
     let holding = gateway.services.billing.hold(billing_pb::HoldRequest {
         owner: owner.clone(),
         request_id: request_id.to_owned(),
@@ -1098,6 +1163,27 @@ async fn convert_files(
     Ok(())
 }
 
+/// Splits `<model>:<param>=<value>&...` into the model and its service
+/// parameters (form-encoded; `true` and `false` are booleans). A name with
+/// a colon and no `=` after it (`org/model:latest`) is a model name whole.
+fn split_model_suffix(model: &str) -> (&str, Map<String, Value>) {
+    let mut suffix = Map::new();
+    match model.split_once(':') {
+        Some((id, settings)) if settings.contains('=') && !id.is_empty() => {
+            for (key, value) in form_urlencoded::parse(settings.as_bytes()) {
+                let value = match value.as_ref() {
+                    "true" => Value::Bool(true),
+                    "false" => Value::Bool(false),
+                    text => Value::String(text.to_owned()),
+                };
+                suffix.insert(key.into_owned(), value);
+            }
+            (id, suffix)
+        }
+        _ => (model, suffix),
+    }
+}
+
 /// Checks the members the spec lists, takes `<brand>_parameters` out of the
 /// body (the upstream does not know it), and leaves every other member
 /// untouched for the upstream.
@@ -1111,20 +1197,11 @@ fn validate(gateway: &Gateway, body: &mut Value) -> Result<Chat, ApiError> {
     // wins over the body's.
     let mut suffix = Map::new();
     let model_id = match object.get("model") {
-        Some(Value::String(model)) if !model.is_empty() => match model.split_once(':') {
-            Some((id, settings)) if settings.contains('=') && !id.is_empty() => {
-                for (key, value) in form_urlencoded::parse(settings.as_bytes()) {
-                    let value = match value.as_ref() {
-                        "true" => Value::Bool(true),
-                        "false" => Value::Bool(false),
-                        text => Value::String(text.to_owned()),
-                    };
-                    suffix.insert(key.into_owned(), value);
-                }
-                id.to_owned()
-            }
-            _ => model.clone(),
-        },
+        Some(Value::String(model)) if !model.is_empty() => {
+            let (id, settings) = split_model_suffix(model);
+            suffix = settings;
+            id.to_owned()
+        }
         Some(Value::String(_)) => {
             details.push(&["model"], "String must contain at least 1 character(s)");
             String::new()
@@ -1648,4 +1725,63 @@ fn effective_parameters(
     );
     echo.insert("disable_thinking".into(), json!(flag("disable_thinking")));
     Ok(echo)
+}
+
+/// Properties of the model-suffix parser: any string is split without a
+/// panic, and what a client encodes comes back.
+#[cfg(test)]
+mod properties {
+    use super::split_model_suffix;
+    use proptest::prelude::*;
+    use serde_json::{Map, Value};
+
+    proptest! {
+        /// Any model string: a verdict, never a panic, and the model part
+        /// is a prefix of the input.
+        #[test]
+        fn any_model_string_splits(model in any::<String>()) {
+            let (id, _) = split_model_suffix(&model);
+            prop_assert!(model.starts_with(id));
+        }
+
+        /// Parameters form-encoded after `:` come back exactly, booleans as
+        /// booleans, and the model name without them.
+        #[test]
+        fn encoded_parameters_round_trip(
+            id in "[a-zA-Z0-9._/-]{1,40}",
+            parameters in proptest::collection::btree_map("[a-z_]{1,20}", any::<String>(), 1..6),
+        ) {
+            let mut encoder = form_urlencoded::Serializer::new(String::new());
+            for (key, value) in &parameters {
+                encoder.append_pair(key, value);
+            }
+            let model = format!("{id}:{}", encoder.finish());
+            let (split, settings) = split_model_suffix(&model);
+            prop_assert_eq!(split, id.as_str());
+            let expected: Map<String, Value> = parameters
+                .into_iter()
+                .map(|(key, value)| {
+                    let value = match value.as_str() {
+                        "true" => Value::Bool(true),
+                        "false" => Value::Bool(false),
+                        _ => Value::String(value),
+                    };
+                    (key, value)
+                })
+                .collect();
+            prop_assert_eq!(settings, expected);
+        }
+
+        /// A colon with no `=` after it is part of the model's name.
+        #[test]
+        fn a_tag_without_parameters_is_the_name(
+            id in "[a-zA-Z0-9._/-]{1,40}",
+            tag in "[a-zA-Z0-9._-]{0,20}",
+        ) {
+            let model = format!("{id}:{tag}");
+            let (split, settings) = split_model_suffix(&model);
+            prop_assert_eq!(split, model.as_str());
+            prop_assert!(settings.is_empty());
+        }
+    }
 }

@@ -40,6 +40,7 @@ pub async fn create(
             total_tokens: prompt_estimate,
             durable: false,
         },
+        None,
     )
     .await?;
     let routed = gateway
