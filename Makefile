@@ -29,15 +29,16 @@ run: toolchain native models ## Build and start Rialto on its embedded defaults 
 	@echo
 	exec $(TARGET_DIR)/release/rialto serve
 
-test: k8s-validate toolchain native models services venv bench-venv ## Every check: k8s-validate, fmt, clippy -D warnings, all tests, bench-smoke, test-cluster (starts PostgreSQL/NATS if needed)
+test: k8s-validate toolchain native models services venv bench-venv ## Every check: k8s-validate, fmt, clippy -D warnings, all tests, test-soak, bench-smoke, test-cluster (starts PostgreSQL/NATS if needed)
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 	$(CARGO) build --locked -p rialto -p rialto-bench
 	$(CARGO) test --workspace --locked
+	$(MAKE) --no-print-directory test-soak
 	python3 bench/run.py --smoke --profile debug --target-dir $(TARGET_DIR)
 	$(MAKE) --no-print-directory test-cluster
 
-bench: toolchain native models services bench-venv ## Benchmark suite (about 13 min, and ~6 min once to build llama-bench; PostgreSQL for bench-ledger): writes BENCHMARKS.md and bench/results/*.json
+bench: toolchain native models services bench-venv ## Benchmark suite (about 15 min with the abuse soak, and ~6 min once to build llama-bench; PostgreSQL for bench-ledger): writes BENCHMARKS.md and bench/results/*.json
 	$(CARGO) build --release --locked -p rialto -p rialto-bench -p rialto-local --bins --example tokens_per_second
 	python3 bench/run.py --profile release --target-dir $(TARGET_DIR)
 
@@ -158,6 +159,14 @@ $(K8S_VENV)/.installed: Makefile
 	$(K8S_VENV)/bin/pip install --quiet --disable-pip-version-check uv==0.13.9
 	$(K8S_VENV)/bin/uv pip install --quiet --python $(K8S_VENV)/bin/python $(K8S_PACKAGES)
 	touch $@
+
+# The abuse soak (tests/soak/): 60 s of idle connections, slowloris heads,
+# oversized bodies, unread streams, new wallets and file bombs against one
+# process serving valid traffic; alone, so that its latency figures mean
+# something. RIALTO_SOAK_SECS=N runs it for N seconds.
+.PHONY: test-soak
+test-soak: toolchain native models ## The abuse soak alone (about 75 s; make test runs it)
+	RIALTO_SOAK=1 $(CARGO) test --locked -p rialto-e2e --test soak -- --nocapture
 
 # A local cluster on loopback (deploy/cluster.sh): 2 gateways, 2 limiters,
 # 2 billing replicas, 1 auth and 1 router, one process each, against the local

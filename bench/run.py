@@ -36,7 +36,14 @@ second into a temporary folder so the harness cannot rot (the built-in model:
 one repetition of the example and one streamed chat; no llama-bench). Standard
 library only.
 
-`--only local-model` runs the built-in model's step alone into its own results
+And the abuse soak (issue 16): `tests/soak/` against the release binary, a
+minute of idle connections, slowloris heads, oversized bodies, unread streams,
+new wallets and file bombs while valid priced requests run at a fixed rate:
+their p99 alone and under abuse, and the process's peak RSS (`make test` runs
+the same soak on the debug build for its assertions: no 5xx, every valid
+request served, memory under its bound, every charge reconciled).
+
+`--only local-model` (or `--only soak`) runs that step alone into its own results
 file; `--from-results FULL.json PART.json` rewrites BENCHMARKS.md from a full
 run with the later files' sections added or replaced.
 """
@@ -811,10 +818,32 @@ class Suite:
               f"tok/s as the client sees them, peak RSS {peak} MB", flush=True)
         return result
 
+    def soak(self):
+        """The abuse soak (tests/soak/) on this profile's binary."""
+        out = os.path.join(self.workdir, "soak.json")
+        env = dict(os.environ, RIALTO_SOAK="1", RIALTO_SOAK_JSON=out, E2E_RIALTO_BIN=self.binary("rialto"),
+                   CARGO_TARGET_DIR=os.path.abspath(self.args.target_dir))
+        print("== soak: tests/soak/ against the release binary (about 75 s)", flush=True)
+        # The test (the load) in the debug profile make test builds; the
+        # server it starts is this profile's binary.
+        run = subprocess.run(["cargo", "test", "--locked", "-p", "rialto-e2e", "--test", "soak", "--",
+                              "--nocapture"], cwd=ROOT, env=env, capture_output=True, text=True)
+        if not os.path.exists(out):
+            sys.exit(f"the soak wrote no figures:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}")
+        with open(out) as f:
+            result = json.load(f)
+        result["passed"] = run.returncode == 0
+        alone, abused = result["alone"], result["abused"]
+        print(f"   valid p99 alone {ms(alone['p99_us'])} ms, under abuse {ms(abused['p99_us'])} ms; "
+              f"RSS {result['rss_alone_mb']} → {result['rss_peak_mb']} MB; assertions "
+              f"{'passed' if result['passed'] else 'FAILED'}", flush=True)
+        return result
+
     def run_only(self, step):
         """One step alone (`--only`): its results section."""
         started = time.time()
-        results = {"local-model": lambda: {"local_model": self.local_model()}}[step]()
+        results = {"local-model": lambda: {"local_model": self.local_model()},
+                   "soak": lambda: {"soak": self.soak()}}[step]()
         elapsed = round(time.time() - started)
         shutil.rmtree(self.workdir, ignore_errors=True)
         return results, elapsed
@@ -832,6 +861,9 @@ class Suite:
                        "ledger": ledger, "local_model": local_model}
         finally:
             self.upstream.stop()
+        # make test runs the soak on its own (make test-soak); a smoke does not repeat it.
+        if not self.smoke:
+            results["soak"] = self.soak()
         elapsed = round(time.time() - started)
         shutil.rmtree(self.workdir, ignore_errors=True)
         return results, elapsed
@@ -966,6 +998,7 @@ def report(results, meta):
     lines += limiter_report(results, floor)
     lines += ledger_report(results, floor)
     lines += local_model_report(results, meta)
+    lines += soak_report(results, meta)
 
     lines += targets_report(results, meta)
     notes = os.path.join(ROOT, "bench", "NOTES.md")
@@ -1536,6 +1569,43 @@ def local_model_report(results, meta):
     return lines
 
 
+def soak_report(results, meta):
+    """The abuse soak's section; empty for results of runs before it."""
+    soak = results.get("soak")
+    if not soak:
+        return []
+    own = soak.get("meta") or meta
+    when = ""
+    if own is not meta:
+        when = (f"Measured on its own: {own['date']}, commit `{own['commit']}`, `{own['command']}`; raw figures in "
+                f"`{own['results_file']}`. ")
+    alone, abused = soak["alone"], soak["abused"]
+    ratio = abused["p99_us"] / alone["p99_us"] if alone["p99_us"] else 0
+    lines = ["", "## Abuse soak (issue 16)", "",
+             when + f"`tests/soak/` against the release binary (one process, SQLite, default limits): valid priced "
+             f"chats at a fixed {soak['valid_per_sec']} req/s (open loop), {alone['requests']} of them alone, then "
+             f"{abused['requests']} during {soak['secs']} s of abuse from the same machine: "
+             f"{soak['idle_connections']:,} idle connections (opened again whenever the server cuts them at its "
+             f"5 s request-head timeout), {soak['slowloris']} slowloris heads (a byte every 500 ms), bodies announced "
+             "at 100 MB and real 21 MB ones, "
+             f"{soak['slow_readers']} streams opened and left unread, a sign-in from a new wallet every 200 ms, a file "
+             "bomb every second (a PDF nested 5,000 deep, a sheet spanning A1:XFD1048576, a DOCX inflating to "
+             "64 MB), and ten bodies of garbage a second. The abusers run on one thread at the lowest priority "
+             "(they stand for clients elsewhere).", "",
+             "| valid load | requests | p50 ms | p99 ms | peak RSS MB |", "|---|---|---|---|---|",
+             f"| alone | {alone['requests']} | {ms(alone['p50_us'])} | {ms(alone['p99_us'])} | "
+             f"{soak['rss_alone_mb']} |",
+             f"| under abuse | {abused['requests']} | {ms(abused['p50_us'])} | **{ms(abused['p99_us'])}** | "
+             f"**{soak['rss_peak_mb']}** |", "",
+             f"p99 under abuse is **{ratio:.1f}×** the p99 alone (issue 16: within 2×: "
+             f"{'yes' if ratio <= 2 else '**no**'}); the soak's RSS bound is {soak['rss_bound_mb']} MB; its "
+             f"assertions {'passed' if soak.get('passed') else '**failed**'}.", "",
+             "| abuse | outcomes |", "|---|---|"]
+    for kind, outcomes in sorted(soak["outcomes"].items()):
+        lines.append(f"| {kind} | " + ", ".join(f"{k}: {v:,}" for k, v in sorted(outcomes.items())) + " |")
+    return lines
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="about a second per measurement, no report")
@@ -1544,7 +1614,7 @@ def main():
     parser.add_argument("--litellm-venv", default=os.path.join(ROOT, "bench", ".venv"))
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
     parser.add_argument("--command", help="recorded in the report (default: make bench, or this command line)")
-    parser.add_argument("--only", choices=["local-model"],
+    parser.add_argument("--only", choices=["local-model", "soak"],
                         help="run this step alone into bench/results/<time>-<step>.json (BENCHMARKS.md untouched: "
                              "add it to a full run's with --from-results)")
     parser.add_argument("--llama-bench-also", metavar="LABEL=PATH", action="append", default=[],

@@ -19,6 +19,7 @@ mod python;
 mod router;
 mod semantics;
 mod shutdown;
+mod sign_in;
 mod support;
 mod tracing;
 mod wallet;

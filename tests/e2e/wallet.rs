@@ -2,8 +2,6 @@
 //! discovery and top-up answers, and x402 top-ups settled through a
 //! facilitator double, all with real signatures (alloy's local signer).
 
-use std::time::{SystemTime, UNIX_EPOCH};
-
 use alloy_primitives::{Address, B256, U256};
 use alloy_signer::SignerSync;
 use alloy_signer_local::PrivateKeySigner;
@@ -14,6 +12,8 @@ use futures_util::future::join_all;
 use reqwest::{Method, Response};
 use rialto_test_kit::{Behaviour, Facilitator, MockUpstream, Sandbox, Topology};
 use serde_json::{Value, json};
+
+use crate::sign_in::{fresh_nonce, iso, now_secs, sign_in};
 
 sol! {
     struct TransferWithAuthorization {
@@ -75,39 +75,6 @@ max_usd = "10000"
         sandbox,
         wallet: WALLET_KEY.parse().unwrap(),
     }
-}
-
-fn now_secs() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap()
-        .as_secs()
-}
-
-fn iso(secs: i64) -> String {
-    chrono::DateTime::<chrono::Utc>::from_timestamp(secs, 0)
-        .unwrap()
-        .to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
-}
-
-/// A structured SIWX header for `wallet`, issued `age` seconds ago, with its
-/// EIP-4361 text written here independently of the service's formatter.
-fn sign_in(wallet: &PrivateKeySigner, nonce: &str, age: i64, domain: &str) -> String {
-    let address = wallet.address().to_checksum(None);
-    let issued = iso(now_secs() as i64 - age);
-    let message = format!(
-        "{domain} wants you to sign in with your Ethereum account:\n{address}\n\nSign in to Rialto\n\nURI: http://{domain}\nVersion: 1\nChain ID: 8453\nNonce: {nonce}\nIssued At: {issued}"
-    );
-    let signature = wallet.sign_message_sync(message.as_bytes()).unwrap();
-    let payload = json!({"domain": domain, "address": address, "statement": "Sign in to Rialto",
-        "uri": format!("http://{domain}"), "version": "1", "chainId": "eip155:8453",
-        "type": "eip191", "nonce": nonce, "issuedAt": issued,
-        "signature": format!("0x{}", hex::encode(signature.as_bytes()))});
-    STANDARD.encode(payload.to_string())
-}
-
-fn fresh_nonce() -> String {
-    uuid::Uuid::new_v4().simple().to_string()
 }
 
 /// A v2 `PAYMENT-SIGNATURE` paying `value` atomic USDC to `to`, signed

@@ -412,6 +412,15 @@ impl Sandbox {
         Ok((id, secret))
     }
 
+    /// The operating-system id of process `name` (`all` in the one-process
+    /// topology), while it runs: for reading its memory from `/proc`.
+    pub fn pid(&self, name: &str) -> Option<u32> {
+        self.processes
+            .iter()
+            .find(|p| p.name == name)
+            .map(|p| p.child.id())
+    }
+
     /// Everything the processes logged so far (for assertions on logs).
     pub fn logs(&self) -> String {
         self.processes
