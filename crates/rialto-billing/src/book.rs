@@ -716,7 +716,7 @@ pub(crate) fn decide_settle(
         }
     }
     // 2. The rest, and the debt, from what no hold reserves.
-    let due = cost - diem - usd + owed_before;
+    let due = (cost - diem - usd).saturating_add(owed_before);
     if due > 0 {
         let spend = key.as_ref().and_then(|k| state.keys.get(k)).copied();
         let room = |cap: Option<i64>, spent: i64, held: i64| {
@@ -1638,5 +1638,110 @@ mod tests {
         let stored = reconcile(&book, &ledger, "account:o").await;
         assert_eq!(stored.usd, 9 * NANO);
         assert_eq!(book.snapshot("account:o").unwrap().balance, stored);
+    }
+}
+
+/// Properties of the deciders: under any sequence of holds and settlements,
+/// plain or late, no balance goes below zero or below what is held (the
+/// database's CHECKs), debt is never negative, and every settlement
+/// accounts for its whole cost: what it charged plus what the debt grew by.
+#[cfg(test)]
+mod properties {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[derive(Debug, Clone)]
+    enum Step {
+        Hold(i64),
+        /// Settles the n-th placed hold (or an id never held, past the end).
+        Settle(usize, i64),
+    }
+
+    fn step() -> impl Strategy<Value = Step> {
+        prop_oneof![
+            (0..3_000i64).prop_map(Step::Hold),
+            (0..12usize, 0..6_000i64).prop_map(|(n, cost)| Step::Settle(n, cost)),
+        ]
+    }
+
+    fn state(usd: i64, diem: i64, owed: i64) -> State {
+        State {
+            live: true,
+            fence: 1,
+            balance: Balance {
+                usd,
+                diem,
+                owed,
+                ..Balance::default()
+            },
+            diem_epoch: 0,
+            stake: None,
+            holds: HashMap::new(),
+            keys: HashMap::new(),
+            unflushed: (0, 0),
+            pending: 0,
+            refreshed_at: Instant::now(),
+            refreshing: false,
+            last_active: Instant::now(),
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn every_settlement_accounts_for_its_cost(
+            usd in 0..10_000i64,
+            diem in 0..10_000i64,
+            owed in 0..5_000i64,
+            steps in proptest::collection::vec(step(), 1..40),
+        ) {
+            let entry = Arc::new(Owner::detached("account:p"));
+            let mut state = state(usd, diem, owed);
+            let mut placed: Vec<String> = Vec::new();
+            for (i, step) in steps.into_iter().enumerate() {
+                match step {
+                    Step::Hold(amount) => {
+                        let id = format!("h{i}");
+                        let order = HoldOrder {
+                            request_id: &id,
+                            amount,
+                            expires_at_ms: i64::MAX,
+                            cap: None,
+                            durable: false,
+                            model_id: "m",
+                        };
+                        if let HoldDecision::Placed { .. } = decide_hold(&mut state, &order, 30_000) {
+                            placed.push(id);
+                        }
+                    }
+                    Step::Settle(n, cost) => {
+                        let id = placed.get(n).cloned().unwrap_or_else(|| format!("late{i}"));
+                        let order = SettleOrder {
+                            request_id: &id,
+                            cost,
+                            model_id: "m",
+                            prompt_tokens: 1,
+                            completion_tokens: 1,
+                            key: None,
+                            cap: None,
+                        };
+                        let before = state.balance.owed;
+                        match decide_settle(&entry, &mut state, &order).1 {
+                            SettleOutcome::Settled { usd, diem, owed } => {
+                                prop_assert_eq!(owed, state.balance.owed);
+                                prop_assert_eq!(usd + diem + (owed - before), cost);
+                            }
+                            SettleOutcome::NotOpen => {
+                                prop_assert_eq!(cost, 0);
+                                prop_assert_eq!(state.balance.owed, before);
+                            }
+                        }
+                    }
+                }
+                let b = state.balance;
+                prop_assert!(b.usd_held >= 0 && b.diem_held >= 0, "{b:?}");
+                prop_assert!(b.usd >= b.usd_held && b.diem >= b.diem_held, "{b:?}");
+                prop_assert!(b.owed >= 0, "{b:?}");
+            }
+        }
     }
 }
