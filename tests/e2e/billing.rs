@@ -297,6 +297,48 @@ async fn a_cost_above_the_hold_is_owed_not_written_off() {
     );
 }
 
+/// A model whose tokenizer is configured (here all-MiniLM-L6-v2's, which
+/// `make models` fetches): the hold counts the prompt with it. 4,000
+/// exclamation marks are 4,000 tokens to it and 1,000 to the
+/// four-characters guess, so a $0.002 account is refused with 402 before
+/// the backend on that model, and served on the same model without one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_models_tokenizer_counts_its_hold() {
+    let mock = MockUpstream::start().await.unwrap();
+    let tokenizer = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../models/all-minilm-l6-v2/tokenizer.json"
+    );
+    let tokenized = format!(
+        r#"
+[[models]]
+id = "tokenized-chat"
+input_usd_per_mtok = 1.0
+output_usd_per_mtok = 1.0
+tokenizer = "{tokenizer}"
+backends = [{{ kind = "openai", url = "{}", model = "mock-model" }}]
+"#,
+        mock.base_url()
+    );
+    let sandbox = Sandbox::builder(Topology::OneProcess)
+        .config(&models(&mock.base_url()))
+        .config(&tokenized)
+        .start()
+        .await
+        .unwrap();
+    let (id, _, key) = account(&sandbox).await;
+    sandbox.credit(&id, "0.002", "seed").await.unwrap();
+    let shouting = |model: &str| {
+        json!({"model": model, "max_tokens": 10, "mock": {"words": 10},
+            "messages": [{"role": "user", "content": "!".repeat(4000)}]})
+    };
+    let response = chat(&sandbox, &key, &shouting("tokenized-chat")).await;
+    assert_eq!(response.status(), 402, "{}", response.text().await.unwrap());
+    assert_eq!(mock.request_count(), 0, "the backend saw it");
+    let response = chat(&sandbox, &key, &shouting("paid-chat")).await;
+    assert_eq!(response.status(), 200, "{}", response.text().await.unwrap());
+}
+
 /// An account without credit is refused with 402 before any backend call.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_credit_no_call() {

@@ -521,6 +521,11 @@ pub struct ModelConfig {
     /// (the answer is only stripped).
     #[serde(default)]
     pub thinking_control: Option<String>,
+    /// The model's tokenizer, a Hugging Face `tokenizer.json`: a request's
+    /// hold counts its text with it, where the four-characters-a-token
+    /// guess would count less (code, punctuation, other scripts).
+    #[serde(default)]
+    pub tokenizer: Option<String>,
     #[serde(default)]
     pub backends: Vec<BackendConfig>,
 }

@@ -348,6 +348,11 @@ async fn complete_or_stream(
         }
         return Err(error);
     }
+    if let Some(tokenizer) = &model.tokenizer {
+        let more = tokenizer_excess(tokenizer.clone(), &body).await;
+        chat.prompt_tokens_estimate = chat.prompt_tokens_estimate.saturating_add(more);
+        chat.estimated_tokens = chat.estimated_tokens.saturating_add(more);
+    }
     // Validation refused anything but an object.
     let Value::Object(body) = body else {
         return Err(rialto_core::Error::internal("a validated chat body is not an object").into());
@@ -1110,6 +1115,56 @@ fn delta_chars(choices: Option<&Value>) -> usize {
                 .sum()
         })
         .unwrap_or_default()
+}
+
+/// What the model's own tokenizer counts in the request's text (message
+/// text, tool-call arguments, `tools`, `response_format`) beyond the
+/// four-characters-a-token guess the estimate already holds for it; never
+/// less than nothing. On the blocking pool: a long prompt takes
+/// milliseconds. A text the tokenizer refuses counts a token a byte.
+async fn tokenizer_excess(tokenizer: std::sync::Arc<tokenizers::Tokenizer>, body: &Value) -> u64 {
+    let texts = prompt_texts(body);
+    let guessed: u64 = texts.iter().map(|t| (t.len() as u64).div_ceil(4)).sum();
+    let counted = tokio::task::spawn_blocking(move || {
+        texts
+            .iter()
+            .map(|text| {
+                tokenizer
+                    .encode_fast(text.as_str(), false)
+                    .map_or(text.len(), |encoding| encoding.len()) as u64
+            })
+            .sum::<u64>()
+    })
+    .await
+    .unwrap_or(0);
+    counted.saturating_sub(guessed)
+}
+
+/// The text of a chat body that a tokenizer can count.
+fn prompt_texts(body: &Value) -> Vec<String> {
+    let mut texts = Vec::new();
+    for message in body["messages"].as_array().into_iter().flatten() {
+        match &message["content"] {
+            Value::String(text) => texts.push(text.clone()),
+            Value::Array(parts) => texts.extend(
+                parts
+                    .iter()
+                    .filter_map(|p| p["text"].as_str().map(str::to_owned)),
+            ),
+            _ => {}
+        }
+        for call in message["tool_calls"].as_array().into_iter().flatten() {
+            if let Some(arguments) = call["function"]["arguments"].as_str() {
+                texts.push(arguments.to_owned());
+            }
+        }
+    }
+    for member in ["tools", "response_format"] {
+        if let Some(value) = body.get(member).filter(|v| !v.is_null()) {
+            texts.push(value.to_string());
+        }
+    }
+    texts
 }
 
 /// Turns `file` parts into text parts (on the blocking pool), counting

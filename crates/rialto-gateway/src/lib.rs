@@ -251,6 +251,8 @@ impl Gateway {
 pub struct ModelEntry {
     config: ModelConfig,
     headers: Vec<(HeaderName, HeaderValue)>,
+    /// `tokenizer`, loaded at start.
+    tokenizer: Option<Arc<tokenizers::Tokenizer>>,
 }
 
 impl ModelEntry {
@@ -274,9 +276,28 @@ impl ModelEntry {
             headers.push((stamp.deprecation_date.clone(), value(date)?));
             headers.push((stamp.deprecation_warning.clone(), value(&warning)?));
         }
+        let tokenizer = match &config.tokenizer {
+            Some(path) => {
+                let mut tokenizer = tokenizers::Tokenizer::from_file(path).map_err(|error| {
+                    anyhow::anyhow!(
+                        "model {}: cannot read its tokenizer {path}: {error}",
+                        config.id
+                    )
+                })?;
+                // All of the text counts: no truncation, no padding (an
+                // embedding model's file may set both).
+                tokenizer
+                    .with_truncation(None)
+                    .map_err(|error| anyhow::anyhow!("model {}: {error}", config.id))?;
+                tokenizer.with_padding(None);
+                Some(Arc::new(tokenizer))
+            }
+            None => None,
+        };
         Ok(Self {
             config: config.clone(),
             headers,
+            tokenizer,
         })
     }
 }
