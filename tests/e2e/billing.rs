@@ -59,6 +59,13 @@ async fn account(sandbox: &Sandbox) -> (String, String, String) {
     (account.id, account.admin_key, key)
 }
 
+/// [`account`], credited `usd` (reference `seed`).
+async fn funded(sandbox: &Sandbox, usd: &str) -> (String, String, String) {
+    let (id, admin, key) = account(sandbox).await;
+    sandbox.credit(&id, usd, "seed").await.unwrap();
+    (id, admin, key)
+}
+
 /// "hello there" is estimated at 3 prompt tokens; the mock answers
 /// `max_tokens` words: the request's hold is 1,003 micro-dollars and its
 /// real cost (2 prompt words + 1,000) 1,002.
@@ -194,8 +201,7 @@ async fn balances_costs_and_abandoned_streams() {
 async fn an_abandoned_call_is_charged_what_its_backend_used() {
     let world = world(Topology::OneProcess, Storage::Sqlite).await;
     let sandbox = &world.sandbox;
-    let (id, admin, key) = account(sandbox).await;
-    sandbox.credit(&id, "1", "seed").await.unwrap();
+    let (_, admin, key) = funded(sandbox, "1").await;
     let before = balance(sandbox, &admin).await["balances"]["usd"].to_string();
     assert_eq!(before, "1");
     // Held: 3 + 1,000 tokens; used: 2 + 10, at $1/M.
@@ -235,8 +241,7 @@ async fn an_abandoned_call_is_charged_what_its_backend_used() {
 async fn the_hold_covers_tools_and_bounds_the_completion() {
     let world = world(Topology::OneProcess, Storage::Sqlite).await;
     let sandbox = &world.sandbox;
-    let (id, _, key) = account(sandbox).await;
-    sandbox.credit(&id, "0.01", "seed").await.unwrap();
+    let (_, _, key) = funded(sandbox, "0.01").await;
     let description = "x".repeat(500 * 1024);
     let tools = json!([{"type": "function", "function": {"name": "lookup",
         "description": description, "parameters": {"type": "object", "properties": {}}}}]);
@@ -265,8 +270,7 @@ async fn the_hold_covers_tools_and_bounds_the_completion() {
 async fn a_cost_above_the_hold_is_owed_not_written_off() {
     let world = world(Topology::Split, Storage::Sqlite).await;
     let sandbox = &world.sandbox;
-    let (id, admin, key) = account(sandbox).await;
-    sandbox.credit(&id, "0.01", "seed").await.unwrap();
+    let (id, admin, key) = funded(sandbox, "0.01").await;
     let heavy = json!({"model": "paid-chat", "max_tokens": 10,
         "messages": [{"role": "user", "content": "hello there"}],
         "mock": {"words": 10, "prompt_tokens": 30000}});
@@ -326,8 +330,7 @@ backends = [{{ kind = "openai", url = "{}", model = "mock-model" }}]
         .start()
         .await
         .unwrap();
-    let (id, _, key) = account(&sandbox).await;
-    sandbox.credit(&id, "0.002", "seed").await.unwrap();
+    let (_, _, key) = funded(&sandbox, "0.002").await;
     let shouting = |model: &str| {
         json!({"model": model, "max_tokens": 10, "mock": {"words": 10},
             "messages": [{"role": "user", "content": "!".repeat(4000)}]})
@@ -379,8 +382,7 @@ async fn a_silent_backend_does_not_let_a_stream_go_free() {
         .start()
         .await
         .unwrap();
-    let (id, admin, key) = account(&sandbox).await;
-    sandbox.credit(&id, "1", "seed").await.unwrap();
+    let (_, admin, key) = funded(&sandbox, "1").await;
     // Three words, 3 s apart: each gap outlasts the 2 s lease.
     let stream = json!({"model": "paid-chat", "max_tokens": 100, "stream": true,
         "messages": [{"role": "user", "content": "hello there"}],
@@ -417,8 +419,7 @@ async fn a_reader_that_stops_reading_is_ended_and_charged() {
         .start()
         .await
         .unwrap();
-    let (id, admin, key) = account(&sandbox).await;
-    sandbox.credit(&id, "1", "seed").await.unwrap();
+    let (_, admin, key) = funded(&sandbox, "1").await;
     // Far more than the socket buffers hold (~40 MB of chunks); the mock
     // takes seconds to start answering, longer than the 2 s lease, so the
     // hold must live through the wait for the first byte too.
@@ -471,8 +472,7 @@ async fn a_killed_gateways_stream_is_charged_its_last_checkpoint() {
         .start()
         .await
         .unwrap();
-    let (id, _, key) = account(&sandbox).await;
-    sandbox.credit(&id, "1", "seed").await.unwrap();
+    let (id, _, key) = funded(&sandbox, "1").await;
     let stream = json!({"model": "paid-chat", "max_tokens": 5000, "stream": true,
         "messages": [{"role": "user", "content": "hello there"}],
         "mock": {"words": 5000, "chunk_delay_ms": 50}});
@@ -531,8 +531,7 @@ async fn a_killed_gateways_stream_is_charged_its_last_checkpoint() {
 async fn usage_history_pages_filters_and_exports() {
     let world = world(Topology::OneProcess, Storage::Sqlite).await;
     let sandbox = &world.sandbox;
-    let (id, admin, key) = account(sandbox).await;
-    sandbox.credit(&id, "1", "seed").await.unwrap();
+    let (_, admin, key) = funded(sandbox, "1").await;
     let small = json!({"model": "paid-chat", "max_tokens": 10,
         "messages": [{"role": "user", "content": "hello there"}],
         "mock": {"words": 10}});
@@ -712,8 +711,7 @@ async fn settlements_survive_a_killed_billing_replica() {
         .start()
         .await
         .unwrap();
-    let (id, _, key) = account(&sandbox).await;
-    sandbox.credit(&id, "1", "seed").await.unwrap();
+    let (id, _, key) = funded(&sandbox, "1").await;
     let owner = format!("account:{id}");
     let replicas: Vec<String> = ["billing-0", "billing-1"]
         .iter()
@@ -823,8 +821,7 @@ async fn settlements_survive_a_killed_billing_replica() {
 async fn a_key_consumption_limit_caps_concurrent_spending() {
     let world = world(Topology::Split, Storage::Sqlite).await;
     let sandbox = &world.sandbox;
-    let (id, admin, _) = account(sandbox).await;
-    sandbox.credit(&id, "10", "seed").await.unwrap();
+    let (_, admin, _) = funded(sandbox, "10").await;
     let create = |body: Value| {
         let request = sandbox
             .http()

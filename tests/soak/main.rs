@@ -26,6 +26,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use alloy_signer_local::PrivateKeySigner;
+use futures_util::FutureExt as _;
 use futures_util::future::join_all;
 use reqwest::Method;
 use rialto_test_kit::{MockUpstream, Sandbox, Topology, documents};
@@ -255,28 +256,21 @@ async fn soak() {
         .enable_all()
         .build()
         .unwrap();
-    let mut abusers = Vec::new();
-    if wanted("idle") {
-        abusers.push(abuse.spawn(idle_connections(target.clone())));
-    }
-    if wanted("slowloris") {
-        abusers.push(abuse.spawn(slowloris(target.clone())));
-    }
-    if wanted("oversized") {
-        abusers.push(abuse.spawn(oversized(target.clone())));
-    }
-    if wanted("readers") {
-        abusers.push(abuse.spawn(slow_readers(target.clone())));
-    }
-    if wanted("wallets") {
-        abusers.push(abuse.spawn(rotating_wallets(target.clone())));
-    }
-    if wanted("files") {
-        abusers.push(abuse.spawn(file_bombs(target.clone())));
-    }
-    if wanted("garbage") {
-        abusers.push(abuse.spawn(garbage(target.clone())));
-    }
+    type Abuser = fn(Arc<Target>) -> futures_util::future::BoxFuture<'static, String>;
+    let all: [(&str, Abuser); 7] = [
+        ("idle", |t| idle_connections(t).boxed()),
+        ("slowloris", |t| slowloris(t).boxed()),
+        ("oversized", |t| oversized(t).boxed()),
+        ("readers", |t| slow_readers(t).boxed()),
+        ("wallets", |t| rotating_wallets(t).boxed()),
+        ("files", |t| file_bombs(t).boxed()),
+        ("garbage", |t| garbage(t).boxed()),
+    ];
+    let abusers: Vec<_> = all
+        .into_iter()
+        .filter(|(name, _)| wanted(name))
+        .map(|(_, abuser)| abuse.spawn(abuser(target.clone())))
+        .collect();
     let loaded = valid_load(&chat_url, &valid_key, target.until).await;
     let mut reports = Vec::new();
     for abuser in abusers {

@@ -885,6 +885,11 @@ mod tests {
         }
     }
 
+    /// What a settlement reports: charged (USD, DIEM) and owed after it.
+    fn charged(usd: i64, diem: i64, owed: i64) -> SettleOutcome {
+        SettleOutcome::Settled { usd, diem, owed }
+    }
+
     /// The database agrees with itself and with memory: balance = journal.
     async fn reconcile(book: &Book, ledger: &Ledger, owner: &str) -> Balance {
         book.flush().await.unwrap();
@@ -1054,14 +1059,7 @@ mod tests {
         let book = Book::start(db.clone(), 30_000);
         let order = settle("r1", 3 * NANO);
         let settled = book.settle("account:r", &order).await.unwrap();
-        assert_eq!(
-            settled,
-            SettleOutcome::Settled {
-                usd: 3 * NANO,
-                diem: 0,
-                owed: 0
-            }
-        );
+        assert_eq!(settled, charged(3 * NANO, 0, 0));
         // Again (a redelivered record): nothing more.
         assert_eq!(
             book.settle("account:r", &order).await.unwrap(),
@@ -1085,14 +1083,7 @@ mod tests {
         assert!(matches!(placed.unwrap(), HoldOutcome::Placed { .. }));
         // The backend did three times what the hold assumed.
         let settled = book.settle("account:o", &settle("o1", 3 * NANO)).await;
-        assert_eq!(
-            settled.unwrap(),
-            SettleOutcome::Settled {
-                usd: NANO,
-                diem: 0,
-                owed: 2 * NANO
-            }
-        );
+        assert_eq!(settled.unwrap(), charged(NANO, 0, 2 * NANO));
         let stored = reconcile(&book, &ledger, "account:o").await;
         assert_eq!((stored.usd, stored.owed), (0, 2 * NANO));
         // A restart forgets nothing.
@@ -1122,14 +1113,7 @@ mod tests {
         let placed = book.hold("account:o", &small).await.unwrap();
         assert!(matches!(placed, HoldOutcome::Placed { .. }), "{placed:?}");
         let settled = book.settle("account:o", &settle("o2", NANO / 10)).await;
-        assert_eq!(
-            settled.unwrap(),
-            SettleOutcome::Settled {
-                usd: 2 * NANO + NANO / 10,
-                diem: 0,
-                owed: 0
-            }
-        );
+        assert_eq!(settled.unwrap(), charged(2 * NANO + NANO / 10, 0, 0));
         let stored = reconcile(&book, &ledger, "account:o").await;
         assert_eq!((stored.usd, stored.owed), (NANO - NANO / 20, 0));
     }
@@ -1168,24 +1152,10 @@ mod tests {
         ));
         // $3 used against a $0.50 hold under a $1 cap: $1 charged.
         let settled = book.settle("account:c", &capped("c1", 3 * NANO)).await;
-        assert_eq!(
-            settled.unwrap(),
-            SettleOutcome::Settled {
-                usd: NANO,
-                diem: 0,
-                owed: 2 * NANO
-            }
-        );
+        assert_eq!(settled.unwrap(), charged(NANO, 0, 2 * NANO));
         // A late settlement of the same key: nothing more within its cap.
         let late = book.settle("account:c", &capped("c2", NANO)).await;
-        assert_eq!(
-            late.unwrap(),
-            SettleOutcome::Settled {
-                usd: 0,
-                diem: 0,
-                owed: 3 * NANO
-            }
-        );
+        assert_eq!(late.unwrap(), charged(0, 0, 3 * NANO));
         book.flush().await.unwrap();
         let spend = read_key_spend(&book.shared.db, "key-c", "EPOCH:1").await;
         assert_eq!(spend.unwrap().usd, NANO, "the key spent its cap, no more");
@@ -1202,14 +1172,7 @@ mod tests {
             .await
             .unwrap();
         let settled = book.settle("account:c", &settle("c4", NANO / 10)).await;
-        assert_eq!(
-            settled.unwrap(),
-            SettleOutcome::Settled {
-                usd: 3 * NANO + NANO / 10,
-                diem: 0,
-                owed: 0
-            }
-        );
+        assert_eq!(settled.unwrap(), charged(3 * NANO + NANO / 10, 0, 0));
         let stored = reconcile(&book, &ledger, "account:c").await;
         assert_eq!((stored.usd, stored.owed), (6 * NANO - NANO / 10, 0));
     }
@@ -1532,14 +1495,7 @@ mod tests {
         let other = book.hold("account:w", &hold("w2", NANO, false)).await;
         assert!(matches!(other.unwrap(), HoldOutcome::Placed { usd, .. } if usd == NANO));
         let settled = book.settle("account:w", &settle("w1", 2 * NANO)).await;
-        assert_eq!(
-            settled.unwrap(),
-            SettleOutcome::Settled {
-                usd: NANO,
-                diem: NANO,
-                owed: 0
-            }
-        );
+        assert_eq!(settled.unwrap(), charged(NANO, NANO, 0));
         let stored = reconcile(&book, &ledger, "account:w").await;
         assert_eq!((stored.usd, stored.diem), (NANO, 0));
         // w2's hold (in memory: a plain request's hold is not written).

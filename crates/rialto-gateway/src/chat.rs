@@ -331,23 +331,21 @@ async fn complete_or_stream(
     // A trait or alias names the model from here on.
     chat.model_id.clone_from(&model.config.id);
     let request_id = RequestId::of(request);
-    let limited = files_admitted(
-        gateway,
-        request,
-        principal,
-        model,
-        &request_id,
-        &chat,
-        &body,
-    )
-    .await?;
-    if let Err(error) = convert_files(&mut body, &mut chat, gateway).await {
-        if let Some(admission) = limited {
+    let has_files = body["messages"]
+        .as_array()
+        .is_some_and(|messages| crate::files::any(messages));
+    let limited = if has_files {
+        let admission = files_admitted(gateway, request, principal, model, &request_id, &chat);
+        let admission = admission.await?;
+        if let Err(error) = convert_files(&mut body, &mut chat, gateway).await {
             // The downloads and conversions were done: the request counts.
             gateway.services.limiter.commit(admission.ticket, 0);
+            return Err(error);
         }
-        return Err(error);
-    }
+        Some(admission)
+    } else {
+        None
+    };
     if let Some(tokenizer) = &model.tokenizer {
         let more = tokenizer_excess(tokenizer.clone(), &body).await;
         chat.prompt_tokens_estimate = chat.prompt_tokens_estimate.saturating_add(more);
@@ -402,7 +400,7 @@ async fn complete_or_stream(
 /// A request with file parts is admitted by the limiter before its files
 /// are downloaded and converted (the costly part, and before the hold: its
 /// text is not known yet), so that file work counts in the caller's window
-/// even when the files turn out unreadable. None when it has none.
+/// even when the files turn out unreadable.
 async fn files_admitted(
     gateway: &Gateway,
     request: &HttpRequest,
@@ -410,12 +408,7 @@ async fn files_admitted(
     model: &ModelEntry,
     request_id: &str,
     chat: &Chat,
-    body: &Value,
-) -> Result<Option<Admission>, ApiError> {
-    let messages = body.get("messages").and_then(Value::as_array);
-    if !messages.is_some_and(|m| crate::files::any(m)) {
-        return Ok(None);
-    }
+) -> Result<Admission, ApiError> {
     let mut admission = gateway
         .services
         .limiter
@@ -432,7 +425,7 @@ async fn files_admitted(
     if let Some(refusal) = admission.refusal {
         return Err(refusal.into());
     }
-    Ok(Some(admission))
+    Ok(admission)
 }
 
 /// A request the limiter admitted and the ledger holds credit for.
@@ -472,6 +465,9 @@ pub(crate) async fn admit(
 ) -> Result<Admitted, ApiError> {
     let limiter = &gateway.services.limiter;
     let owner = crate::ledger_owner(principal);
+    // Sent with the hold, and with the settlement (a charge beyond the hold
+    // stays within it).
+    let key_limit = crate::key_limit(&principal.key_id, principal.key_limit.as_ref());
     let admitting = async {
         match limited {
             // Admitted before its file work; the commit counts the tokens
@@ -497,7 +493,7 @@ pub(crate) async fn admit(
         max_completion_tokens: reservation
             .total_tokens
             .saturating_sub(reservation.prompt_tokens),
-        key_limit: crate::key_limit(&principal.key_id, principal.key_limit.as_ref()),
+        key_limit: key_limit.clone(),
         durable: reservation.durable,
     });
     let (admission, hold) = futures_util::future::join(admitting, holding).await;
@@ -612,7 +608,7 @@ pub(crate) async fn admit(
     if !hold.key_period.is_empty() {
         settlement.key_id.clone_from(&principal.key_id);
         settlement.key_period = hold.key_period;
-        settlement.key_limit = crate::key_limit(&principal.key_id, principal.key_limit.as_ref());
+        settlement.key_limit = key_limit;
     }
     if !principal.wallet.is_empty() {
         // A hold of nothing (a free model) is placed for any wallet: one
@@ -762,8 +758,7 @@ async fn stream(
     // free.
     let opening = gateway.services.router.chat_stream(router_request);
     tokio::pin!(opening);
-    let every = exchange.checkpoint_every;
-    let mut checkpoints = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    let mut checkpoints = checkpoint_clock(exchange.checkpoint_every);
     let opened = loop {
         tokio::select! {
             opened = &mut opening => break opened,
@@ -802,7 +797,7 @@ async fn stream(
         (before - held).normalize().to_string()
     });
     let (sender, receiver) = mpsc::channel::<Bytes>(64);
-    tokio::spawn(relay(events, sender, exchange));
+    tokio::spawn(relay(events, sender, exchange, checkpoints));
     let body = futures_util::stream::unfold(receiver, |mut receiver| async move {
         receiver
             .recv()
@@ -831,7 +826,8 @@ const DONE: &[u8] = b"data: [DONE]\n\n";
 /// a worker; stops reading the upstream as soon as the client goes away.
 ///
 /// The stream's hold lives on a lease that each checkpoint renews, so the
-/// relay checkpoints on a clock, whether chunks come or not (a backend
+/// relay checkpoints on the stream's clock (`checkpoints`, started with its
+/// hold), whether chunks come or not (a backend
 /// silent for longer than the lease must not let the hold expire and the
 /// stream go free), and never waits longer than `reader_patience` for the
 /// client to take a chunk: a reader that slow is ended and charged what it
@@ -840,6 +836,7 @@ async fn relay(
     mut events: rialto_router::ChatStream,
     sender: mpsc::Sender<Bytes>,
     mut exchange: Exchange,
+    mut checkpoints: tokio::time::Interval,
 ) {
     let mut upstream_usage: Option<Value> = None;
     let mut completion_text = 0usize;
@@ -847,9 +844,6 @@ async fn relay(
     let estimate = |usage: &Option<Value>, text: usize| {
         usage_or_estimate(usage.as_ref(), exchange.chat.prompt_tokens_estimate, text)
     };
-    let every = exchange.checkpoint_every;
-    let mut checkpoints = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
-    checkpoints.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let patience = exchange.reader_patience;
     let mut content_chunks = 0u64;
     loop {
@@ -1117,6 +1111,15 @@ fn delta_chars(choices: Option<&Value>) -> usize {
         .unwrap_or_default()
 }
 
+/// The clock of a stream's checkpoints, one from its hold to its end: first
+/// after `every`, then every `every` from the last tick (a late tick does
+/// not bring a burst).
+fn checkpoint_clock(every: std::time::Duration) -> tokio::time::Interval {
+    let mut clock = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    clock.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    clock
+}
+
 /// What the model's own tokenizer counts in the request's text (message
 /// text, tool-call arguments, `tools`, `response_format`) beyond the
 /// four-characters-a-token guess the estimate already holds for it; never
@@ -1167,8 +1170,8 @@ fn prompt_texts(body: &Value) -> Vec<String> {
     texts
 }
 
-/// Turns `file` parts into text parts (on the blocking pool), counting
-/// their text in the request's estimates.
+/// Turns the `file` parts of a request that has some into text parts (on
+/// the blocking pool), counting their text in the request's estimates.
 async fn convert_files(
     body: &mut Value,
     chat: &mut Chat,
@@ -1178,9 +1181,6 @@ async fn convert_files(
     let Some(Value::Array(messages)) = body.get_mut("messages") else {
         return Ok(());
     };
-    if !crate::files::any(messages) {
-        return Ok(());
-    }
     let before: usize = messages.iter().map(|m| m.to_string().len()).sum();
     if let Err((m, p, why)) = crate::files::fetch_urls(messages, allow_private).await {
         let mut details = Details::new();
