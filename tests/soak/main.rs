@@ -385,7 +385,14 @@ struct Sample {
 /// Valid priced requests at [`VALID_PER_SEC`], each on its own, until
 /// `until`: open loop (a slow answer does not slow the next request).
 async fn valid_load(chat_url: &str, key: &str, until: Instant) -> Vec<Sample> {
-    let client = reqwest::Client::new();
+    // The gateway closes a connection idle for 5 s (actix-web's keep-alive):
+    // a pooled one kept longer may be reused just as it closes, and the
+    // request fails on the wire (hyper's IncompleteMessage), a race of the
+    // client's, not a refusal. Idle connections are dropped well before.
+    let client = reqwest::Client::builder()
+        .pool_idle_timeout(Duration::from_secs(2))
+        .build()
+        .unwrap();
     let body = json!({"model": "paid-chat", "max_tokens": 10, "mock": {"words": 10},
         "messages": [{"role": "user", "content": "hello there"}]});
     let mut ticker = tokio::time::interval(Duration::from_micros(1_000_000 / VALID_PER_SEC));
