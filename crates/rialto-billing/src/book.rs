@@ -170,6 +170,8 @@ pub(crate) struct Shared {
     pub(crate) db: Database,
     /// How long a stream's hold lives after its last checkpoint.
     lease_ms: i64,
+    /// This replica among several (failover): which owners are its own.
+    pub(crate) membership: std::sync::OnceLock<rialto_core::membership::Membership>,
 }
 
 impl Book {
@@ -194,6 +196,7 @@ impl Book {
                 writer,
                 db,
                 lease_ms,
+                membership: std::sync::OnceLock::new(),
             }),
         }
     }
@@ -242,6 +245,64 @@ impl Book {
         }
     }
 
+    /// Drops from memory every owner `dropped` names (`live` turns false
+    /// under its lock, so nothing decides on it after); their next request
+    /// loads them afresh, bumping the fence. Returns how many.
+    pub(crate) fn drop_owners(&self, dropped: impl Fn(&str) -> bool) -> usize {
+        let mut count = 0;
+        for shard in self.shared.shards.iter() {
+            let entries: Vec<Arc<Owner>> = {
+                let shard = shard.lock().unwrap_or_else(|e| e.into_inner());
+                shard
+                    .iter()
+                    .filter(|(name, _)| dropped(name))
+                    .map(|(_, entry)| entry.clone())
+                    .collect()
+            };
+            for entry in entries {
+                if let Some(state) = entry.lock().as_mut() {
+                    state.live = false;
+                }
+                Self::drop_owner(&self.shared, &entry);
+                count += 1;
+            }
+        }
+        count
+    }
+
+    /// Makes this book one replica of several: it decides only while it
+    /// hears itself (see [`with_owner`](Self::with_owner)), drops every
+    /// owner when it was away, drops the owners a replica back from the
+    /// dead takes again, and recovers only its own owners' holds.
+    pub fn join(&self, membership: rialto_core::membership::Membership) {
+        let book = self.clone();
+        membership.on_return(move || {
+            let dropped = book.drop_owners(|_| true);
+            tracing::warn!(
+                dropped,
+                "this billing replica was away: its ledgers are read again"
+            );
+        });
+        let book = self.clone();
+        let view = membership.clone();
+        let mut changes = membership.changes();
+        tokio::spawn(async move {
+            while changes.changed().await.is_ok() {
+                // Only a replica that counts itself ready lets owners go: a
+                // starting one owns nothing yet in its own view, and would
+                // drop what gateways already send it.
+                let Some(me) = view.me().filter(|me| view.is_ready(*me)) else {
+                    continue;
+                };
+                let dropped = book.drop_owners(|owner| view.owner(owner) != me);
+                if dropped > 0 {
+                    tracing::info!(dropped, "ledgers moved to another billing replica");
+                }
+            }
+        });
+        let _ = self.shared.membership.set(membership);
+    }
+
     /// Runs `decide` on the owner's loaded state, loading it first when
     /// needed (through the writer, so after every write queued before).
     pub(crate) async fn with_owner<T>(
@@ -249,6 +310,15 @@ impl Book {
         owner: &str,
         mut decide: impl FnMut(&Arc<Owner>, &mut State) -> Result<T>,
     ) -> Result<T> {
+        if self.shared.membership.get().is_some_and(|m| m.away()) {
+            // Stopped or cut off long enough for the others to count this
+            // replica dead: what it holds may have moved. It decides again
+            // once it hears itself, with everything dropped (`on_return`).
+            return Err(Error::new(
+                ErrorCode::Unavailable,
+                "This billing replica was unreachable and is taking its ledgers back; retry",
+            ));
+        }
         for _ in 0..3 {
             let entry = self.entry(owner);
             if entry.lock().is_none() {
@@ -1567,6 +1637,16 @@ mod tests {
         assert!(matches!(placed.unwrap(), HoldOutcome::Placed { .. }));
         let stored = reconcile(&book, &ledger, "account:e").await;
         assert_eq!((stored.usd, stored.usd_held), (NANO, 0));
+        // The expired request was served after all: its usage record
+        // arrives late (its settlement took the durable queue) and is
+        // charged, not found settled by the expiry.
+        book.settle("account:e", &settle("e4", NANO)).await.unwrap();
+        let late = book.settle("account:e", &settle("e1", NANO / 2)).await;
+        assert!(matches!(late.unwrap(), SettleOutcome::Settled { .. }));
+        let ledger_charged = ledger.charged("e1").await.unwrap();
+        assert_eq!(ledger_charged, (0, 0), "nothing left to pay it from");
+        let stored = reconcile(&book, &ledger, "account:e").await;
+        assert_eq!((stored.usd, stored.owed), (0, NANO / 2));
     }
 
     /// A refresh in the same batch as a settlement queued after it reads a

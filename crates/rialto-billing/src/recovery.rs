@@ -49,6 +49,20 @@ impl Book {
                     continue;
                 };
                 expired += 1;
+                if !hold.durable {
+                    // In memory only: released, nothing journaled, so that
+                    // its usage record, if it comes late (billing was slow
+                    // or hung, or the settlement took the durable queue),
+                    // is still charged rather than found settled.
+                    state.holds.remove(&request_id);
+                    state.balance.usd_held -= hold.usd;
+                    state.balance.diem_held -= hold.diem;
+                    if let Some(spend) = hold.key.as_ref().and_then(|k| state.keys.get_mut(k)) {
+                        spend.usd_held -= hold.usd;
+                        spend.diem_held -= hold.diem;
+                    }
+                    continue;
+                }
                 let order = SettleOrder {
                     request_id: &request_id,
                     cost: hold.checkpoint,
@@ -88,8 +102,14 @@ impl Book {
         .fetch_all(self.shared.db.pool())
         .await?;
         let mut loaded = 0;
+        let membership = self.shared.membership.get();
         for row in rows {
             let owner: String = row.try_get(0)?;
+            // Another replica's owner is its to recover: loading it here
+            // would take it away (the fence).
+            if membership.is_some_and(|m| !m.owns(&owner)) {
+                continue;
+            }
             if self.loaded(&owner).is_none() {
                 self.with_owner(&owner, |_, _| Ok(())).await?;
                 loaded += 1;

@@ -1,10 +1,13 @@
-//! Billing replicas: each ledger owner belongs to one replica, chosen by
-//! rendezvous hashing over the replicas' stable names, so the same owner's
-//! holds, settlements and credits meet in one process. The database's
-//! conditional updates stay the last guard: whatever the replicas believe
-//! (a replica list changing under load, say), no balance goes below zero.
+//! Billing replicas: each ledger owner belongs to one replica, the first
+//! live one in its rendezvous order over the replicas' stable names
+//! ([`Membership`]), so the same owner's holds, settlements and credits
+//! meet in one process, and move to the next replica when that one dies.
+//! The ledger's fence stays the last guard: whatever the replicas believe
+//! (two gateways' views differing for a moment), only the replica that
+//! loaded an owner last can write for it, and no balance goes below zero.
 
 use async_trait::async_trait;
+use rialto_core::membership::Membership;
 use rialto_core::placement::{owner_index, replica_seed};
 use rialto_core::{Error, Result};
 use rialto_proto::billing::v1 as pb;
@@ -13,26 +16,35 @@ use crate::{BillingClient, BillingService};
 
 /// Billing over several replicas, each owning a share of ledger owners.
 pub struct ReplicatedBilling {
-    replicas: Vec<(u64, BillingClient)>,
+    replicas: Vec<BillingClient>,
+    membership: Membership,
 }
 
 impl ReplicatedBilling {
-    /// `replicas`: (stable name, client), as listed in `remote.billing`.
+    /// `replicas`: (stable name, client), as listed in `remote.billing`;
+    /// none is ever counted dead.
     pub fn new(replicas: Vec<(String, BillingClient)>) -> Result<Self> {
-        if replicas.is_empty() {
+        let names = replicas.iter().map(|(name, _)| name.clone()).collect();
+        Self::with_membership(
+            replicas.into_iter().map(|(_, client)| client).collect(),
+            Membership::fixed("billing", names),
+        )
+    }
+
+    /// `replicas` in `membership`'s order: each owner goes to the first
+    /// live replica in its rendezvous order.
+    pub fn with_membership(replicas: Vec<BillingClient>, membership: Membership) -> Result<Self> {
+        if replicas.is_empty() || replicas.len() != membership.len() {
             return Err(Error::invalid("no billing replica configured"));
         }
         Ok(Self {
-            replicas: replicas
-                .into_iter()
-                .map(|(name, client)| (replica_seed(&name), client))
-                .collect(),
+            replicas,
+            membership,
         })
     }
 
     fn owner(&self, owner: &str) -> &BillingClient {
-        let index = owner_index(owner, self.replicas.iter().map(|(seed, _)| *seed));
-        &self.replicas[index].1
+        &self.replicas[self.membership.owner(owner)]
     }
 }
 
@@ -92,10 +104,10 @@ impl BillingService for ReplicatedBilling {
     }
 
     async fn top_up(&self, request: pb::TopUpRequest) -> Result<pb::TopUpResponse> {
-        // The payer is inside the signed payment; any replica can verify
-        // it, and the payment's key makes the credit happen once.
-        let first = self.replicas.first().map(|(_, client)| client);
-        match first {
+        // The payer is inside the signed payment; any live replica can
+        // verify it, and the payment's key makes the credit happen once.
+        let replica = self.replicas.get(self.membership.owner(&request.payment));
+        match replica {
             Some(client) => client.top_up(request).await,
             None => Err(Error::invalid("no billing replica configured")),
         }

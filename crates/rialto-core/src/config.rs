@@ -42,6 +42,34 @@ pub struct Config {
     pub characters: Vec<CharacterConfig>,
     pub metrics: MetricsConfig,
     pub shutdown: ShutdownConfig,
+    pub failover: FailoverConfig,
+}
+
+/// Failover among limiter and billing replicas (`[failover]`), when several
+/// are listed in `remote.limiter` or `remote.billing` and the bus is NATS:
+/// each replica publishes a heartbeat every `heartbeat_ms`; one not heard
+/// for `dead_after_ms` is dead, and the principals and ledgers it owned go
+/// to the next live replica in rendezvous order; one heard again without a
+/// gap for `rejoin_after_ms` (a limiter: at least one rate window) takes
+/// them back. See ARCHITECTURE.md, "Failover".
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct FailoverConfig {
+    pub heartbeat_ms: u64,
+    /// At least three heartbeats: a replica is never declared dead on one
+    /// late beat.
+    pub dead_after_ms: u64,
+    pub rejoin_after_ms: u64,
+}
+
+impl Default for FailoverConfig {
+    fn default() -> Self {
+        Self {
+            heartbeat_ms: 250,
+            dead_after_ms: 1500,
+            rejoin_after_ms: 1000,
+        }
+    }
 }
 
 /// Graceful shutdown (`[shutdown]`), on SIGTERM or Ctrl-C: readiness goes
@@ -273,6 +301,10 @@ pub struct GrpcConfig {
     /// the gRPC port is reachable by anyone but Rialto's own processes.
     #[serde(skip_serializing)]
     pub token: Option<SecretString>,
+    /// This replica's address exactly as `remote.limiter` or
+    /// `remote.billing` lists it (a StatefulSet pod's DNS name), which names
+    /// its heartbeats. Empty: the entry that is `http://<listen>`.
+    pub advertise: String,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -592,7 +624,7 @@ fn default_tier() -> String {
 }
 
 /// Top-level keys of [`Config`], the only ones `RIALTO_*` variables may set.
-const TOP_LEVEL_KEYS: [&str; 18] = [
+const TOP_LEVEL_KEYS: [&str; 19] = [
     "brand",
     "services",
     "gateway",
@@ -611,6 +643,7 @@ const TOP_LEVEL_KEYS: [&str; 18] = [
     "characters",
     "metrics",
     "shutdown",
+    "failover",
 ];
 
 /// The services a process can run, in start order.
@@ -637,6 +670,7 @@ impl Default for Config {
             characters: Vec::new(),
             metrics: MetricsConfig::default(),
             shutdown: ShutdownConfig::default(),
+            failover: FailoverConfig::default(),
         }
     }
 }
@@ -675,6 +709,7 @@ impl Default for GrpcConfig {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 9090)),
             token: None,
+            advertise: String::new(),
         }
     }
 }
@@ -913,6 +948,18 @@ impl Config {
                     "each [[limits.overrides]] names exactly one of `account` or `key`".into(),
                 );
             }
+        }
+        let failover = &self.failover;
+        if failover.heartbeat_ms == 0
+            || failover.dead_after_ms < failover.heartbeat_ms.saturating_mul(3)
+            || failover.dead_after_ms > 60_000
+            || failover.rejoin_after_ms > 600_000
+        {
+            return invalid(
+                "failover.heartbeat_ms must be at least 1, dead_after_ms at least three \
+                 heartbeats and at most 60000, rejoin_after_ms at most 600000"
+                    .into(),
+            );
         }
         if !(self.bus.url.is_empty() || self.bus.url.starts_with("nats://")) {
             return invalid(format!(

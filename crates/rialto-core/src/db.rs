@@ -66,6 +66,16 @@ impl Database {
                         // No commit runs a WAL checkpoint: the checkpointer
                         // task does (`spawn_checkpointer`).
                         conn.execute("PRAGMA wal_autocheckpoint = 0").await?;
+                    } else {
+                        // A process stopped (SIGSTOP, a frozen VM) inside a
+                        // transaction would hold its rows' locks until it
+                        // runs again: the billing replica taking its
+                        // ledgers over would wait as long. The server ends
+                        // such a session after 2 s; the stopped process
+                        // finds its transaction gone and nothing of it
+                        // committed.
+                        conn.execute("SET idle_in_transaction_session_timeout = 2000")
+                            .await?;
                     }
                     Ok(())
                 })

@@ -256,6 +256,20 @@ impl From<tonic::Status> for Error {
                 tracing::warn!(message = status.message(), "service unreachable over grpc");
                 Self::new(ErrorCode::Unavailable, "A required service is unavailable")
             }
+            // The channel's own deadline (a hung peer: SIGSTOP, a frozen
+            // node) is Cancelled with the transport's timeout as source.
+            None if status.code() == tonic::Code::Cancelled
+                && std::error::Error::source(&status).is_some() =>
+            {
+                tracing::warn!(
+                    message = status.message(),
+                    "service did not answer over grpc"
+                );
+                Self::new(
+                    ErrorCode::Unavailable,
+                    "A required service did not answer in time",
+                )
+            }
             None => {
                 let code = ErrorCode::from_grpc(status.code());
                 if code == ErrorCode::Internal {
@@ -271,6 +285,19 @@ impl From<tonic::Status> for Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_peer_that_does_not_answer_in_time_is_unavailable_not_internal() {
+        let timeout = std::io::Error::new(std::io::ErrorKind::TimedOut, "Timeout expired");
+        let mut status = tonic::Status::cancelled("Timeout expired");
+        status.set_source(std::sync::Arc::new(timeout));
+        assert_eq!(Error::from(status).code, ErrorCode::Unavailable);
+        // A cancellation the peer reports stays what it was.
+        assert_eq!(
+            Error::from(tonic::Status::cancelled("cancelled")).code,
+            ErrorCode::Internal
+        );
+    }
 
     #[test]
     fn a_broken_connection_is_unavailable_not_internal() {

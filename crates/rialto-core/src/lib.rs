@@ -8,6 +8,8 @@
 //!   mapping to HTTP statuses and gRPC codes.
 //! - [`bus`]: the event bus, in-process or NATS.
 //! - [`db`]: opening the database chosen by URL scheme and applying migrations.
+//! - [`placement`] and [`membership`]: which replica owns a principal, and
+//!   which replicas are alive (heartbeats on the bus) to own it.
 //! - [`telemetry`]: the tracing subscriber.
 //!
 //! This crate holds no service logic and no HTTP or actor code.
@@ -19,6 +21,7 @@ pub mod db;
 pub mod error;
 pub mod grpc_auth;
 pub mod ids;
+pub mod membership;
 pub mod metrics;
 pub mod placement;
 pub mod telemetry;

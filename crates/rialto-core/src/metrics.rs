@@ -84,6 +84,39 @@ pub struct ConsumerLabels {
     pub consumer: String,
 }
 
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReplicaLabels {
+    /// `limiter` or `billing`.
+    pub service: &'static str,
+    /// The replica as `remote.<service>` lists it.
+    pub replica: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MoveLabels {
+    pub service: &'static str,
+    pub replica: String,
+    /// `dead` (its principals moved away), `restarted` (moved away from a
+    /// new incarnation until its rejoin delay ends), `rejoined` (moved back).
+    pub cause: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ServiceLabels {
+    pub service: &'static str,
+}
+
+/// Half a second to about 17 minutes, doubling: how long a replica owned
+/// nothing.
+#[derive(Clone)]
+pub struct AwayBuckets;
+
+impl MetricConstructor<Histogram> for AwayBuckets {
+    fn new_metric(&self) -> Histogram {
+        Histogram::new(exponential_buckets(0.5, 2.0, 12))
+    }
+}
+
 /// Latency buckets from 0.5 ms to ~65 s (doubling): the gateway's own
 /// overhead and a long generation both land in a bucket of their own.
 #[derive(Clone)]
@@ -117,6 +150,11 @@ pub struct Metrics {
     pub backend_in_flight: Family<BackendLabels, Gauge>,
     pub backend_requests: Family<BackendOutcomeLabels, Counter>,
     pub nats_consumer_pending: Family<ConsumerLabels, Gauge>,
+    /// Each limiter and billing replica as this process hears it: 2 ready
+    /// (owns its principals), 1 heard but within its rejoin delay, 0 dead.
+    pub replica_up: Family<ReplicaLabels, Gauge>,
+    pub ownership_moves: Family<MoveLabels, Counter>,
+    pub replica_away_seconds: Family<ServiceLabels, Histogram, AwayBuckets>,
     /// Log lines dropped because stdout fell behind (set at scrape time by
     /// `telemetry`).
     pub log_lines_dropped: Counter,
@@ -154,6 +192,9 @@ impl Metrics {
         let backend_in_flight = Family::default();
         let backend_requests = Family::default();
         let nats_consumer_pending = Family::default();
+        let replica_up = Family::default();
+        let ownership_moves = Family::default();
+        let replica_away_seconds = Family::new_with_constructor(AwayBuckets);
         let log_lines_dropped = Counter::default();
         registry.register(
             "http_requests",
@@ -231,6 +272,24 @@ impl Metrics {
             nats_consumer_pending.clone(),
         );
         registry.register(
+            "replica_up",
+            "A limiter or billing replica as this process hears its heartbeats: 2 ready \
+             (owns its principals), 1 heard but within its rejoin delay, 0 dead",
+            replica_up.clone(),
+        );
+        registry.register(
+            "ownership_moves",
+            "Times a replica's principals moved: away from it (cause dead or restarted) or \
+             back to it (rejoined)",
+            ownership_moves.clone(),
+        );
+        registry.register(
+            "replica_away_seconds",
+            "How long a replica owned nothing, from when it stopped being ready to when it \
+             was ready again",
+            replica_away_seconds.clone(),
+        );
+        registry.register(
             "log_lines_dropped",
             "Log lines dropped because stdout fell 128,000 lines behind",
             log_lines_dropped.clone(),
@@ -253,6 +312,9 @@ impl Metrics {
             backend_in_flight,
             backend_requests,
             nats_consumer_pending,
+            replica_up,
+            ownership_moves,
+            replica_away_seconds,
             log_lines_dropped,
         }
     }

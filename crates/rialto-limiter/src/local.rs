@@ -10,6 +10,7 @@ use futures_util::StreamExt;
 use prost::Message;
 use rialto_core::bus::Bus;
 use rialto_core::db::{Database, now_ms};
+use rialto_core::membership::Membership;
 
 use rialto_core::{Config, Result};
 use rialto_proto::limiter::v1 as pb;
@@ -17,7 +18,9 @@ use sqlx::Row;
 use tokio::sync::mpsc;
 
 use crate::principals::{Admit, Commit, HitSink, Principals, spawn_sweeper};
-use crate::{COMMITS_SUBJECT, HITS_SUBJECT, LOG_PAGE, LOG_WRITERS, LimiterService};
+use crate::{
+    COMMITS_SUBJECT, HITS_SUBJECT, LOG_PAGE, LOG_WRITERS, LimiterService, REPLICATION_SUBJECT,
+};
 
 /// How long rate-limit log entries are kept.
 const LOG_RETENTION_MS: i64 = 30 * 86_400_000;
@@ -34,6 +37,17 @@ pub struct LocalLimiter {
     principals: Arc<Principals>,
     hits: HitSink,
     db: Database,
+    /// One replica of several: what it decides is published for the next
+    /// replica of each principal.
+    replication: Option<Arc<Replication>>,
+}
+
+/// Where a replica publishes its decisions, and who it is.
+struct Replication {
+    bus: Bus,
+    subject: String,
+    /// This replica's name, as `remote.limiter` lists it.
+    origin: String,
 }
 
 impl std::fmt::Debug for LocalLimiter {
@@ -50,6 +64,29 @@ impl LocalLimiter {
     /// the bus, and one that writes the hits of its queue group to the log.
     /// Must run inside a Tokio runtime.
     pub async fn start(config: &Config, db: Database, bus: Bus) -> Result<Self> {
+        Self::start_with(config, db, bus, None).await
+    }
+
+    /// Starts replica `membership.me()` of several: besides what
+    /// [`start`](Self::start) does, it publishes each admission and release
+    /// it decides (before answering) and keeps a copy of the windows of the
+    /// principals it is next in line for, from the others' events, so that
+    /// it takes them over where their owner left them.
+    pub async fn start_replica(
+        config: &Config,
+        db: Database,
+        bus: Bus,
+        membership: Membership,
+    ) -> Result<Self> {
+        Self::start_with(config, db, bus, Some(membership)).await
+    }
+
+    async fn start_with(
+        config: &Config,
+        db: Database,
+        bus: Bus,
+        membership: Option<Membership>,
+    ) -> Result<Self> {
         let (hits, mut hit_events) = mpsc::channel::<pb::LimitHit>(HIT_QUEUE);
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         let span_ms = (config.limits.window_secs as i64).saturating_mul(1000);
@@ -115,11 +152,61 @@ impl LocalLimiter {
             );
         });
 
+        let replication = match membership {
+            Some(membership) => {
+                let me = membership.me().ok_or_else(|| {
+                    rialto_core::Error::invalid("a replica must know its own name")
+                })?;
+                let subject = bus.subject(REPLICATION_SUBJECT);
+                let origin = membership.name(me).to_owned();
+                let mut events = bus.subscribe(subject.clone(), None).await?;
+                let copies = principals.clone();
+                let own = origin.clone();
+                tokio::spawn(async move {
+                    while let Some(payload) = events.next().await {
+                        match pb::WindowEvent::decode(payload) {
+                            Ok(event) if event.origin != own => {
+                                if membership.first_two(&event.principal) {
+                                    copies.replay(&event);
+                                }
+                            }
+                            Ok(_) => {}
+                            Err(_) => tracing::warn!("undecodable window event on the bus"),
+                        }
+                    }
+                    tracing::error!("the limiter's replication subscription ended");
+                });
+                Some(Arc::new(Replication {
+                    bus,
+                    subject,
+                    origin,
+                }))
+            }
+            None => None,
+        };
         Ok(Self {
             principals,
             hits,
             db,
+            replication,
         })
+    }
+
+    /// Publishes what this replica just decided, for the replica next in
+    /// the principal's line. Awaited before the answer, so the event is on
+    /// its way before anyone acts on the decision.
+    async fn replicate(&self, event: impl FnOnce(String) -> pb::WindowEvent) {
+        let Some(replication) = &self.replication else {
+            return;
+        };
+        let payload = Bytes::from(event(replication.origin.clone()).encode_to_vec());
+        if let Err(error) = replication
+            .bus
+            .publish(replication.subject.clone(), payload)
+            .await
+        {
+            tracing::warn!(%error, "cannot publish a window event");
+        }
     }
 
     /// Decides one admission (or peek) now, on this thread: one short
@@ -180,11 +267,40 @@ async fn prune(db: &Database) -> Result<()> {
 #[async_trait]
 impl LimiterService for LocalLimiter {
     async fn admit(&self, request: pb::AdmitRequest) -> Result<pb::AdmitResponse> {
-        Ok(self.decide(&Admit::of(&request)))
+        let response = self.decide(&Admit::of(&request));
+        if response.admitted && !request.peek {
+            let at_ms = crate::clock::now_ms();
+            self.replicate(|origin| pb::WindowEvent {
+                origin,
+                at_ms,
+                counts_day: request.limit.is_some_and(|l| l.requests_per_day > 0),
+                estimated_tokens: request.estimated_tokens,
+                request_id: request.request_id,
+                principal: request.principal,
+                window: request.window,
+                release: false,
+            })
+            .await;
+        }
+        Ok(response)
     }
 
     async fn commit(&self, request: pb::CommitRequest) -> Result<pb::CommitResponse> {
         self.apply(&Commit::of(&request));
+        if request.release {
+            // Commits travel on the bus to every replica; releases come
+            // here alone, so they are passed on.
+            self.replicate(|origin| pb::WindowEvent {
+                origin,
+                estimated_tokens: request.estimated_tokens,
+                request_id: request.request_id,
+                principal: request.principal,
+                window: request.window,
+                release: true,
+                ..Default::default()
+            })
+            .await;
+        }
         Ok(pb::CommitResponse {})
     }
 
@@ -634,5 +750,86 @@ id = "chat"
         assert_eq!(second.iter().map(Vec::len).sum::<usize>(), 50);
         assert_eq!(peek().remaining_requests, 0);
         drop(runtime);
+    }
+
+    /// Replica b hears what replica a admits and releases, and decides
+    /// a's principal from the same window once it is the one asked (a
+    /// died): no request beyond the limit, none lost to a release.
+    #[tokio::test]
+    async fn the_next_replica_decides_from_the_owners_window() {
+        use rialto_core::membership::{Membership, Timing};
+
+        let dir = tempfile::tempdir().unwrap();
+        let config = Config::from_toml(CONFIG).unwrap();
+        let bus = Bus::in_process("replication");
+        let names = vec!["http://a:9090".to_owned(), "http://b:9090".to_owned()];
+        let timing = Timing::from_config(&config.failover);
+        let mut replicas = Vec::new();
+        for me in 0..2 {
+            let url = format!("sqlite://{}/limiter-{me}.db", dir.path().display());
+            let db = Database::connect(&url, 2).await.unwrap();
+            let membership = Membership::track("limiter", names.clone(), Some(me), timing, &bus)
+                .await
+                .unwrap();
+            replicas.push(
+                LocalLimiter::start_replica(&config, db, bus.clone(), membership)
+                    .await
+                    .unwrap(),
+            );
+        }
+        let (a, b) = (&replicas[0], &replicas[1]);
+        let five = pb::Limit {
+            requests: 5,
+            tokens: 0,
+            requests_per_day: 0,
+        };
+        let admit = |id: &str| pb::AdmitRequest {
+            request_id: id.to_owned(),
+            principal: "key:k".into(),
+            window: "chat".into(),
+            limit: Some(five),
+            estimated_tokens: 1,
+            ..Default::default()
+        };
+        for i in 0..5 {
+            assert!(a.admit(admit(&format!("r{i}"))).await.unwrap().admitted);
+        }
+        assert!(!a.admit(admit("r5")).await.unwrap().admitted);
+        // One is given back: a later window refused its request.
+        a.commit(pb::CommitRequest {
+            request_id: "r4".into(),
+            principal: "key:k".into(),
+            window: "chat".into(),
+            release: true,
+            estimated_tokens: 1,
+            used_tokens: 0,
+        })
+        .await
+        .unwrap();
+        let remaining = |replica: &LocalLimiter| {
+            let peek = pb::AdmitRequest {
+                peek: true,
+                ..admit("")
+            };
+            replica
+                .decide(&Admit::of(&peek))
+                .state
+                .unwrap()
+                .remaining_requests
+        };
+        let started = std::time::Instant::now();
+        while remaining(b) != 1 {
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "b holds {} remaining",
+                remaining(b)
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // a is gone; b decides: one more, then refusals.
+        assert!(b.admit(admit("r6")).await.unwrap().admitted);
+        let refused = b.admit(admit("r7")).await.unwrap();
+        assert!(!refused.admitted);
+        assert_eq!(refused.refused_by, "RPM");
     }
 }

@@ -320,6 +320,53 @@ impl Principals {
         }
     }
 
+    /// Applies another replica's admission or release (a
+    /// [`pb::WindowEvent`]) to this replica's copy of the principal's
+    /// window, creating it when missing: the copy the successor decides
+    /// from once the owner is gone. Idempotent per request.
+    pub fn replay(&self, event: &pb::WindowEvent) {
+        let tag = self.tags.hash_one(&event.request_id);
+        let mut shard = self.shard(&event.principal);
+        let now = now_ms();
+        if event.release {
+            let Some(principal) = shard.get_mut(event.principal.as_str()) else {
+                return;
+            };
+            if let Some(named) = principal.windows.get_mut(event.window.as_str()) {
+                principal.in_flight = principal.in_flight.saturating_sub(1);
+                named
+                    .window
+                    .commit(now, tag, event.estimated_tokens, 0, true);
+            }
+            return;
+        }
+        let principal = shard
+            .entry(event.principal.as_str().into())
+            .or_insert_with(|| PrincipalWindows {
+                windows: HashMap::new(),
+                last_active_ms: now,
+                in_flight: 0,
+            });
+        principal.last_active_ms = now;
+        let named = principal
+            .windows
+            .entry(event.window.as_str().into())
+            .or_insert_with(|| NamedWindow {
+                window: Window::new(self.span_ms),
+                last_logged_ms: HashMap::new(),
+                swept_ms: 0,
+            });
+        let added = named.window.replay(
+            now,
+            event.at_ms,
+            event.estimated_tokens,
+            tag,
+            event.counts_day,
+        );
+        // Its commit arrives on the bus like the owner's.
+        principal.in_flight += u64::from(added);
+    }
+
     /// Drops the principals idle with empty windows, one shard at a time;
     /// returns how many were dropped.
     pub fn sweep(&self) -> usize {

@@ -18,6 +18,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use prost::Message;
 use rialto_core::bus::Bus;
+use rialto_core::membership::Membership;
 use rialto_core::placement::{owner_index, replica_seed};
 use rialto_core::{Config, Error, ErrorCode, Result};
 use rialto_proto::limiter::v1 as pb;
@@ -33,16 +34,12 @@ pub struct RateLimiter(Arc<Inner>);
 #[derive(Debug)]
 struct Inner {
     policy: Policy,
-    replicas: Vec<Replica>,
+    replicas: Vec<LimiterClient>,
+    /// Which replicas are alive to own principals (fixed without failover).
+    membership: Membership,
     /// Commits and hits travel on this bus when it reaches the replicas
     /// (one process, or NATS); otherwise they go to the owner over gRPC.
     bus: Option<Bus>,
-}
-
-#[derive(Debug)]
-struct Replica {
-    seed: u64,
-    client: LimiterClient,
 }
 
 /// The values of the `x-ratelimit-*` headers.
@@ -98,16 +95,27 @@ impl RateLimiter {
     /// `replicas` are (address, client) pairs; the address only seeds the
     /// hash, so every gateway must list the same addresses.
     pub fn new(config: &Config, replicas: Vec<(String, LimiterClient)>, bus: Option<Bus>) -> Self {
-        let replicas = replicas
-            .into_iter()
-            .map(|(address, client)| Replica {
-                seed: replica_seed(&address),
-                client,
-            })
-            .collect();
+        let names = replicas.iter().map(|(name, _)| name.clone()).collect();
+        Self::with_membership(
+            config,
+            replicas.into_iter().map(|(_, client)| client).collect(),
+            Membership::fixed("limiter", names),
+            bus,
+        )
+    }
+
+    /// Over `replicas` (in `membership`'s order), each principal owned by
+    /// the first live replica in its rendezvous order.
+    pub fn with_membership(
+        config: &Config,
+        replicas: Vec<LimiterClient>,
+        membership: Membership,
+        bus: Option<Bus>,
+    ) -> Self {
         Self(Arc::new(Inner {
             policy: Policy::new(config),
             replicas,
+            membership,
             bus,
         }))
     }
@@ -117,19 +125,18 @@ impl RateLimiter {
     }
 
     fn owner(&self, principal: &str) -> usize {
-        owner_index(principal, self.0.replicas.iter().map(|r| r.seed))
+        self.0.membership.owner(principal)
     }
 
     /// The replica at `index` when it is this process's own.
     fn local(&self, index: usize) -> Option<&LocalLimiter> {
-        self.0.replicas.get(index).and_then(|r| r.client.local())
+        self.0.replicas.get(index).and_then(LimiterClient::local)
     }
 
     fn replica(&self, index: usize) -> Result<&LimiterClient> {
         self.0
             .replicas
             .get(index)
-            .map(|r| &r.client)
             .ok_or_else(|| Error::internal("no limiter replica configured"))
     }
 

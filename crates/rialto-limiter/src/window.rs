@@ -155,6 +155,47 @@ impl Window {
         Ok(())
     }
 
+    /// Adds a request another replica admitted at `at_ms` with `estimate`
+    /// tokens, unless the window holds it already: a copy of the owner's
+    /// window, kept to take the principal over. Entries stay in time order
+    /// (an admission may arrive after later ones from another decider).
+    /// Whether it was added.
+    pub fn replay(
+        &mut self,
+        now_ms: i64,
+        at_ms: i64,
+        estimate: u64,
+        tag: u64,
+        counts_day: bool,
+    ) -> bool {
+        self.expire(now_ms);
+        let known = self.entries.iter().any(|e| e.tag == tag && e.request);
+        if known || at_ms + self.span_ms <= now_ms {
+            return false;
+        }
+        let estimate = estimate.min(MAX_ENTRY_TOKENS);
+        let at = self
+            .entries
+            .iter()
+            .rposition(|e| e.at_ms <= at_ms)
+            .map_or(0, |i| i + 1);
+        self.entries.insert(
+            at,
+            Entry {
+                at_ms,
+                tokens: estimate,
+                tag,
+                request: true,
+            },
+        );
+        self.requests += 1;
+        self.tokens += estimate;
+        if counts_day && at_ms.div_euclid(DAY_MS) == self.day.0 {
+            self.day.1 += 1;
+        }
+        true
+    }
+
     /// When enough tokens will have left the window for `estimate` more to
     /// fit under `limit`. A request larger than the whole limit never fits:
     /// it is told to come back after a full window.
@@ -254,6 +295,30 @@ mod tests {
             tokens,
             requests_per_day: 0,
         }
+    }
+
+    /// A copy fed the owner's admissions in any order, once or twice,
+    /// refuses and admits as the owner does.
+    #[test]
+    fn a_replayed_window_decides_as_the_owners_does() {
+        let three = limit(3, 0);
+        let mut owner = Window::new(MINUTE);
+        let mut copy = Window::new(MINUTE);
+        for (tag, at) in [(1, T0), (2, T0 + 10), (3, T0 + 20)] {
+            owner.admit(at, &three, 5, tag).unwrap();
+        }
+        for (tag, at) in [(3, T0 + 20), (1, T0), (2, T0 + 10), (2, T0 + 10)] {
+            copy.replay(T0 + 25, at, 5, tag, false);
+        }
+        // Older than the window by the time it arrives: nothing to keep.
+        assert!(!copy.replay(T0 + 25, T0 - MINUTE, 5, 4, false));
+        let refused = owner.admit(T0 + 30, &three, 5, 9).unwrap_err();
+        assert_eq!(copy.admit(T0 + 30, &three, 5, 9).unwrap_err(), refused);
+        assert_eq!(refused.retry_at_ms, T0 + MINUTE);
+        assert_eq!(copy.state(T0 + 30, &three), owner.state(T0 + 30, &three));
+        // The first leaves the window at the same time in both.
+        assert!(owner.admit(T0 + MINUTE, &three, 5, 9).is_ok());
+        assert!(copy.admit(T0 + MINUTE, &three, 5, 9).is_ok());
     }
 
     #[test]

@@ -7,9 +7,12 @@ use std::sync::Arc;
 
 use anyhow::Context;
 use rialto_auth::{AuthClient, CachedAuth, LocalAuth};
+use rialto_billing::replicas::ReplicatedBilling;
 use rialto_billing::{BillingClient, LocalBilling};
 use rialto_core::Config;
+use rialto_core::bus::Bus;
 use rialto_core::config::SERVICES;
+use rialto_core::membership::{Membership, Timing};
 use rialto_gateway::{Gateway, Services};
 use rialto_limiter::{LimiterClient, LocalLimiter, RateLimiter};
 use rialto_router::{LocalRouter, RouterClient};
@@ -121,8 +124,59 @@ fn channel(url: &str, service: &str, call_timeout: Option<Duration>) -> anyhow::
     Ok(endpoint.connect_lazy())
 }
 
-/// Bound on one unary call to auth, limiter or billing.
+/// Bound on one unary call to auth.
 const UNARY_TIMEOUT: Option<Duration> = Some(Duration::from_secs(30));
+/// Bound on one call to a limiter or billing replica: a hung replica (its
+/// successor took over after `failover.dead_after_ms`) must not hold the
+/// requests that reached it before for long.
+const REPLICA_TIMEOUT: Option<Duration> = Some(Duration::from_secs(5));
+
+/// The entries of a comma-separated `remote.<service>` list.
+fn listed(addresses: &str) -> Vec<String> {
+    addresses
+        .split(',')
+        .map(str::trim)
+        .filter(|a| !a.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+/// Which entry of `names` (`remote.<service>`) this process is: the one
+/// equal to `grpc.advertise`, or else to `http://<grpc.listen>`.
+fn own_entry(config: &Config, service: &str, names: &[String]) -> anyhow::Result<usize> {
+    let wanted = if config.grpc.advertise.is_empty() {
+        format!("http://{}", config.grpc.listen)
+    } else {
+        config.grpc.advertise.clone()
+    };
+    names
+        .iter()
+        .position(|name| name.trim_end_matches('/') == wanted.trim_end_matches('/'))
+        .with_context(|| {
+            format!(
+                "this {service} replica is not in remote.{service} ({}) as {wanted:?}: set \
+                 grpc.advertise (RIALTO_GRPC__ADVERTISE) to its entry there",
+                names.join(",")
+            )
+        })
+}
+
+/// Heartbeats of a service's replicas when failover applies (several
+/// replicas and a bus between processes); `me` when this process is one.
+async fn membership(
+    config: &Config,
+    bus: &Bus,
+    service: &'static str,
+    names: &[String],
+    me: Option<usize>,
+    rejoin_at_least: Duration,
+) -> anyhow::Result<Membership> {
+    if names.len() < 2 || !bus.is_shared() {
+        return Ok(Membership::fixed(service, names.to_vec()));
+    }
+    let timing = Timing::from_config(&config.failover).rejoining_after_at_least(rejoin_at_least);
+    Ok(Membership::track(service, names.to_vec(), me, timing, bus).await?)
+}
 
 /// Largest gRPC message: a chat body of the largest accepted size, with room
 /// for the answer's framing.
@@ -179,7 +233,19 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
              limiter replicas as separate processes (--services limiter)"
         );
     }
+    let limiter_names = listed(&remote.limiter);
+    // A limiter replica that comes back owns again only once it has heard a
+    // whole window of its successor's admissions.
+    let window = Duration::from_secs(config.limits.window_secs);
     let local_limiter = match db.clone().filter(|_| here.contains("limiter")) {
+        Some(db) if limiter_names.len() > 1 && bus.is_shared() => {
+            let me = own_entry(&config, "limiter", &limiter_names)?;
+            let membership =
+                membership(&config, &bus, "limiter", &limiter_names, Some(me), window).await?;
+            Some(LimiterClient::new(
+                LocalLimiter::start_replica(&config, db, bus.clone(), membership).await?,
+            ))
+        }
         Some(db) => Some(LimiterClient::new(
             LocalLimiter::start(&config, db, bus.clone()).await?,
         )),
@@ -194,47 +260,81 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
         ),
         None => {
             let mut replicas = Vec::new();
-            for address in remote
-                .limiter
-                .split(',')
-                .map(str::trim)
-                .filter(|a| !a.is_empty())
-            {
-                let channel = channel(address, "limiter", UNARY_TIMEOUT)?;
-                let client = LimiterClient::new(RemoteLimiter::new(channel, client_token.clone()));
-                replicas.push((address.to_owned(), client));
+            for address in &limiter_names {
+                let channel = channel(address, "limiter", REPLICA_TIMEOUT)?;
+                replicas.push(LimiterClient::new(RemoteLimiter::new(
+                    channel,
+                    client_token.clone(),
+                )));
             }
             anyhow::ensure!(!replicas.is_empty(), "remote.limiter lists no address");
+            let membership =
+                membership(&config, &bus, "limiter", &limiter_names, None, window).await?;
             // Commits and hits ride the bus when it reaches other processes.
             let shared = bus.is_shared().then(|| bus.clone());
-            RateLimiter::new(&config, replicas, shared)
+            RateLimiter::with_membership(&config, replicas, membership, shared)
         }
     };
+    let billing_names = listed(&remote.billing);
+    let billing_replicas = |local: Option<(usize, &BillingClient)>| {
+        billing_names
+            .iter()
+            .enumerate()
+            .map(|(index, address)| match local {
+                Some((me, client)) if me == index => Ok(client.clone()),
+                _ => Ok(BillingClient::new(RemoteBilling::new(
+                    channel(address, "billing", REPLICA_TIMEOUT)?,
+                    client_token.clone(),
+                ))),
+            })
+            .collect::<anyhow::Result<Vec<_>>>()
+    };
     let billing = if let Some(db) = db.clone().filter(|_| here.contains("billing")) {
-        let billing = LocalBilling::new(&config, db).with_events(bus.clone());
-        billing.spawn_sweeper();
-        let billing = BillingClient::new(billing);
-        rialto_billing::usage_queue::spawn_usage_consumer(billing.clone(), bus.clone());
+        let local = LocalBilling::new(&config, db).with_events(bus.clone());
+        local.spawn_sweeper();
+        let book = local.book().clone();
+        let billing = BillingClient::new(local);
+        let consumer = if billing_names.len() > 1 && bus.is_shared() {
+            // One replica of several: it decides for its own ledgers, and
+            // settles a queued usage record through the replica owning it.
+            let me = own_entry(&config, "billing", &billing_names)?;
+            let membership = membership(
+                &config,
+                &bus,
+                "billing",
+                &billing_names,
+                Some(me),
+                Duration::ZERO,
+            )
+            .await?;
+            book.join(membership.clone());
+            BillingClient::new(ReplicatedBilling::with_membership(
+                billing_replicas(Some((me, &billing)))?,
+                membership,
+            )?)
+        } else {
+            billing.clone()
+        };
+        rialto_billing::usage_queue::spawn_usage_consumer(consumer, bus.clone());
         billing
     } else {
         // Every replica listed in remote.billing, each owning a share of
         // ledger owners.
-        let mut replicas = Vec::new();
-        for address in remote
-            .billing
-            .split(',')
-            .map(str::trim)
-            .filter(|a| !a.is_empty())
-        {
-            let channel = channel(address, "billing", UNARY_TIMEOUT)?;
-            let client = BillingClient::new(RemoteBilling::new(channel, client_token.clone()));
-            replicas.push((address.to_owned(), client));
-        }
+        let mut replicas = billing_replicas(None)?;
         anyhow::ensure!(!replicas.is_empty(), "remote.billing lists no address");
         if replicas.len() == 1 {
-            replicas.remove(0).1
+            replicas.remove(0)
         } else {
-            BillingClient::new(rialto_billing::replicas::ReplicatedBilling::new(replicas)?)
+            let membership = membership(
+                &config,
+                &bus,
+                "billing",
+                &billing_names,
+                None,
+                Duration::ZERO,
+            )
+            .await?;
+            BillingClient::new(ReplicatedBilling::with_membership(replicas, membership)?)
         }
     };
     let router = if here.contains("router") {

@@ -1,0 +1,718 @@
+//! Which replicas of a service are alive, and so which one owns a principal.
+//!
+//! A principal (a limiter's `key:<id>`, a billing ledger's `account:<id>`)
+//! is owned by the first replica in its rendezvous order
+//! ([`placement`](crate::placement)) that is *ready*. With failover on (the
+//! bus is NATS and several replicas are listed), every limiter and billing
+//! replica publishes a heartbeat on `<prefix>.replicas.<service>` every
+//! `failover.heartbeat_ms`, and every process that routes to them (gateways,
+//! and the replicas themselves) hears them:
+//!
+//! - a replica heard within `dead_after_ms` is *live*; one silent that long
+//!   is dead (several heartbeats missed, never one late beat), and its
+//!   principals go to the next ready replica in their order;
+//! - a live replica is *ready* once it has been heard without a gap for
+//!   `rejoin_after_ms` (a limiter: at least a rate window, so that it has
+//!   heard every admission still in its windows); a restarted process (a
+//!   new incarnation) or one silent past `dead_after_ms` (a SIGSTOP, a
+//!   partition) starts that run again, and its principals come back to it
+//!   only at its end.
+//!
+//! For its first `dead_after_ms` a process has not had time to hear anyone:
+//! it counts every other replica as ready (the placement of a cluster where
+//! nobody is down), and only itself as starting a run. When nobody is
+//! ready the owner is the first live replica, and when nobody is live, the
+//! plain rendezvous owner: without failover ([`Membership::fixed`]) that is
+//! all there is.
+//!
+//! The request path reads two atomics (the ready and live bit sets) and
+//! hashes the principal once per replica, as the plain placement did; a
+//! watcher task recomputes the sets every 50 ms and logs and counts each
+//! change (`rialto_replica_up`, `rialto_ownership_moves_total`,
+//! `rialto_replica_away_seconds`).
+
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+use tokio::sync::watch;
+
+use crate::bus::Bus;
+use crate::config::FailoverConfig;
+use crate::placement::{replica_seed, score};
+
+/// The most replicas one service may list: the sets are bits of a `u64`.
+pub const MAX_REPLICAS: usize = 64;
+/// How often the watcher recomputes who is live and ready.
+const WATCH_EVERY: Duration = Duration::from_millis(50);
+/// Never heard.
+const NEVER: i64 = i64::MIN;
+
+/// The heartbeat's timing, from `[failover]`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timing {
+    pub heartbeat: Duration,
+    pub dead_after: Duration,
+    pub rejoin_after: Duration,
+}
+
+impl Timing {
+    pub fn from_config(config: &FailoverConfig) -> Self {
+        Self {
+            heartbeat: Duration::from_millis(config.heartbeat_ms.max(1)),
+            dead_after: Duration::from_millis(config.dead_after_ms.max(1)),
+            rejoin_after: Duration::from_millis(config.rejoin_after_ms),
+        }
+    }
+
+    /// The same, with a run of at least `at_least` before a replica that
+    /// came back owns again.
+    pub fn rejoining_after_at_least(mut self, at_least: Duration) -> Self {
+        self.rejoin_after = self.rejoin_after.max(at_least);
+        self
+    }
+}
+
+/// What one process knows of the replicas of one service. Cloning shares it.
+#[derive(Clone)]
+pub struct Membership(Arc<Inner>);
+
+struct Inner {
+    service: &'static str,
+    names: Box<[String]>,
+    seeds: Box<[u64]>,
+    me: Option<usize>,
+    timing: Timing,
+    /// The origin of this process's milliseconds (monotonic).
+    origin: Instant,
+    slots: Box<[Slot]>,
+    /// Bit `i`: replica `i` is ready (may own).
+    ready: AtomicU64,
+    /// Bit `i`: replica `i` is live.
+    live: AtomicU64,
+    /// The number of changes of `ready`: owners may have moved.
+    changes: watch::Sender<u64>,
+    /// Called when this replica is heard again after a gap, before its own
+    /// slot says so: what it held in memory may have been taken meanwhile.
+    on_return: Mutex<Vec<Box<dyn Fn() + Send + Sync>>>,
+}
+
+/// One replica as heard here. Written only by the heartbeat listener.
+struct Slot {
+    /// When last heard (ms since `origin`), or `NEVER`.
+    heard_ms: AtomicI64,
+    /// Since when heard without a gap, in the same incarnation.
+    run_since_ms: AtomicI64,
+    incarnation: AtomicU64,
+}
+
+impl std::fmt::Debug for Membership {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Membership")
+            .field("service", &self.0.service)
+            .field("replicas", &self.0.names.len())
+            .field(
+                "ready",
+                &format_args!("{:b}", self.0.ready.load(Ordering::Relaxed)),
+            )
+            .finish()
+    }
+}
+
+impl Membership {
+    /// Replicas that are never declared dead: the plain rendezvous
+    /// placement (one process, or no NATS to carry heartbeats).
+    pub fn fixed(service: &'static str, names: Vec<String>) -> Self {
+        let all = all_bits(names.len());
+        let membership = Self::new(
+            service,
+            names,
+            None,
+            Timing::from_config(&Default::default()),
+        );
+        membership.0.ready.store(all, Ordering::Relaxed);
+        membership.0.live.store(all, Ordering::Relaxed);
+        membership
+    }
+
+    fn new(service: &'static str, names: Vec<String>, me: Option<usize>, timing: Timing) -> Self {
+        let seeds = names.iter().map(|n| replica_seed(n)).collect();
+        let slots = names
+            .iter()
+            .map(|_| Slot {
+                heard_ms: AtomicI64::new(NEVER),
+                run_since_ms: AtomicI64::new(NEVER),
+                incarnation: AtomicU64::new(0),
+            })
+            .collect();
+        let all = all_bits(names.len());
+        Self(Arc::new(Inner {
+            service,
+            names: names.into(),
+            seeds,
+            me,
+            timing,
+            origin: Instant::now(),
+            slots,
+            // Until heard otherwise, everyone but this replica (see `watch`).
+            ready: AtomicU64::new(all & !me.map_or(0, |i| 1 << i)),
+            live: AtomicU64::new(all),
+            changes: watch::channel(0).0,
+            on_return: Mutex::new(Vec::new()),
+        }))
+    }
+
+    /// Replicas heard through heartbeats on `bus`. With `me` (this process
+    /// is replica `me`), it publishes its own heartbeats too. Starts the
+    /// listener, the watcher and the heartbeat as tasks of the current Tokio
+    /// runtime; they end with it.
+    pub async fn track(
+        service: &'static str,
+        names: Vec<String>,
+        me: Option<usize>,
+        timing: Timing,
+        bus: &Bus,
+    ) -> crate::Result<Self> {
+        if names.len() > MAX_REPLICAS {
+            return Err(crate::Error::invalid(format!(
+                "at most {MAX_REPLICAS} {service} replicas may be listed"
+            )));
+        }
+        let membership = Self::new(service, names, me, timing);
+        let subject = bus.subject(&format!("replicas.{service}"));
+        let mut heartbeats = bus.subscribe(subject.clone(), None).await?;
+        let listener = membership.clone();
+        tokio::spawn(async move {
+            while let Some(payload) = heartbeats.next().await {
+                listener.heard(&payload);
+            }
+            tracing::error!(
+                service,
+                "the heartbeat subscription ended: replicas are no longer heard"
+            );
+        });
+        let watcher = membership.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(WATCH_EVERY);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut watched = Watched {
+                sets: None,
+                unready_since: vec![None; watcher.len()],
+            };
+            loop {
+                tick.tick().await;
+                watcher.watch(&mut watched);
+            }
+        });
+        if let Some(me) = me {
+            let name = membership.0.names[me].clone();
+            let payload = Bytes::from(format!(
+                "{:016x} {name}",
+                u64::from_le_bytes(crate::ids::random_bytes())
+            ));
+            let bus = bus.clone();
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(timing.heartbeat);
+                tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    tick.tick().await;
+                    if let Err(error) = bus.publish(subject.clone(), payload.clone()).await {
+                        tracing::warn!(%error, service, "cannot publish a heartbeat");
+                    }
+                }
+            });
+        }
+        Ok(membership)
+    }
+
+    /// The service's name (`limiter`, `billing`).
+    pub fn service(&self) -> &'static str {
+        self.0.service
+    }
+
+    /// How many replicas are listed.
+    pub fn len(&self) -> usize {
+        self.0.names.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.names.is_empty()
+    }
+
+    /// The name of replica `index`, as listed.
+    pub fn name(&self, index: usize) -> &str {
+        &self.0.names[index]
+    }
+
+    /// This process's own index, when it is one of the replicas.
+    pub fn me(&self) -> Option<usize> {
+        self.0.me
+    }
+
+    /// The replica owning `key`: the first ready one in its rendezvous
+    /// order; when none is ready, the first live; when none is live, the
+    /// first.
+    pub fn owner(&self, key: &str) -> usize {
+        let ready = self.0.ready.load(Ordering::Relaxed);
+        let among = if ready != 0 {
+            ready
+        } else {
+            match self.0.live.load(Ordering::Relaxed) {
+                0 => all_bits(self.0.seeds.len()),
+                live => live,
+            }
+        };
+        let mut best = (0, 0u64, false);
+        for (index, seed) in self.0.seeds.iter().enumerate() {
+            if among & (1 << index) == 0 {
+                continue;
+            }
+            let score = score(key, *seed);
+            if !best.2 || score > best.1 {
+                best = (index, score, true);
+            }
+        }
+        best.0
+    }
+
+    /// Whether replica `index` is ready (may own) in this process's view.
+    pub fn is_ready(&self, index: usize) -> bool {
+        index < MAX_REPLICAS && self.0.ready.load(Ordering::Relaxed) & (1 << index) != 0
+    }
+
+    /// Whether this process is the replica owning `key` in its own view.
+    pub fn owns(&self, key: &str) -> bool {
+        self.0.me.is_some_and(|me| self.owner(key) == me)
+    }
+
+    /// Whether this replica is one of the first two in `key`'s rendezvous
+    /// order over every listed replica, dead or alive: its owner, or the
+    /// one that takes over when the owner dies.
+    pub fn first_two(&self, key: &str) -> bool {
+        let Some(me) = self.0.me else {
+            return false;
+        };
+        if self.0.seeds.len() <= 2 {
+            return true;
+        }
+        let mine = score(key, self.0.seeds[me]);
+        let above = self
+            .0
+            .seeds
+            .iter()
+            .enumerate()
+            .filter(|(index, seed)| *index != me && score(key, **seed) > mine)
+            .count();
+        above < 2
+    }
+
+    /// Whether this replica has not heard its own heartbeat for
+    /// `dead_after`: the others count it dead (or will before it is heard
+    /// again), so what it holds in memory may no longer be its own.
+    pub fn away(&self) -> bool {
+        let Some(me) = self.0.me else {
+            return false;
+        };
+        let now = self.now_ms();
+        now >= self.dead_after_ms()
+            && now - self.0.slots[me].heard_ms.load(Ordering::Acquire) >= self.dead_after_ms()
+    }
+
+    /// Runs `callback` (on the listener's task) each time this replica is
+    /// heard again after being away, before [`away`](Self::away) turns
+    /// false.
+    pub fn on_return(&self, callback: impl Fn() + Send + Sync + 'static) {
+        self.0
+            .on_return
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Box::new(callback));
+    }
+
+    /// Changes each time the ready set changes (owners may have moved).
+    pub fn changes(&self) -> watch::Receiver<u64> {
+        self.0.changes.subscribe()
+    }
+
+    fn now_ms(&self) -> i64 {
+        i64::try_from(self.0.origin.elapsed().as_millis()).unwrap_or(i64::MAX)
+    }
+
+    fn dead_after_ms(&self) -> i64 {
+        millis(self.0.timing.dead_after)
+    }
+
+    /// Records a heartbeat (`<incarnation hex> <name>`).
+    fn heard(&self, payload: &[u8]) {
+        let Some((incarnation, name)) = std::str::from_utf8(payload)
+            .ok()
+            .and_then(|text| text.split_once(' '))
+        else {
+            tracing::warn!(service = self.0.service, "unreadable heartbeat");
+            return;
+        };
+        let Some(index) = self.0.names.iter().position(|n| n == name) else {
+            // A replica not in this process's list: a list that differs
+            // between processes, worth a line now and then, not per beat.
+            return;
+        };
+        let incarnation = u64::from_str_radix(incarnation, 16).unwrap_or(0);
+        let slot = &self.0.slots[index];
+        let now = self.now_ms();
+        let last = slot.heard_ms.load(Ordering::Acquire);
+        let gap = last == NEVER || now - last >= self.dead_after_ms();
+        let restarted = slot.incarnation.swap(incarnation, Ordering::AcqRel) != incarnation;
+        if gap || restarted {
+            // Heard within this process's first `dead_after`, another
+            // replica was (as far as anyone here can tell) up all along.
+            let grace = now < self.dead_after_ms() && Some(index) != self.0.me && last == NEVER;
+            let since = if grace { NEVER + 1 } else { now };
+            slot.run_since_ms.store(since, Ordering::Release);
+            if Some(index) == self.0.me && last != NEVER {
+                for callback in self
+                    .0
+                    .on_return
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .iter()
+                {
+                    callback();
+                }
+            }
+        }
+        slot.heard_ms.store(now, Ordering::Release);
+    }
+
+    /// Recomputes the sets from what was heard; logs and counts changes.
+    fn watch(&self, watched: &mut Watched) {
+        let now = self.now_ms();
+        let dead_after = self.dead_after_ms();
+        let rejoin = millis(self.0.timing.rejoin_after);
+        let starting = now < dead_after;
+        let mut sets = Sets::default();
+        for (index, slot) in self.0.slots.iter().enumerate() {
+            let heard = slot.heard_ms.load(Ordering::Acquire);
+            let mine = Some(index) == self.0.me;
+            let live = (heard != NEVER && now - heard < dead_after) || (starting && !mine);
+            let since = slot.run_since_ms.load(Ordering::Acquire);
+            let ready = if heard == NEVER {
+                starting && !mine
+            } else {
+                live && since.saturating_add(rejoin) <= now
+            };
+            sets.live |= u64::from(live) << index;
+            sets.ready |= u64::from(ready) << index;
+        }
+        self.0.live.store(sets.live, Ordering::Relaxed);
+        self.0.ready.store(sets.ready, Ordering::Relaxed);
+        let was = watched.sets.replace(sets);
+        if was != Some(sets) {
+            self.report(was, sets, now, &mut watched.unready_since);
+            self.0.changes.send_modify(|n| *n += 1);
+        }
+    }
+
+    /// Gauges for every replica; a log line and counts for each change.
+    fn report(&self, was: Option<Sets>, now: Sets, now_ms: i64, unready_since: &mut [Option<i64>]) {
+        let metrics = crate::metrics::metrics();
+        for (index, name) in self.0.names.iter().enumerate() {
+            let (before, after) = (was.map(|w| w.state(index)), now.state(index));
+            let labels = crate::metrics::ReplicaLabels {
+                service: self.0.service,
+                replica: name.clone(),
+            };
+            metrics.replica_up.get_or_create(&labels).set(after as i64);
+            let Some(before) = before.filter(|b| *b != after) else {
+                continue;
+            };
+            let slot = &self.0.slots[index];
+            let moved = |cause| {
+                metrics
+                    .ownership_moves
+                    .get_or_create(&crate::metrics::MoveLabels {
+                        service: self.0.service,
+                        replica: name.clone(),
+                        cause,
+                    })
+                    .inc();
+            };
+            if before == Up::Ready {
+                unready_since[index] = Some(now_ms);
+                if after == Up::Dead {
+                    moved("dead");
+                    let heard = slot.heard_ms.load(Ordering::Acquire);
+                    tracing::warn!(
+                        service = self.0.service,
+                        replica = name.as_str(),
+                        silent_ms = if heard == NEVER {
+                            now_ms
+                        } else {
+                            now_ms - heard
+                        },
+                        "replica declared dead: its principals move to the next ready replica"
+                    );
+                } else {
+                    // Heard again before it was declared dead, but a new
+                    // incarnation: it starts from nothing.
+                    moved("restarted");
+                    tracing::warn!(
+                        service = self.0.service,
+                        replica = name.as_str(),
+                        "replica restarted: its principals move to the next ready replica \
+                         until it has been up for its rejoin delay"
+                    );
+                }
+            } else if after == Up::Ready {
+                moved("rejoined");
+                let away_ms = unready_since[index].take().map(|since| now_ms - since);
+                if let Some(away_ms) = away_ms {
+                    metrics
+                        .replica_away_seconds
+                        .get_or_create(&crate::metrics::ServiceLabels {
+                            service: self.0.service,
+                        })
+                        .observe(away_ms as f64 / 1000.0);
+                }
+                tracing::info!(
+                    service = self.0.service,
+                    replica = name.as_str(),
+                    away_ms,
+                    "replica ready again: its principals move back to it"
+                );
+            } else if before == Up::Dead {
+                tracing::info!(
+                    service = self.0.service,
+                    replica = name.as_str(),
+                    "replica heard again: it takes its principals back after its rejoin delay"
+                );
+            }
+        }
+    }
+}
+
+/// The watcher's memory between two passes.
+struct Watched {
+    sets: Option<Sets>,
+    /// Per replica: when it stopped being ready (ms), until it is again.
+    unready_since: Vec<Option<i64>>,
+}
+
+/// A replica's state as `rialto_replica_up` shows it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Up {
+    Dead = 0,
+    /// Heard, within its rejoin delay.
+    Starting = 1,
+    Ready = 2,
+}
+
+impl Sets {
+    fn state(self, index: usize) -> Up {
+        let bit = 1u64 << index;
+        if self.ready & bit != 0 {
+            Up::Ready
+        } else if self.live & bit != 0 {
+            Up::Starting
+        } else {
+            Up::Dead
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Sets {
+    live: u64,
+    ready: u64,
+}
+
+fn all_bits(count: usize) -> u64 {
+    match count {
+        0 => 0,
+        n if n >= 64 => u64::MAX,
+        n => (1u64 << n) - 1,
+    }
+}
+
+fn millis(duration: Duration) -> i64 {
+    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FAST: Timing = Timing {
+        heartbeat: Duration::from_millis(20),
+        dead_after: Duration::from_millis(150),
+        rejoin_after: Duration::from_millis(150),
+    };
+
+    fn names(n: usize) -> Vec<String> {
+        (0..n).map(|i| format!("http://replica-{i}:9090")).collect()
+    }
+
+    /// A key owned by replica `wanted` when all three are ready.
+    fn key_of(fixed: &Membership, wanted: usize) -> String {
+        (0..)
+            .map(|i| format!("key:{i}"))
+            .find(|k| fixed.owner(k) == wanted)
+            .unwrap()
+    }
+
+    /// Until `condition` holds, checked every 10 ms, for at most 3 s.
+    async fn until(what: &str, condition: impl Fn() -> bool) -> Duration {
+        let started = Instant::now();
+        while !condition() {
+            assert!(started.elapsed() < Duration::from_secs(3), "never: {what}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        started.elapsed()
+    }
+
+    #[test]
+    fn fixed_membership_is_the_rendezvous_placement() {
+        let fixed = Membership::fixed("limiter", names(3));
+        for i in 0..300 {
+            let key = format!("key:{i}");
+            let seeds = names(3).iter().map(|n| replica_seed(n)).collect::<Vec<_>>();
+            let plain = crate::placement::owner_index(&key, seeds.into_iter());
+            assert_eq!(fixed.owner(&key), plain);
+        }
+    }
+
+    /// A replica silent past `dead_after` loses its principals to the next
+    /// in their order, and only those; heard again, it takes them back
+    /// after `rejoin_after`, not at its first beat.
+    #[tokio::test]
+    async fn a_silent_replica_is_declared_dead_and_rejoins_after_its_delay() {
+        let bus = Bus::in_process("membership-test");
+        let subject = bus.subject("replicas.limiter");
+        let view = Membership::track("limiter", names(3), None, FAST, &bus)
+            .await
+            .unwrap();
+        let fixed = Membership::fixed("limiter", names(3));
+        let beat = |i: usize, incarnation: u64| {
+            let bus = bus.clone();
+            let subject = subject.clone();
+            async move {
+                let payload = format!("{incarnation:016x} http://replica-{i}:9090");
+                bus.publish(subject, Bytes::from(payload)).await.unwrap();
+            }
+        };
+        let owned_by_1 = key_of(&fixed, 1);
+        let owned_by_2 = key_of(&fixed, 2);
+        // All three beat; at first every replica counts as ready.
+        assert_eq!(view.owner(&owned_by_1), 1);
+        let start = Instant::now();
+        while start.elapsed() < Duration::from_millis(400) {
+            for i in 0..3 {
+                beat(i, 7).await;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(view.owner(&owned_by_1), 1);
+        // Replica 1 goes silent: declared dead after dead_after, not before.
+        let silent = Instant::now();
+        let beating = |skip: Option<usize>| {
+            let beat = &beat;
+            async move {
+                for i in (0..3).filter(|i| Some(*i) != skip) {
+                    beat(i, 7).await;
+                }
+            }
+        };
+        while view.owner(&owned_by_1) == 1 {
+            beating(Some(1)).await;
+            assert!(
+                silent.elapsed() < Duration::from_secs(2),
+                "never declared dead"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let detected = silent.elapsed();
+        assert!(
+            detected >= FAST.dead_after && detected < FAST.dead_after * 2,
+            "declared dead after {detected:?}"
+        );
+        let successor = view.owner(&owned_by_1);
+        assert_ne!(successor, 1);
+        assert_eq!(view.owner(&owned_by_2), 2, "other principals stay");
+        // Heard again: still away for rejoin_after, then back.
+        let back = Instant::now();
+        while view.owner(&owned_by_1) != 1 {
+            beating(None).await;
+            assert!(back.elapsed() < Duration::from_secs(2), "never rejoined");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        let rejoined = back.elapsed();
+        assert!(rejoined >= FAST.rejoin_after, "rejoined after {rejoined:?}");
+        // A new incarnation (a restart faster than dead_after) also waits.
+        beat(1, 8).await;
+        until("the restarted replica to lose its principals", || {
+            view.owner(&owned_by_1) != 1
+        })
+        .await;
+        let restarted = Instant::now();
+        while view.owner(&owned_by_1) != 1 {
+            for i in 0..3 {
+                beat(i, if i == 1 { 8 } else { 7 }).await;
+            }
+            assert!(
+                restarted.elapsed() < Duration::from_secs(2),
+                "never rejoined"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(restarted.elapsed() >= FAST.rejoin_after - Duration::from_millis(60));
+    }
+
+    /// A replica's own view: it does not count itself ready until it has
+    /// heard itself for the rejoin delay; stopped longer than `dead_after`
+    /// it is away, and its return callback runs before it is not.
+    #[tokio::test]
+    async fn a_replica_knows_when_it_was_away() {
+        let bus = Bus::in_process("membership-self");
+        let me = Membership::track("billing", names(2), Some(0), FAST, &bus)
+            .await
+            .unwrap();
+        let fixed = Membership::fixed("billing", names(2));
+        let mine = key_of(&fixed, 0);
+        let returned = Arc::new(AtomicU64::new(0));
+        let counter = returned.clone();
+        let view = me.clone();
+        me.on_return(move || {
+            assert!(view.away(), "the callback runs while still away");
+            counter.fetch_add(1, Ordering::SeqCst);
+        });
+        // Its own heartbeats make it ready after the rejoin delay.
+        until("ready in its own view", || me.owns(&mine)).await;
+        assert!(!me.away());
+        // A process stopped past dead_after: simulated by the listener
+        // hearing nothing; here, by a gap in what it hears of itself.
+        me.0.slots[0]
+            .heard_ms
+            .store(me.now_ms() - 10_000, Ordering::Release);
+        assert!(me.away());
+        until("heard again", || !me.away()).await;
+        assert_eq!(returned.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn the_first_two_are_the_owner_and_its_successor() {
+        let bus_less = Membership::new("limiter", names(4), Some(2), FAST);
+        let fixed = Membership::fixed("limiter", names(4));
+        let mut kept = 0;
+        for i in 0..400 {
+            let key = format!("key:{i}");
+            let mut order: Vec<usize> = (0..4).collect();
+            order.sort_by_key(|r| std::cmp::Reverse(score(&key, replica_seed(&names(4)[*r]))));
+            assert_eq!(order[0], fixed.owner(&key));
+            let expected = order[..2].contains(&2);
+            assert_eq!(bus_less.first_two(&key), expected, "{key}");
+            kept += usize::from(expected);
+        }
+        assert!((150..250).contains(&kept), "{kept}");
+    }
+}
