@@ -43,8 +43,12 @@ their p99 alone and under abuse, and the process's peak RSS (`make test` runs
 the same soak on the debug build for its assertions: no 5xx, every valid
 request served, memory under its bound, every charge reconciled).
 
-`--only local-model` (or `--only soak`) runs that step alone into its own results
-file; `--from-results FULL.json PART.json` rewrites BENCHMARKS.md from a full
+And failover (issue 17), only as `--only failover`: `make test-cluster` with
+its figures written out (each fault's refused requests and how long its
+principals went unserved; over-admissions), for the "Failover" section.
+
+`--only local-model` (or `--only soak`, `--only failover`) runs that step alone
+into its own results file; `--from-results FULL.json PART.json` rewrites BENCHMARKS.md from a full
 run with the later files' sections added or replaced.
 """
 
@@ -839,11 +843,30 @@ class Suite:
               f"{'passed' if result['passed'] else 'FAILED'}", flush=True)
         return result
 
+    def failover(self):
+        """The cluster test's faults (make test-cluster, the debug build it
+        runs): how long each replica's principals went unserved."""
+        out = os.path.join(self.workdir, "failover.json")
+        env = dict(os.environ, RIALTO_CLUSTER_JSON=out, CARGO_TARGET_DIR=os.path.abspath(self.args.target_dir))
+        print("== failover: make test-cluster (about 90 s)", flush=True)
+        run = subprocess.run(["make", "--no-print-directory", "test-cluster"], cwd=ROOT, env=env,
+                             capture_output=True, text=True)
+        if not os.path.exists(out):
+            sys.exit(f"the cluster test wrote no figures:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}")
+        with open(out) as f:
+            result = json.load(f)
+        result["passed"] = run.returncode == 0
+        for fault in result["faults"]:
+            print(f"   {fault['fault']}: {fault['refused']} refused, the last sent "
+                  f"{fault['last_refused_sent_after_ms']} ms after it", flush=True)
+        return result
+
     def run_only(self, step):
         """One step alone (`--only`): its results section."""
         started = time.time()
         results = {"local-model": lambda: {"local_model": self.local_model()},
-                   "soak": lambda: {"soak": self.soak()}}[step]()
+                   "soak": lambda: {"soak": self.soak()},
+                   "failover": lambda: {"failover": self.failover()}}[step]()
         elapsed = round(time.time() - started)
         shutil.rmtree(self.workdir, ignore_errors=True)
         return results, elapsed
@@ -999,6 +1022,7 @@ def report(results, meta):
     lines += ledger_report(results, floor)
     lines += local_model_report(results, meta)
     lines += soak_report(results, meta)
+    lines += failover_report(results, meta)
 
     lines += targets_report(results, meta)
     notes = os.path.join(ROOT, "bench", "NOTES.md")
@@ -1606,6 +1630,49 @@ def soak_report(results, meta):
     return lines
 
 
+def failover_report(results, meta):
+    """The failover section (issue 17); empty for results of runs before it."""
+    failover = results.get("failover")
+    if not failover:
+        return []
+    own = failover.get("meta") or meta
+    when = ""
+    if own is not meta:
+        when = (f"Measured on its own: {own['date']}, commit `{own['commit']}`, `{own['command']}`; raw figures in "
+                f"`{own['results_file']}`. ")
+    lines = ["", "## Failover (issue 17)", "",
+             when + f"`make test-cluster`'s faults: the local cluster of `deploy/cluster.sh` (two gateways, two limiter "
+             f"and two billing replicas, auth and router, one process each of the debug build, PostgreSQL and NATS, "
+             f"heartbeats every 250 ms, a replica dead after 1.5 s unheard) under {failover['clients']} clients without "
+             f"pause, {failover['requests']:,} requests in {failover['seconds']:.0f} s ({failover['ok']:,} answered 200). "
+             f"Each fault hits the principals of one replica (two keys, or one account); their requests are refused "
+             f"(503) until the others count the replica dead, then served by the next one, and go back to the replica "
+             f"once it is up again. \"Last refused\" is when the last refused request was sent after the fault (the "
+             f"issue's bound: {failover['detection_bound_ms'] / 1000:.0f} s); \"served again\" when the first request "
+             f"sent after it and served was; a hung replica's requests wait for the 5 s bound on a call to a replica, "
+             f"and so do the eight clients that sent them. \"Back after\" is when the process was started (or "
+             f"resumed) again, which the test does once the next replica served 20 of its principals' requests. "
+             f"The assertions "
+             f"{'passed' if failover.get('passed') else '**failed**'}.", "",
+             "| fault | refused (503) | last refused sent after | served again after | back after | owns again after |",
+             "|---|---|---|---|---|---|"]
+    for fault in failover["faults"]:
+        if fault["fault"].endswith("gateway-1"):
+            continue
+        lines.append(f"| {fault['fault']} | {fault['refused']} | {fault['last_refused_sent_after_ms'] / 1000:.2f} s | "
+                     f"{fault['first_served_sent_after_ms'] / 1000:.2f} s | {fault['back_after_ms'] / 1000:.1f} s | "
+                     f"{fault['taken_back_after_ms'] / 1000:.1f} s |")
+    lines += ["",
+              f"Over-admissions: **{failover['over_admissions']}** (the busiest {failover['window_secs']} s window of "
+              f"any key held {failover['busiest_window']} admissions against a limit of {failover['limit']}; "
+              f"{failover['rate_limited']} requests refused 429 through the faults). Settlements through the durable "
+              f"queue: {failover['queued_settlements']}; every 200 charged exactly once and every balance equal to its "
+              f"journal (the test's assertions). \"Owns again after\" is from the replica's return until it served its "
+              f"principals again: a limiter waits one whole rate window (10 s here) to have heard its successor's "
+              f"admissions, billing one second."]
+    return lines
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="about a second per measurement, no report")
@@ -1614,7 +1681,7 @@ def main():
     parser.add_argument("--litellm-venv", default=os.path.join(ROOT, "bench", ".venv"))
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
     parser.add_argument("--command", help="recorded in the report (default: make bench, or this command line)")
-    parser.add_argument("--only", choices=["local-model", "soak"],
+    parser.add_argument("--only", choices=["local-model", "soak", "failover"],
                         help="run this step alone into bench/results/<time>-<step>.json (BENCHMARKS.md untouched: "
                              "add it to a full run's with --from-results)")
     parser.add_argument("--llama-bench-also", metavar="LABEL=PATH", action="append", default=[],
