@@ -763,10 +763,14 @@ async fn charged_exactly_once(cluster: &Cluster, load: &Load, outcomes: &[Outcom
             let charged = charges.get(id).cloned().unwrap_or_default();
             if reply.ok() {
                 let cost = reply.cost.expect("a whole answer reports its cost");
-                assert_eq!(
-                    charged,
-                    [cost],
-                    "request {id} answered 200 with cost {cost} nano-dollars"
+                // Once, or (a stream whose hold expired at its checkpoint
+                // before its usage record arrived) its checkpoint and then
+                // the rest: exactly its cost either way.
+                assert!(
+                    !charged.is_empty()
+                        && charged.len() <= 2
+                        && charged.iter().sum::<i64>() == cost,
+                    "request {id} answered 200 with cost {cost} nano-dollars, charged {charged:?}"
                 );
                 served += cost;
             } else if reply.status == Some(200) {

@@ -74,6 +74,10 @@ pub struct SettleOrder<'a> {
     /// That key's caps (USD, DIEM; None: not capped in that currency): a
     /// charge beyond the hold stays within them.
     pub cap: Option<(Option<i64>, Option<i64>)>,
+    /// The rest of a stream's cost, after its hold expired and was charged
+    /// its checkpoint (`cost` is what the checkpoint did not cover):
+    /// journaled under `settle-rest:<request>`, so it applies once.
+    pub rest: bool,
 }
 
 /// An open hold in memory.
@@ -287,16 +291,25 @@ impl Book {
         let view = membership.clone();
         let mut changes = membership.changes();
         tokio::spawn(async move {
+            let mut before = view.owners();
             while changes.changed().await.is_ok() {
+                let now = view.owners();
                 // Only a replica that counts itself ready lets owners go: a
                 // starting one owns nothing yet in its own view, and would
                 // drop what gateways already send it.
                 let Some(me) = view.me().filter(|me| view.is_ready(*me)) else {
+                    before = now;
                     continue;
                 };
-                let dropped = book.drop_owners(|owner| view.owner(owner) != me);
+                // Not its own any more, or not its own before this change
+                // (in memory from a request that reached it meanwhile: the
+                // owner may have decided since, so it is read afresh).
+                let dropped = book.drop_owners(|owner| {
+                    view.owner_among(owner, now) != me || view.owner_among(owner, before) != me
+                });
+                before = now;
                 if dropped > 0 {
-                    tracing::info!(dropped, "ledgers moved to another billing replica");
+                    tracing::info!(dropped, "ledgers moved between billing replicas");
                 }
             }
         });
@@ -952,6 +965,7 @@ mod tests {
             completion_tokens: 20,
             key: None,
             cap: None,
+            rest: false,
         }
     }
 
@@ -1759,6 +1773,7 @@ mod properties {
                             completion_tokens: 1,
                             key: None,
                             cap: None,
+                            rest: false,
                         };
                         let before = state.balance.owed;
                         match decide_settle(&entry, &mut state, &order).1 {

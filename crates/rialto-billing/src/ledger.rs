@@ -87,6 +87,17 @@ pub enum HoldOutcome {
     Duplicate,
 }
 
+/// What the journal says of one request's settlement.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Settled {
+    /// Charged in all, nano-units.
+    pub usd: i64,
+    pub diem: i64,
+    /// Closed by its hold's expiry at the checkpoint, the rest of its cost
+    /// not charged yet.
+    pub expired: bool,
+}
+
 /// What settling a hold did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SettleOutcome {
@@ -486,16 +497,34 @@ impl Ledger {
     /// What the settlement of `request_id` charged: (usd, diem), zeros when
     /// it was never settled.
     pub async fn charged(&self, request_id: &str) -> Result<(i64, i64)> {
-        let row = sqlx::query(
-            "SELECT usd_nanos, diem_nanos FROM ledger_journal WHERE idempotency_key = $1",
+        let settled = self.settled(request_id).await?;
+        Ok((settled.usd, settled.diem))
+    }
+
+    /// How request `request_id` was settled: what it was charged (its
+    /// settlement, or its expiry and the rest after it), and whether an
+    /// expiry closed it with no rest charged yet.
+    pub async fn settled(&self, request_id: &str) -> Result<Settled> {
+        let rows = sqlx::query(
+            "SELECT idempotency_key, kind, usd_nanos, diem_nanos FROM ledger_journal \
+             WHERE idempotency_key IN ($1, $2)",
         )
         .bind(format!("settle:{request_id}"))
-        .fetch_optional(self.db.pool())
+        .bind(format!("settle-rest:{request_id}"))
+        .fetch_all(self.db.pool())
         .await?;
-        Ok(match row {
-            Some(row) => (-row.try_get::<i64, _>(0)?, -row.try_get::<i64, _>(1)?),
-            None => (0, 0),
-        })
+        let mut settled = Settled::default();
+        let mut rest = false;
+        for row in rows {
+            let key: String = row.try_get(0)?;
+            let kind: String = row.try_get(1)?;
+            settled.usd -= row.try_get::<i64, _>(2)?;
+            settled.diem -= row.try_get::<i64, _>(3)?;
+            rest |= key.starts_with("settle-rest:");
+            settled.expired |= kind == "expire";
+        }
+        settled.expired &= !rest;
+        Ok(settled)
     }
 
     /// The journal's sums for `owner`: (usd, diem, usd_held, diem_held,

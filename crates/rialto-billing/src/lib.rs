@@ -427,6 +427,7 @@ impl BillingService for LocalBilling {
             completion_tokens: i64::try_from(usage.completion_tokens).unwrap_or(i64::MAX),
             key,
             cap,
+            rest: false,
         };
         let settled = self.book.settle(&request.owner, &order).await?;
         match settled {
@@ -438,10 +439,25 @@ impl BillingService for LocalBilling {
             // report what was charged, if anything.
             ledger::SettleOutcome::NotOpen => {
                 self.book.caught_up().await?;
-                let (usd, diem) = self.ledger.charged(&request.request_id).await?;
+                let mut settled = self.ledger.settled(&request.request_id).await?;
+                let short = order.cost - settled.usd - settled.diem;
+                if settled.expired && short > 0 {
+                    // A stream's hold expired at its checkpoint before its
+                    // usage record arrived (billing was down or hung, and
+                    // the record waited in the durable queue): the rest of
+                    // its cost, once.
+                    let rest = book::SettleOrder {
+                        cost: short,
+                        rest: true,
+                        ..order
+                    };
+                    self.book.settle(&request.owner, &rest).await?;
+                    self.book.caught_up().await?;
+                    settled = self.ledger.settled(&request.request_id).await?;
+                }
                 Ok(pb::Cost {
-                    usd: from_nanos(usd),
-                    diem: from_nanos(diem),
+                    usd: from_nanos(settled.usd),
+                    diem: from_nanos(settled.diem),
                 })
             }
         }
@@ -715,6 +731,78 @@ mod tests {
         let replay =
             tokio::time::timeout(std::time::Duration::from_millis(100), events.next()).await;
         assert!(replay.is_err(), "a replayed credit is not announced again");
+    }
+
+    /// A stream's hold expires at its checkpoint before its usage record
+    /// arrives (billing was hung, the record waited in the durable queue):
+    /// the record then charges the rest of the cost, once, so the stream
+    /// is charged exactly what its answer reported.
+    #[tokio::test]
+    async fn a_stream_expired_before_its_usage_arrived_is_charged_the_rest() {
+        let (_dir, billing) = billing(&config(1.0, 1.0)).await;
+        let owner = "account:x".to_owned();
+        billing
+            .credit(pb::CreditRequest {
+                owner: owner.clone(),
+                usd: "1".into(),
+                diem: "0".into(),
+                reference: "seed".into(),
+            })
+            .await
+            .unwrap();
+        let placed = billing
+            .hold(pb::HoldRequest {
+                owner: owner.clone(),
+                request_id: "s1".into(),
+                model_id: "m".into(),
+                prompt_tokens: 10,
+                max_completion_tokens: 1000,
+                key_limit: None,
+                durable: true,
+            })
+            .await
+            .unwrap();
+        assert!(placed.placed);
+        let usage = |completion_tokens| pb::Usage {
+            prompt_tokens: 10,
+            completion_tokens,
+            ..Default::default()
+        };
+        // 100 tokens so far, then the hold's lease ends unsettled.
+        let checkpoint = billing
+            .checkpoint(pb::CheckpointRequest {
+                request_id: "s1".into(),
+                owner: owner.clone(),
+                model_id: "m".into(),
+                usage: Some(usage(90)),
+            })
+            .await
+            .unwrap();
+        assert!(checkpoint.recorded);
+        let later = rialto_core::db::now_ms() + 3_600_000;
+        assert_eq!(billing.book().sweep(later), 1);
+        billing.book().flush().await.unwrap();
+        assert_eq!(billing.ledger().charged("s1").await.unwrap(), (100_000, 0));
+        // The stream's usage record: 510 tokens in all.
+        let settle = pb::SettleRequest {
+            request_id: "s1".into(),
+            model_id: "m".into(),
+            usage: Some(usage(500)),
+            owner: owner.clone(),
+            ..Default::default()
+        };
+        let cost = billing.settle(settle.clone()).await.unwrap();
+        assert_eq!(cost.usd, "0.00051");
+        // Delivered again: nothing more.
+        let again = billing.settle(settle).await.unwrap();
+        assert_eq!(again.usd, "0.00051");
+        assert_eq!(billing.ledger().charged("s1").await.unwrap(), (510_000, 0));
+        let balance = billing.ledger().balance(&owner).await.unwrap();
+        assert_eq!(balance.usd, 1_000_000_000 - 510_000);
+        assert_eq!(
+            balance,
+            billing.ledger().journal_sums(&owner).await.unwrap()
+        );
     }
 
     #[tokio::test]

@@ -6,8 +6,11 @@
 //! record will be settled late from the balance). A stream's hold is in
 //! the database with its last checkpoint and a lease that each checkpoint
 //! renews: when the lease ends it is closed at its checkpoint (journaled
-//! as `settle:<request id>`, so the stream's usage record arriving later
-//! finds it settled). After a restart nobody has those owners in memory:
+//! as `settle:<request id>`, kind `expire`); if the stream's usage record
+//! arrives later after all (its gateway lived, billing did not answer and
+//! the record waited in the durable queue), it is charged the rest of its
+//! cost, once (`settle-rest:<request id>`). After a restart nobody has
+//! those owners in memory:
 //! [`Book::recover`] loads the owners whose durable holds outlived their
 //! lease, and the next [`Book::sweep`] charges them.
 
@@ -23,6 +26,11 @@ impl Book {
     /// Expires holds past their time (a durable one is charged its last
     /// checkpoint) and drops idle owners. Returns how many holds expired.
     pub fn sweep(&self, now_ms: i64) -> usize {
+        if self.shared.membership.get().is_some_and(|m| m.away()) {
+            // Hung until a moment ago: what it holds is dropped once it
+            // hears itself; nothing is expired from it before.
+            return 0;
+        }
         let owners: Vec<Arc<Owner>> = self
             .shared
             .shards
@@ -71,6 +79,7 @@ impl Book {
                     completion_tokens: hold.checkpoint_tokens.1,
                     cap: None,
                     key: None,
+                    rest: false,
                 };
                 let (record, _) = decide_settle(&entry, state, &order);
                 if let Some(mut record) = record {
@@ -103,6 +112,9 @@ impl Book {
         .await?;
         let mut loaded = 0;
         let membership = self.shared.membership.get();
+        if membership.is_some_and(|m| m.away()) {
+            return Ok(0);
+        }
         for row in rows {
             let owner: String = row.try_get(0)?;
             // Another replica's owner is its to recover: loading it here

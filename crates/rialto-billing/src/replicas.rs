@@ -34,8 +34,15 @@ impl ReplicatedBilling {
     /// `replicas` in `membership`'s order: each owner goes to the first
     /// live replica in its rendezvous order.
     pub fn with_membership(replicas: Vec<BillingClient>, membership: Membership) -> Result<Self> {
-        if replicas.is_empty() || replicas.len() != membership.len() {
+        if replicas.is_empty() {
             return Err(Error::invalid("no billing replica configured"));
+        }
+        if replicas.len() != membership.len() {
+            return Err(Error::internal(format_args!(
+                "{} billing clients for {} listed replicas",
+                replicas.len(),
+                membership.len()
+            )));
         }
         Ok(Self {
             replicas,

@@ -949,6 +949,18 @@ impl Config {
                 );
             }
         }
+        for (service, list) in [
+            ("limiter", &self.remote.limiter),
+            ("billing", &self.remote.billing),
+        ] {
+            let replicas = list.split(',').filter(|a| !a.trim().is_empty()).count();
+            if replicas > crate::membership::MAX_REPLICAS {
+                return invalid(format!(
+                    "remote.{service} lists {replicas} replicas; at most {} are supported",
+                    crate::membership::MAX_REPLICAS
+                ));
+            }
+        }
         let failover = &self.failover;
         if failover.heartbeat_ms == 0
             || failover.dead_after_ms < failover.heartbeat_ms.saturating_mul(3)

@@ -92,6 +92,9 @@ struct Inner {
     ready: AtomicU64,
     /// Bit `i`: replica `i` is live.
     live: AtomicU64,
+    /// Bit `i`: replica `i` is live and up about as long as the longest
+    /// (the owners when nobody is ready).
+    senior: AtomicU64,
     /// The number of changes of `ready`: owners may have moved.
     changes: watch::Sender<u64>,
     /// Called when this replica is heard again after a gap, before its own
@@ -134,10 +137,18 @@ impl Membership {
         );
         membership.0.ready.store(all, Ordering::Relaxed);
         membership.0.live.store(all, Ordering::Relaxed);
+        membership.0.senior.store(all, Ordering::Relaxed);
         membership
     }
 
-    fn new(service: &'static str, names: Vec<String>, me: Option<usize>, timing: Timing) -> Self {
+    fn new(
+        service: &'static str,
+        mut names: Vec<String>,
+        me: Option<usize>,
+        timing: Timing,
+    ) -> Self {
+        // Config validation refuses longer lists; never shift past a u64.
+        names.truncate(MAX_REPLICAS);
         let seeds = names.iter().map(|n| replica_seed(n)).collect();
         let slots = names
             .iter()
@@ -159,6 +170,7 @@ impl Membership {
             // Until heard otherwise, everyone but this replica (see `watch`).
             ready: AtomicU64::new(all & !me.map_or(0, |i| 1 << i)),
             live: AtomicU64::new(all),
+            senior: AtomicU64::new(all),
             changes: watch::channel(0).0,
             on_return: Mutex::new(Vec::new()),
         }))
@@ -207,18 +219,23 @@ impl Membership {
             }
         });
         if let Some(me) = me {
-            let name = membership.0.names[me].clone();
-            let payload = Bytes::from(format!(
-                "{:016x} {name}",
-                u64::from_le_bytes(crate::ids::random_bytes())
-            ));
+            let incarnation = u64::from_le_bytes(crate::ids::random_bytes());
             let bus = bus.clone();
+            let beating = membership.clone();
             tokio::spawn(async move {
                 let mut tick = tokio::time::interval(timing.heartbeat);
                 tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                 loop {
                     tick.tick().await;
-                    if let Err(error) = bus.publish(subject.clone(), payload.clone()).await {
+                    // `<incarnation> <ms this replica has heard itself
+                    // without a gap> <name>`: a process that starts now
+                    // learns who is ready from the claim, not by waiting.
+                    let payload = Bytes::from(format!(
+                        "{incarnation:016x} {} {}",
+                        beating.own_run_ms(),
+                        beating.name(me)
+                    ));
+                    if let Err(error) = bus.publish(subject.clone(), payload).await {
                         tracing::warn!(%error, service, "cannot publish a heartbeat");
                     }
                 }
@@ -252,21 +269,28 @@ impl Membership {
     }
 
     /// The replica owning `key`: the first ready one in its rendezvous
-    /// order; when none is ready, the first live; when none is live, the
-    /// first.
+    /// order; when none is ready, the first of the live ones up about as
+    /// long as the longest; when none is live, the first.
     pub fn owner(&self, key: &str) -> usize {
-        let ready = self.0.ready.load(Ordering::Relaxed);
-        let among = if ready != 0 {
-            ready
-        } else {
-            match self.0.live.load(Ordering::Relaxed) {
+        self.owner_among(key, self.owners())
+    }
+
+    /// The replicas that own principals now, as a bit set.
+    pub fn owners(&self) -> u64 {
+        match self.0.ready.load(Ordering::Relaxed) {
+            0 => match self.0.senior.load(Ordering::Relaxed) {
                 0 => all_bits(self.0.seeds.len()),
-                live => live,
-            }
-        };
+                senior => senior,
+            },
+            ready => ready,
+        }
+    }
+
+    /// The first of `owners` (a bit set) in `key`'s rendezvous order.
+    pub fn owner_among(&self, key: &str, owners: u64) -> usize {
         let mut best = (0, 0u64, false);
-        for (index, seed) in self.0.seeds.iter().enumerate() {
-            if among & (1 << index) == 0 {
+        for (index, seed) in self.0.seeds.iter().enumerate().take(MAX_REPLICAS) {
+            if owners & (1 << index) == 0 {
                 continue;
             }
             let score = score(key, *seed);
@@ -287,25 +311,25 @@ impl Membership {
         self.0.me.is_some_and(|me| self.owner(key) == me)
     }
 
-    /// Whether this replica is one of the first two in `key`'s rendezvous
-    /// order over every listed replica, dead or alive: its owner, or the
-    /// one that takes over when the owner dies.
-    pub fn first_two(&self, key: &str) -> bool {
-        let Some(me) = self.0.me else {
-            return false;
-        };
-        if self.0.seeds.len() <= 2 {
-            return true;
+    /// The first two replicas in `key`'s rendezvous order over every
+    /// listed replica, dead or alive: its owner when all are up, and the
+    /// one that takes over when the owner dies (none with one replica).
+    pub fn first_two(&self, key: &str) -> (usize, Option<usize>) {
+        let mut first: Option<(usize, u64)> = None;
+        let mut second: Option<(usize, u64)> = None;
+        for (index, seed) in self.0.seeds.iter().enumerate() {
+            let score = score(key, *seed);
+            if first.is_none_or(|(_, best)| score > best) {
+                second = first;
+                first = Some((index, score));
+            } else if second.is_none_or(|(_, next)| score > next) {
+                second = Some((index, score));
+            }
         }
-        let mine = score(key, self.0.seeds[me]);
-        let above = self
-            .0
-            .seeds
-            .iter()
-            .enumerate()
-            .filter(|(index, seed)| *index != me && score(key, **seed) > mine)
-            .count();
-        above < 2
+        (
+            first.map_or(0, |(index, _)| index),
+            second.map(|(index, _)| index),
+        )
     }
 
     /// Whether this replica has not heard its own heartbeat for
@@ -316,8 +340,11 @@ impl Membership {
             return false;
         };
         let now = self.now_ms();
+        let heard = self.0.slots[me].heard_ms.load(Ordering::Acquire);
+        // Never heard: away once past the start, when it should have been
+        // (the bus is down, or this replica's name is not in the list).
         now >= self.dead_after_ms()
-            && now - self.0.slots[me].heard_ms.load(Ordering::Acquire) >= self.dead_after_ms()
+            && (heard == NEVER || now.saturating_sub(heard) >= self.dead_after_ms())
     }
 
     /// Runs `callback` (on the listener's task) each time this replica is
@@ -344,12 +371,29 @@ impl Membership {
         millis(self.0.timing.dead_after)
     }
 
-    /// Records a heartbeat (`<incarnation hex> <name>`).
+    /// How long this replica has heard itself without a gap, in ms (0
+    /// when it is not one, or has not).
+    fn own_run_ms(&self) -> i64 {
+        let Some(me) = self.0.me else {
+            return 0;
+        };
+        let slot = &self.0.slots[me];
+        let since = slot.run_since_ms.load(Ordering::Acquire);
+        if since == NEVER || self.away() {
+            return 0;
+        }
+        self.now_ms().saturating_sub(since).max(0)
+    }
+
+    /// Records a heartbeat (`<incarnation hex> <run ms> <name>`).
     fn heard(&self, payload: &[u8]) {
-        let Some((incarnation, name)) = std::str::from_utf8(payload)
-            .ok()
-            .and_then(|text| text.split_once(' '))
-        else {
+        let parsed = std::str::from_utf8(payload).ok().and_then(|text| {
+            let mut parts = text.splitn(3, ' ');
+            let incarnation = u64::from_str_radix(parts.next()?, 16).ok()?;
+            let run_ms: i64 = parts.next()?.parse().ok()?;
+            Some((incarnation, run_ms.max(0), parts.next()?))
+        });
+        let Some((incarnation, claimed_run_ms, name)) = parsed else {
             tracing::warn!(service = self.0.service, "unreadable heartbeat");
             return;
         };
@@ -358,17 +402,21 @@ impl Membership {
             // between processes, worth a line now and then, not per beat.
             return;
         };
-        let incarnation = u64::from_str_radix(incarnation, 16).unwrap_or(0);
         let slot = &self.0.slots[index];
         let now = self.now_ms();
         let last = slot.heard_ms.load(Ordering::Acquire);
-        let gap = last == NEVER || now - last >= self.dead_after_ms();
+        let gap = last == NEVER || now.saturating_sub(last) >= self.dead_after_ms();
         let restarted = slot.incarnation.swap(incarnation, Ordering::AcqRel) != incarnation;
         if gap || restarted {
             // Heard within this process's first `dead_after`, another
-            // replica was (as far as anyone here can tell) up all along.
+            // replica's run is what it says (nobody here could have heard
+            // it yet); later, a run starts when this process hears it.
             let grace = now < self.dead_after_ms() && Some(index) != self.0.me && last == NEVER;
-            let since = if grace { NEVER + 1 } else { now };
+            let since = if grace {
+                now.saturating_sub(claimed_run_ms)
+            } else {
+                now
+            };
             slot.run_since_ms.store(since, Ordering::Release);
             if Some(index) == self.0.me && last != NEVER {
                 for callback in self
@@ -392,21 +440,42 @@ impl Membership {
         let rejoin = millis(self.0.timing.rejoin_after);
         let starting = now < dead_after;
         let mut sets = Sets::default();
+        // Each live replica's run: since when it has been heard (the start
+        // of time for one this process could not have heard yet).
+        let mut runs = [None; MAX_REPLICAS];
         for (index, slot) in self.0.slots.iter().enumerate() {
             let heard = slot.heard_ms.load(Ordering::Acquire);
             let mine = Some(index) == self.0.me;
-            let live = (heard != NEVER && now - heard < dead_after) || (starting && !mine);
-            let since = slot.run_since_ms.load(Ordering::Acquire);
-            let ready = if heard == NEVER {
-                starting && !mine
+            let since = if heard == NEVER {
+                (starting && !mine).then_some(NEVER + 1)
             } else {
-                live && since.saturating_add(rejoin) <= now
+                (now.saturating_sub(heard) < dead_after)
+                    .then(|| slot.run_since_ms.load(Ordering::Acquire))
             };
-            sets.live |= u64::from(live) << index;
-            sets.ready |= u64::from(ready) << index;
+            let Some(since) = since else {
+                continue;
+            };
+            runs[index] = Some(since);
+            sets.live |= 1 << index;
+            if since.saturating_add(rejoin) <= now {
+                sets.ready |= 1 << index;
+            }
+        }
+        // Nobody ready (a cluster starting, or every replica but the
+        // starting ones lost): the live replicas that have been up about
+        // as long as the longest, so a replica back a moment ago does not
+        // take principals from one that has been hearing them.
+        let earliest = runs.iter().flatten().min().copied();
+        for (index, since) in runs.iter().enumerate() {
+            if let (Some(since), Some(earliest)) = (since, earliest)
+                && since.saturating_sub(earliest) <= dead_after
+            {
+                sets.senior |= 1 << index;
+            }
         }
         self.0.live.store(sets.live, Ordering::Relaxed);
         self.0.ready.store(sets.ready, Ordering::Relaxed);
+        self.0.senior.store(sets.senior, Ordering::Relaxed);
         let was = watched.sets.replace(sets);
         if was != Some(sets) {
             self.report(was, sets, now, &mut watched.unready_since);
@@ -525,6 +594,7 @@ impl Sets {
 struct Sets {
     live: u64,
     ready: u64,
+    senior: u64,
 }
 
 fn all_bits(count: usize) -> u64 {
@@ -597,7 +667,7 @@ mod tests {
             let bus = bus.clone();
             let subject = subject.clone();
             async move {
-                let payload = format!("{incarnation:016x} http://replica-{i}:9090");
+                let payload = format!("{incarnation:016x} 0 http://replica-{i}:9090");
                 bus.publish(subject, Bytes::from(payload)).await.unwrap();
             }
         };
@@ -679,40 +749,95 @@ mod tests {
             .unwrap();
         let fixed = Membership::fixed("billing", names(2));
         let mine = key_of(&fixed, 0);
+        // Returns counted, and whether each callback ran while away.
         let returned = Arc::new(AtomicU64::new(0));
-        let counter = returned.clone();
-        let view = me.clone();
+        let away_in_callback = Arc::new(AtomicU64::new(0));
+        let (counter, seen, view) = (returned.clone(), away_in_callback.clone(), me.clone());
         me.on_return(move || {
-            assert!(view.away(), "the callback runs while still away");
+            seen.fetch_add(u64::from(view.away()), Ordering::SeqCst);
             counter.fetch_add(1, Ordering::SeqCst);
         });
         // Its own heartbeats make it ready after the rejoin delay.
         until("ready in its own view", || me.owns(&mine)).await;
         assert!(!me.away());
-        // A process stopped past dead_after: simulated by the listener
-        // hearing nothing; here, by a gap in what it hears of itself.
+        // A process stopped past dead_after: simulated by a gap in what it
+        // heard of itself (the listener heard nothing for 10 s).
         me.0.slots[0]
             .heard_ms
             .store(me.now_ms() - 10_000, Ordering::Release);
-        assert!(me.away());
-        until("heard again", || !me.away()).await;
-        assert_eq!(returned.load(Ordering::SeqCst), 1);
+        until("heard again", || returned.load(Ordering::SeqCst) == 1).await;
+        assert_eq!(away_in_callback.load(Ordering::SeqCst), 1);
+        until("not away", || !me.away()).await;
+        // And the run starts again: not its own until the rejoin delay.
+        assert!(!me.owns(&mine) || me.own_run_ms() < 60);
+    }
+
+    /// A process that starts while one replica has just come back learns
+    /// it from the heartbeat's claim: that one is not ready yet, the others
+    /// are at once. And with nobody ready, a replica back a moment ago does
+    /// not take principals from those up for longer.
+    #[tokio::test]
+    async fn a_new_process_believes_the_claimed_runs() {
+        let bus = Bus::in_process("membership-claims");
+        let subject = bus.subject("replicas.limiter");
+        let view = Membership::track("limiter", names(3), None, FAST, &bus)
+            .await
+            .unwrap();
+        let fixed = Membership::fixed("limiter", names(3));
+        let owned_by_1 = key_of(&fixed, 1);
+        let claim = |i: usize, run_ms: i64| {
+            let (bus, subject) = (bus.clone(), subject.clone());
+            async move {
+                let payload = format!("{:016x} {run_ms} http://replica-{i}:9090", i + 1);
+                bus.publish(subject, Bytes::from(payload)).await.unwrap();
+            }
+        };
+        claim(0, 60_000).await;
+        claim(1, 0).await;
+        claim(2, 60_000).await;
+        until("replica 1 to be starting", || view.owner(&owned_by_1) != 1).await;
+        assert!(view.is_ready(0) && view.is_ready(2) && !view.is_ready(1));
+
+        // Nobody ready: the senior ones own, not the one just back.
+        // (No tasks: the passes are made here.)
+        let cold = Membership::new("limiter", names(3), None, FAST);
+        let beat =
+            |i: usize, run_ms: i64| format!("{:016x} {run_ms} http://replica-{i}:9090", i + 1);
+        cold.heard(beat(0, 50).as_bytes());
+        cold.heard(beat(2, 60).as_bytes());
+        // Replica 1 up for a moment only, heard well after the others.
+        cold.0.slots[1]
+            .heard_ms
+            .store(cold.now_ms(), Ordering::Release);
+        cold.0.slots[1]
+            .run_since_ms
+            .store(cold.now_ms() + 10_000, Ordering::Release);
+        cold.0.slots[1].incarnation.store(2, Ordering::Release);
+        let mut watched = Watched {
+            sets: None,
+            unready_since: vec![None; 3],
+        };
+        cold.watch(&mut watched);
+        assert_eq!(cold.owners(), 0b101, "{:?}", watched.sets);
+        assert_ne!(cold.owner(&owned_by_1), 1);
     }
 
     #[test]
     fn the_first_two_are_the_owner_and_its_successor() {
-        let bus_less = Membership::new("limiter", names(4), Some(2), FAST);
         let fixed = Membership::fixed("limiter", names(4));
-        let mut kept = 0;
+        let mut seconds = [0; 4];
         for i in 0..400 {
             let key = format!("key:{i}");
             let mut order: Vec<usize> = (0..4).collect();
             order.sort_by_key(|r| std::cmp::Reverse(score(&key, replica_seed(&names(4)[*r]))));
             assert_eq!(order[0], fixed.owner(&key));
-            let expected = order[..2].contains(&2);
-            assert_eq!(bus_less.first_two(&key), expected, "{key}");
-            kept += usize::from(expected);
+            assert_eq!(fixed.first_two(&key), (order[0], Some(order[1])), "{key}");
+            // Without the owner, the second owns.
+            assert_eq!(fixed.owner_among(&key, 0b1111 & !(1 << order[0])), order[1]);
+            seconds[order[1]] += 1;
         }
-        assert!((150..250).contains(&kept), "{kept}");
+        assert!(seconds.iter().all(|n| *n > 60), "{seconds:?}");
+        let one = Membership::fixed("limiter", names(1));
+        assert_eq!(one.first_two("key:1"), (0, None));
     }
 }

@@ -44,8 +44,9 @@ pub use rate_limiter::{Admission, RateHeaders, RateLimiter, Ticket, owner_of};
 
 /// Bus subject (after the prefix) of token commits; every replica listens.
 pub const COMMITS_SUBJECT: &str = "limiter.commits";
-/// Bus subject of the admissions and releases each replica decides, heard
-/// by the replica next in line for the principal ([`pb::WindowEvent`]).
+/// Bus subject (with `.<replica index>`) of the admissions and releases a
+/// replica decides, sent to the other of the principal's first two replicas
+/// ([`pb::WindowEvent`]).
 pub const REPLICATION_SUBJECT: &str = "limiter.replication";
 /// Bus subject of limit hits; one replica (the log writer group) persists each.
 pub const HITS_SUBJECT: &str = "limiter.hits";

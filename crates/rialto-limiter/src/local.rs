@@ -45,10 +45,19 @@ pub struct LocalLimiter {
 /// Where a replica publishes its decisions, and who it is.
 struct Replication {
     bus: Bus,
-    subject: String,
+    membership: Membership,
+    me: usize,
+    /// `<prefix>.limiter.replication.<index>` of each replica: what each
+    /// hears (the principals it is first or second in line for).
+    subjects: Vec<String>,
     /// This replica's name, as `remote.limiter` lists it.
     origin: String,
 }
+
+/// How long an admission waits for its event to be taken by the bus client
+/// (normally at once, into its buffer): a bus that is down or slow must
+/// not hold admissions. An event not taken is dropped, and counted.
+const REPLICATION_WAIT: std::time::Duration = std::time::Duration::from_millis(20);
 
 impl std::fmt::Debug for LocalLimiter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -157,20 +166,18 @@ impl LocalLimiter {
                 let me = membership.me().ok_or_else(|| {
                     rialto_core::Error::invalid("a replica must know its own name")
                 })?;
-                let subject = bus.subject(REPLICATION_SUBJECT);
+                let subjects: Vec<String> = (0..membership.len())
+                    .map(|index| bus.subject(&format!("{REPLICATION_SUBJECT}.{index}")))
+                    .collect();
                 let origin = membership.name(me).to_owned();
-                let mut events = bus.subscribe(subject.clone(), None).await?;
+                // Only the events of principals this replica is first or
+                // second in line for are sent to it.
+                let mut events = bus.subscribe(subjects[me].clone(), None).await?;
                 let copies = principals.clone();
-                let own = origin.clone();
                 tokio::spawn(async move {
                     while let Some(payload) = events.next().await {
                         match pb::WindowEvent::decode(payload) {
-                            Ok(event) if event.origin != own => {
-                                if membership.first_two(&event.principal) {
-                                    copies.replay(&event);
-                                }
-                            }
-                            Ok(_) => {}
+                            Ok(event) => copies.replay(&event),
                             Err(_) => tracing::warn!("undecodable window event on the bus"),
                         }
                     }
@@ -178,7 +185,9 @@ impl LocalLimiter {
                 });
                 Some(Arc::new(Replication {
                     bus,
-                    subject,
+                    membership,
+                    me,
+                    subjects,
                     origin,
                 }))
             }
@@ -195,17 +204,27 @@ impl LocalLimiter {
     /// Publishes what this replica just decided, for the replica next in
     /// the principal's line. Awaited before the answer, so the event is on
     /// its way before anyone acts on the decision.
+    /// It goes to the other of the principal's first two replicas (to
+    /// both when this one is neither: two are down).
     async fn replicate(&self, event: impl FnOnce(String) -> pb::WindowEvent) {
         let Some(replication) = &self.replication else {
             return;
         };
-        let payload = Bytes::from(event(replication.origin.clone()).encode_to_vec());
-        if let Err(error) = replication
-            .bus
-            .publish(replication.subject.clone(), payload)
-            .await
-        {
-            tracing::warn!(%error, "cannot publish a window event");
+        let event = event(replication.origin.clone());
+        let (first, second) = replication.membership.first_two(&event.principal);
+        let payload = Bytes::from(event.encode_to_vec());
+        for target in [Some(first), second].into_iter().flatten() {
+            if target == replication.me {
+                continue;
+            }
+            let publish = replication
+                .bus
+                .publish(replication.subjects[target].clone(), payload.clone());
+            match tokio::time::timeout(REPLICATION_WAIT, publish).await {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => tracing::warn!(%error, "cannot publish a window event"),
+                Err(_) => tracing::warn!("the bus did not take a window event in time: dropped"),
+            }
         }
     }
 
@@ -270,10 +289,20 @@ impl LimiterService for LocalLimiter {
         let response = self.decide(&Admit::of(&request));
         if response.admitted && !request.peek {
             let at_ms = crate::clock::now_ms();
+            let daily = request.limit.is_some_and(|l| l.requests_per_day > 0);
+            // The owner's count of the day, so that a copy that missed some
+            // (it started mid-day) still refuses past the daily limit.
+            let day_count = if daily {
+                self.principals
+                    .day_count(&request.principal, &request.window, at_ms)
+            } else {
+                0
+            };
             self.replicate(|origin| pb::WindowEvent {
                 origin,
                 at_ms,
-                counts_day: request.limit.is_some_and(|l| l.requests_per_day > 0),
+                counts_day: daily,
+                day_count,
                 estimated_tokens: request.estimated_tokens,
                 request_id: request.request_id,
                 principal: request.principal,
@@ -752,9 +781,10 @@ id = "chat"
         drop(runtime);
     }
 
-    /// Replica b hears what replica a admits and releases, and decides
-    /// a's principal from the same window once it is the one asked (a
-    /// died): no request beyond the limit, none lost to a release.
+    /// Of three replicas, b (second in the principal's line) hears what a
+    /// (its owner) admits and releases, and c hears nothing of it; b
+    /// decides the principal from the same window once it is the one asked
+    /// (a died): no request beyond the limit, none lost to a release.
     #[tokio::test]
     async fn the_next_replica_decides_from_the_owners_window() {
         use rialto_core::membership::{Membership, Timing};
@@ -762,10 +792,19 @@ id = "chat"
         let dir = tempfile::tempdir().unwrap();
         let config = Config::from_toml(CONFIG).unwrap();
         let bus = Bus::in_process("replication");
-        let names = vec!["http://a:9090".to_owned(), "http://b:9090".to_owned()];
+        let names: Vec<String> = ["a", "b", "c"]
+            .iter()
+            .map(|n| format!("http://{n}:9090"))
+            .collect();
         let timing = Timing::from_config(&config.failover);
+        // A principal a owns, with b next in line.
+        let line = Membership::fixed("limiter", names.clone());
+        let principal = (0..)
+            .map(|i| format!("key:{i}"))
+            .find(|key| line.first_two(key) == (0, Some(1)))
+            .unwrap();
         let mut replicas = Vec::new();
-        for me in 0..2 {
+        for me in 0..3 {
             let url = format!("sqlite://{}/limiter-{me}.db", dir.path().display());
             let db = Database::connect(&url, 2).await.unwrap();
             let membership = Membership::track("limiter", names.clone(), Some(me), timing, &bus)
@@ -777,7 +816,7 @@ id = "chat"
                     .unwrap(),
             );
         }
-        let (a, b) = (&replicas[0], &replicas[1]);
+        let (a, b, c) = (&replicas[0], &replicas[1], &replicas[2]);
         let five = pb::Limit {
             requests: 5,
             tokens: 0,
@@ -785,7 +824,7 @@ id = "chat"
         };
         let admit = |id: &str| pb::AdmitRequest {
             request_id: id.to_owned(),
-            principal: "key:k".into(),
+            principal: principal.clone(),
             window: "chat".into(),
             limit: Some(five),
             estimated_tokens: 1,
@@ -798,7 +837,7 @@ id = "chat"
         // One is given back: a later window refused its request.
         a.commit(pb::CommitRequest {
             request_id: "r4".into(),
-            principal: "key:k".into(),
+            principal: principal.clone(),
             window: "chat".into(),
             release: true,
             estimated_tokens: 1,
@@ -826,6 +865,10 @@ id = "chat"
             );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
+        assert!(
+            c.principals().is_empty(),
+            "c is not in the principal's line"
+        );
         // a is gone; b decides: one more, then refusals.
         assert!(b.admit(admit("r6")).await.unwrap().admitted);
         let refused = b.admit(admit("r7")).await.unwrap();

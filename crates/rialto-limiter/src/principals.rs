@@ -323,7 +323,9 @@ impl Principals {
     /// Applies another replica's admission or release (a
     /// [`pb::WindowEvent`]) to this replica's copy of the principal's
     /// window, creating it when missing: the copy the successor decides
-    /// from once the owner is gone. Idempotent per request.
+    /// from once the owner is gone. An admission counts from now, when it
+    /// is heard (never earlier than the owner counted it, whatever the two
+    /// clocks say). Idempotent per request.
     pub fn replay(&self, event: &pb::WindowEvent) {
         let tag = self.tags.hash_one(&event.request_id);
         let mut shard = self.shard(&event.principal);
@@ -340,31 +342,51 @@ impl Principals {
             }
             return;
         }
-        let principal = shard
-            .entry(event.principal.as_str().into())
-            .or_insert_with(|| PrincipalWindows {
-                windows: HashMap::new(),
-                last_active_ms: now,
-                in_flight: 0,
-            });
+        // Lookups first: a key is allocated only for a principal or window
+        // met for the first time.
+        if !shard.contains_key(event.principal.as_str()) {
+            shard.insert(
+                event.principal.as_str().into(),
+                PrincipalWindows {
+                    windows: HashMap::new(),
+                    last_active_ms: now,
+                    in_flight: 0,
+                },
+            );
+        }
+        let Some(principal) = shard.get_mut(event.principal.as_str()) else {
+            return;
+        };
         principal.last_active_ms = now;
-        let named = principal
-            .windows
-            .entry(event.window.as_str().into())
-            .or_insert_with(|| NamedWindow {
-                window: Window::new(self.span_ms),
-                last_logged_ms: HashMap::new(),
-                swept_ms: 0,
-            });
-        let added = named.window.replay(
-            now,
-            event.at_ms,
-            event.estimated_tokens,
-            tag,
-            event.counts_day,
-        );
+        if !principal.windows.contains_key(event.window.as_str()) {
+            principal.windows.insert(
+                event.window.as_str().into(),
+                NamedWindow {
+                    window: Window::new(self.span_ms),
+                    last_logged_ms: HashMap::new(),
+                    swept_ms: 0,
+                },
+            );
+        }
+        let Some(named) = principal.windows.get_mut(event.window.as_str()) else {
+            return;
+        };
+        let day_count = event.counts_day.then_some(event.day_count);
+        let added = named
+            .window
+            .replay(now, now, event.estimated_tokens, tag, day_count);
         // Its commit arrives on the bus like the owner's.
         principal.in_flight += u64::from(added);
+    }
+
+    /// The requests of `principal` admitted in `window` on the UTC day of
+    /// `now_ms` (0 when it has none here).
+    pub fn day_count(&self, principal: &str, window: &str, now_ms: i64) -> u64 {
+        let mut shard = self.shard(principal);
+        shard
+            .get_mut(principal)
+            .and_then(|p| p.windows.get_mut(window))
+            .map_or(0, |named| named.window.day_count(now_ms))
     }
 
     /// Drops the principals idle with empty windows, one shard at a time;

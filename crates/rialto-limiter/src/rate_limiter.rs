@@ -348,7 +348,10 @@ impl RateLimiter {
         };
         let this = self.clone();
         runtime.spawn(async move {
-            for (owner, principal) in held {
+            for (_, principal) in held {
+                // The replica owning it now: after a failover, the one that
+                // took it over (and holds the slot to give back).
+                let owner = this.owner(&principal);
                 let request = pb::CommitRequest {
                     request_id: request_id.clone(),
                     principal,

@@ -159,14 +159,16 @@ impl Window {
     /// tokens, unless the window holds it already: a copy of the owner's
     /// window, kept to take the principal over. Entries stay in time order
     /// (an admission may arrive after later ones from another decider).
-    /// Whether it was added.
+    /// `day_count`, under a daily limit: the owner's count of the day with
+    /// this admission, which the copy's count is raised to. Whether it was
+    /// added.
     pub fn replay(
         &mut self,
         now_ms: i64,
         at_ms: i64,
         estimate: u64,
         tag: u64,
-        counts_day: bool,
+        day_count: Option<u64>,
     ) -> bool {
         self.expire(now_ms);
         let known = self.entries.iter().any(|e| e.tag == tag && e.request);
@@ -190,10 +192,19 @@ impl Window {
         );
         self.requests += 1;
         self.tokens += estimate;
-        if counts_day && at_ms.div_euclid(DAY_MS) == self.day.0 {
-            self.day.1 += 1;
+        if let Some(count) = day_count
+            && at_ms.div_euclid(DAY_MS) == self.day.0
+        {
+            self.day.1 = self.day.1.max(count);
         }
         true
+    }
+
+    /// The requests admitted on the UTC day of `now_ms` (counted only under
+    /// a daily limit).
+    pub fn day_count(&mut self, now_ms: i64) -> u64 {
+        self.expire(now_ms);
+        self.day.1
     }
 
     /// When enough tokens will have left the window for `estimate` more to
@@ -308,10 +319,10 @@ mod tests {
             owner.admit(at, &three, 5, tag).unwrap();
         }
         for (tag, at) in [(3, T0 + 20), (1, T0), (2, T0 + 10), (2, T0 + 10)] {
-            copy.replay(T0 + 25, at, 5, tag, false);
+            copy.replay(T0 + 25, at, 5, tag, None);
         }
         // Older than the window by the time it arrives: nothing to keep.
-        assert!(!copy.replay(T0 + 25, T0 - MINUTE, 5, 4, false));
+        assert!(!copy.replay(T0 + 25, T0 - MINUTE, 5, 4, None));
         let refused = owner.admit(T0 + 30, &three, 5, 9).unwrap_err();
         assert_eq!(copy.admit(T0 + 30, &three, 5, 9).unwrap_err(), refused);
         assert_eq!(refused.retry_at_ms, T0 + MINUTE);

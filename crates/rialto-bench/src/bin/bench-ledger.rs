@@ -211,6 +211,7 @@ async fn pair(
                 completion_tokens: 20,
                 cap: None,
                 key: None,
+                rest: false,
             },
         )
         .await

@@ -335,6 +335,7 @@ fn read_segment(path: &Path, records: &mut Vec<Record>) -> io::Result<()> {
 const DURABLE: u8 = 1;
 const LATE: u8 = 2;
 const KEYED: u8 = 4;
+const REST: u8 = 8;
 
 fn encode(record: &Record, out: &mut Vec<u8>) {
     out.extend_from_slice(&[0; 8]);
@@ -348,6 +349,9 @@ fn encode(record: &Record, out: &mut Vec<u8>) {
     }
     if record.key.is_some() {
         flags |= KEYED;
+    }
+    if record.rest {
+        flags |= REST;
     }
     out.push(flags);
     for number in [
@@ -467,6 +471,7 @@ fn decode(payload: &[u8]) -> Option<Record> {
         held: (held_usd, held_diem),
         durable: flags & DURABLE != 0,
         late: flags & LATE != 0,
+        rest: flags & REST != 0,
         key,
         model_id: model_id.into(),
         tokens: (prompt, completion),
@@ -528,9 +533,23 @@ mod tests {
         ) == format!(
             "{:?}",
             (b.kind, &b.request_id, b.usd, b.diem, b.owed, b.held)
-        ) && (a.durable, a.late, &a.key, &a.model_id, a.tokens, a.fence)
-            == (b.durable, b.late, &b.key, &b.model_id, b.tokens, b.fence)
-            && a.owner.name == b.owner.name
+        ) && (
+            a.durable,
+            a.late,
+            a.rest,
+            &a.key,
+            &a.model_id,
+            a.tokens,
+            a.fence,
+        ) == (
+            b.durable,
+            b.late,
+            b.rest,
+            &b.key,
+            &b.model_id,
+            b.tokens,
+            b.fence,
+        ) && a.owner.name == b.owner.name
     }
 
     #[test]

@@ -82,6 +82,8 @@ pub(crate) struct Record {
     durable: bool,
     /// A settlement of a hold not open here.
     late: bool,
+    /// The rest of an expired stream's cost (`settle-rest:<request>`).
+    rest: bool,
     key: Option<KeyRef>,
     model_id: Arc<str>,
     tokens: (i64, i64),
@@ -105,6 +107,7 @@ impl Record {
             held: (0, 0),
             durable: false,
             late: false,
+            rest: false,
             key: None,
             model_id: Arc::from(""),
             tokens: (0, 0),
@@ -176,6 +179,7 @@ impl Record {
                 .map_or((0, 0), |h| (h.usd, h.diem)),
             durable,
             late,
+            rest: order.rest,
             key: hold.and_then(|h| h.key.clone()),
             model_id: order.model_id.into(),
             tokens: (order.prompt_tokens, order.completion_tokens),
@@ -226,9 +230,13 @@ impl Record {
     fn journal(&self) -> Option<(String, &'static str)> {
         match self.kind {
             RecordKind::Open => Some((format!("hold:{}", self.request_id), "hold")),
+            RecordKind::Settle if self.rest => {
+                Some((format!("settle-rest:{}", self.request_id), "settle"))
+            }
             RecordKind::Settle => Some((format!("settle:{}", self.request_id), "settle")),
             // Keyed as a settlement: a usage record arriving after the
-            // expiry finds the request settled (at its checkpoint).
+            // expiry finds the request settled at its checkpoint, and is
+            // charged only the rest (`rest`).
             RecordKind::Expire => Some((format!("settle:{}", self.request_id), "expire")),
             RecordKind::Epoch => Some((format!("epoch:{}:{}", self.owner.name, self.day), "epoch")),
             RecordKind::Checkpoint | RecordKind::Refresh => None,
