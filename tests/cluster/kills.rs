@@ -2,8 +2,9 @@
 //! gateways (plain and streamed chats, both models, four keys: one per
 //! account and limiter replica, two accounts: one per billing replica).
 //! Mid-load each limiter and each billing replica in turn is killed with
-//! SIGKILL and started again, billing-0 is then hung with SIGSTOP for 10 s
-//! and let go (SIGCONT), and last gateway-1 is killed and started again.
+//! SIGKILL and started again (gateway-1 too, while limiter-1 is learning
+//! its windows back), then billing-0 and limiter-0 are each hung with
+//! SIGSTOP for 10 s and let go (SIGCONT).
 //! A replica's principals move to the next live replica within the
 //! detection window (`failover.dead_after_ms`) and back once it is up
 //! again. Afterwards, once the durable usage queue is empty and expired
@@ -256,6 +257,12 @@ pub async fn kills(cluster: &Cluster) {
         let at = cluster.kill(process).await;
         served_through(&until, service, index, at.done).await;
         let back = cluster.start(process).await;
+        if process == "limiter-1" {
+            // gateway-1 dies and starts again while limiter-1 learns its
+            // windows back: new, it must take limiter-1's word (its
+            // heartbeat's run) that it is not ready yet.
+            faults.push(kill_gateway(cluster, &load, &until).await);
+        }
         let taken_back = taken_back(cluster, process, service, index, back.done).await;
         faults.push(Fault {
             process,
@@ -268,62 +275,35 @@ pub async fn kills(cluster: &Cluster) {
         });
     }
 
-    // billing-0 hangs for 10 s: counted dead, its ledgers move; resumed, it
-    // reads them again before deciding, and takes them back.
-    until(
-        "streams of billing-0's account in flight",
-        Box::new(|l: &Load| l.billing_streams[0].load(Ordering::SeqCst) >= 2),
-    )
-    .await;
-    let at = cluster.pause("billing-0").await;
-    served_through(&until, Service::Billing, 0, at.done).await;
-    tokio::time::sleep(HUNG.saturating_sub(at.done.elapsed())).await;
-    let back = cluster.resume("billing-0").await;
-    let taken_back = taken_back(cluster, "billing-0", Service::Billing, 0, back.done).await;
-    faults.push(Fault {
-        process: "billing-0",
-        service: Service::Billing,
-        index: 0,
-        hung: true,
-        at,
-        back,
-        taken_back,
-    });
-
-    // gateway-1 dies while requests run through it; the load moves to
-    // gateway-0, then comes back to gateway-1 once it is restarted.
-    until(
-        "requests in flight on gateway-1",
-        Box::new(|l: &Load| l.gateway1_in_flight.load(Ordering::SeqCst) >= 2),
-    )
-    .await;
-    let at = cluster.kill("gateway-1").await;
-    load.gateway1_down.store(true, Ordering::SeqCst);
-    let diverted = Instant::now();
-    until(
-        "answers through gateway-0 alone",
-        Box::new(move |l: &Load| l.count(|_, o| o.reply.ok() && o.reply.sent > diverted) >= 40),
-    )
-    .await;
-    let back = cluster.start("gateway-1").await;
-    load.gateway1_down.store(false, Ordering::SeqCst);
-    let returned = back.done;
-    until(
-        "answers through the restarted gateway-1",
-        Box::new(move |l: &Load| {
-            l.count(|_, o| o.reply.ok() && o.gateway == 1 && o.reply.sent > returned) >= 10
-        }),
-    )
-    .await;
-    faults.push(Fault {
-        process: "gateway-1",
-        service: Service::Gateway,
-        index: 1,
-        hung: false,
-        at,
-        back,
-        taken_back: returned.elapsed(),
-    });
+    // billing-0, then limiter-0, hang for 10 s: counted dead, their
+    // principals move; resumed, billing-0 reads its ledgers again before
+    // deciding, and each takes its principals back after its rejoin delay.
+    for (process, service, index) in [
+        ("billing-0", Service::Billing, 0),
+        ("limiter-0", Service::Limiter, 0),
+    ] {
+        if service == Service::Billing {
+            until(
+                "streams of billing-0's account in flight",
+                Box::new(|l: &Load| l.billing_streams[0].load(Ordering::SeqCst) >= 2),
+            )
+            .await;
+        }
+        let at = cluster.pause(process).await;
+        served_through(&until, service, index, at.done).await;
+        tokio::time::sleep(HUNG.saturating_sub(at.done.elapsed())).await;
+        let back = cluster.resume(process).await;
+        let taken_back = taken_back(cluster, process, service, index, back.done).await;
+        faults.push(Fault {
+            process,
+            service,
+            index,
+            hung: true,
+            at,
+            back,
+            taken_back,
+        });
+    }
 
     load.stop.store(true, Ordering::SeqCst);
     for worker in workers {
@@ -406,8 +386,49 @@ struct FaultFigures {
     first_served: Duration,
 }
 
-/// How long billing-0 hangs.
+/// How long a hung replica stays stopped.
 const HUNG: Duration = Duration::from_secs(10);
+
+/// gateway-1 dies while requests run through it; the load moves to
+/// gateway-0, then comes back to gateway-1 once it is restarted.
+async fn kill_gateway<F, Fut>(cluster: &Cluster, load: &Load, until: &F) -> Fault
+where
+    F: Fn(&'static str, Box<dyn Fn(&Load) -> bool + Send + Sync>) -> Fut,
+    Fut: std::future::Future<Output = Duration>,
+{
+    until(
+        "requests in flight on gateway-1",
+        Box::new(|l: &Load| l.gateway1_in_flight.load(Ordering::SeqCst) >= 2),
+    )
+    .await;
+    let at = cluster.kill("gateway-1").await;
+    load.gateway1_down.store(true, Ordering::SeqCst);
+    let diverted = Instant::now();
+    until(
+        "answers through gateway-0 alone",
+        Box::new(move |l: &Load| l.count(|_, o| o.reply.ok() && o.reply.sent > diverted) >= 40),
+    )
+    .await;
+    let back = cluster.start("gateway-1").await;
+    load.gateway1_down.store(false, Ordering::SeqCst);
+    let returned = back.done;
+    until(
+        "answers through the restarted gateway-1",
+        Box::new(move |l: &Load| {
+            l.count(|_, o| o.reply.ok() && o.gateway == 1 && o.reply.sent > returned) >= 10
+        }),
+    )
+    .await;
+    Fault {
+        process: "gateway-1",
+        service: Service::Gateway,
+        index: 1,
+        hung: false,
+        at,
+        back,
+        taken_back: returned.elapsed(),
+    }
+}
 
 /// Until 20 requests of the principals of `service`'s replica `index`,
 /// sent after `after`, were answered 200: another replica serves them.

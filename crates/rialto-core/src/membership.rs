@@ -478,6 +478,9 @@ impl Membership {
         self.0.senior.store(sets.senior, Ordering::Relaxed);
         let was = watched.sets.replace(sets);
         if was != Some(sets) {
+            // In its first `dead_after` a process is still hearing who is
+            // there: gauges only, no moves to log or count.
+            let was = was.filter(|_| !starting);
             self.report(was, sets, now, &mut watched.unready_since);
             self.0.changes.send_modify(|n| *n += 1);
         }
