@@ -1650,7 +1650,7 @@ def failover_report(results, meta):
              f"once it is up again. \"Last refused\" is when the last refused request was sent after the fault (the "
              f"issue's bound: {failover['detection_bound_ms'] / 1000:.0f} s); \"served again\" when the first request "
              f"sent after it and served was; a hung replica's requests wait for the 5 s bound on a call to a replica, "
-             f"and so do the eight clients that sent them. \"Back after\" is when the process was started (or "
+             f"and so do the clients that sent them. \"Back after\" is when the process was started (or "
              f"resumed) again, which the test does once the next replica served 20 of its principals' requests. "
              f"The assertions "
              f"{'passed' if failover.get('passed') else '**failed**'}.", "",
