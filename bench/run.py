@@ -1649,17 +1649,21 @@ def failover_report(results, meta):
              f"(503) until the others count the replica dead, then served by the next one, and go back to the replica "
              f"once it is up again. \"Last refused\" is when the last refused request was sent after the fault (the "
              f"issue's bound: {failover['detection_bound_ms'] / 1000:.0f} s); \"served again\" when the first request "
-             f"sent after it and served was; a hung replica's requests wait for the 5 s bound on a call to a replica, "
-             f"and so do the clients that sent them. \"Back after\" is when the process was started (or "
+             f"sent after it and served was. A request caught on a killed or hung replica waits for the detection and "
+             f"is asked again of the next replica: \"longest wait\" is the slowest such request that was served. The last row kills both billing replicas at once: with no successor, "
+             f"holds are refused until they are back, and the settlements in flight wait in the durable queue. "
+             f"\"Back after\" is when the process was started (or "
              f"resumed) again, which the test does once the next replica served 20 of its principals' requests. "
              f"The assertions "
              f"{'passed' if failover.get('passed') else '**failed**'}.", "",
-             "| fault | refused (503) | last refused sent after | served again after | back after | owns again after |",
-             "|---|---|---|---|---|---|"]
+             "| fault | refused (503) | last refused sent after | longest wait of a served request | served again after | back after | owns again after |",
+             "|---|---|---|---|---|---|---|"]
     for fault in failover["faults"]:
         if fault["fault"].endswith("gateway-1"):
             continue
+        wait = fault.get("longest_wait_ms")
         lines.append(f"| {fault['fault']} | {fault['refused']} | {fault['last_refused_sent_after_ms'] / 1000:.2f} s | "
+                     f"{'–' if wait is None else f'{wait / 1000:.2f} s'} | "
                      f"{fault['first_served_sent_after_ms'] / 1000:.2f} s | {fault['back_after_ms'] / 1000:.1f} s | "
                      f"{fault['taken_back_after_ms'] / 1000:.1f} s |")
     lines += ["",

@@ -4,15 +4,19 @@
 //! Mid-load each limiter and each billing replica in turn is killed with
 //! SIGKILL and started again (gateway-1 too, while limiter-1 is learning
 //! its windows back), then billing-0 and limiter-0 are each hung with
-//! SIGSTOP for 10 s and let go (SIGCONT).
+//! SIGSTOP for 10 s and let go (SIGCONT), and last both billing replicas
+//! are killed at once (no successor: the durable usage queue keeps the
+//! settlements until they are back).
 //! A replica's principals move to the next live replica within the
 //! detection window (`failover.dead_after_ms`) and back once it is up
 //! again. Afterwards, once the durable usage queue is empty and expired
 //! holds are swept:
 //!
 //! - 503s only for requests sent within `DETECTION` of a fault, by the
-//!   callers whose replica it hit; none after, none at a hand-back (the
-//!   longest gap per fault is printed);
+//!   callers whose replica it hit (with both billing replicas down, until
+//!   they are back); none after, none at a hand-back (the longest gap per
+//!   fault is printed): a request caught by a replica's death waits for
+//!   the detection and is served by the next replica;
 //! - every request answered 200 in full was charged exactly once, exactly
 //!   its `cost.usd`, whether billing settled it at once or from the queue;
 //! - no request refused before a backend answered (429, 503) was charged;
@@ -204,9 +208,21 @@ impl Fault {
     fn hits(&self, load: &Load, outcome: &Outcome) -> bool {
         match self.service {
             Service::Limiter => load.limiter_of(outcome) == self.index,
-            Service::Billing => load.billing_of(outcome) == self.index,
+            Service::Billing => self.index == ALL || load.billing_of(outcome) == self.index,
             Service::Gateway => outcome.gateway == self.index,
         }
+    }
+
+    /// Until when a request sent may be refused: the detection window
+    /// after the fault, or with every replica down (no successor), after
+    /// they are back.
+    fn refusals_until(&self) -> Instant {
+        let from = if self.index == ALL {
+            self.back.done
+        } else {
+            self.at.done
+        };
+        from + DETECTION
     }
 
     fn describe(&self) -> String {
@@ -305,6 +321,47 @@ pub async fn kills(cluster: &Cluster) {
         });
     }
 
+    // Both billing replicas die at once: no successor, so the holds are
+    // refused (503) until they are back, and the settlements of the streams
+    // in flight wait in the durable queue and are charged once after.
+    until(
+        "streams in flight",
+        Box::new(|l: &Load| {
+            l.billing_streams[0].load(Ordering::SeqCst)
+                + l.billing_streams[1].load(Ordering::SeqCst)
+                >= 2
+        }),
+    )
+    .await;
+    let began = cluster.kill("billing-0").await.began;
+    let done = cluster.kill("billing-1").await.done;
+    until(
+        "503s with no billing replica",
+        Box::new(move |l: &Load| {
+            l.count(|_, o| o.reply.status == Some(503) && o.reply.sent > done) >= 5
+        }),
+    )
+    .await;
+    let restarted = cluster.start("billing-0").await.began;
+    let back = cluster.start("billing-1").await.done;
+    let mut taken_back_after = Duration::ZERO;
+    for (process, index) in [("billing-0", 0), ("billing-1", 1)] {
+        let took = taken_back(cluster, process, Service::Billing, index, back).await;
+        taken_back_after = taken_back_after.max(took);
+    }
+    faults.push(Fault {
+        process: "billing-0 and billing-1",
+        service: Service::Billing,
+        index: ALL,
+        hung: false,
+        at: Span { began, done },
+        back: Span {
+            began: restarted,
+            done: back,
+        },
+        taken_back: taken_back_after,
+    });
+
     load.stop.store(true, Ordering::SeqCst);
     for worker in workers {
         worker.await.unwrap();
@@ -338,7 +395,7 @@ pub async fn kills(cluster: &Cluster) {
         .sum();
     assert!(
         queued > 0,
-        "no settlement went through the durable queue while a billing replica was down"
+        "no settlement went through the durable queue while billing was down"
     );
 
     let per_fault = explained(&load, &outcomes, &faults);
@@ -369,6 +426,7 @@ pub async fn kills(cluster: &Cluster) {
                 "refused": figures.refused,
                 "last_refused_sent_after_ms": ms(figures.last_refused),
                 "first_served_sent_after_ms": ms(figures.first_served),
+                "longest_wait_ms": ms(figures.longest_wait),
             })).collect::<Vec<_>>(),
         });
         std::fs::write(&path, serde_json::to_vec_pretty(&figures).unwrap()).unwrap();
@@ -384,7 +442,14 @@ struct FaultFigures {
     last_refused: Duration,
     /// The first request of its principals sent after it and served.
     first_served: Duration,
+    /// The longest a request of its principals that was served waited for
+    /// its answer's head, among those sent from the fault to the end of
+    /// its detection window: the wait for the next replica.
+    longest_wait: Duration,
 }
+
+/// A fault's `index` when it hit every replica of its service.
+const ALL: usize = usize::MAX;
 
 /// How long a hung replica stays stopped.
 const HUNG: Duration = Duration::from_secs(10);
@@ -572,7 +637,7 @@ fn explained(load: &Load, outcomes: &[Outcome], faults: &[Fault]) -> Vec<FaultFi
                     f.service != Service::Gateway
                         && f.hits(load, o)
                         && answered >= f.at.began
-                        && r.sent <= f.at.done + DETECTION
+                        && r.sent <= f.refusals_until()
                 });
                 let Some(cause) = cause else {
                     panic!(
@@ -628,15 +693,28 @@ fn explained(load: &Load, outcomes: &[Outcome], faults: &[Fault]) -> Vec<FaultFi
             .map(|o| o.reply.sent.saturating_duration_since(fault.at.began))
             .min()
             .unwrap_or_default();
+        let longest_wait = outcomes
+            .iter()
+            .filter(|o| {
+                o.reply.ok()
+                    && fault.hits(load, o)
+                    && o.reply.answered.unwrap_or(o.reply.sent) >= fault.at.began
+                    && o.reply.sent <= fault.at.done + DETECTION
+            })
+            .map(|o| o.reply.answered.unwrap_or(o.reply.sent) - o.reply.sent)
+            .max()
+            .unwrap_or_default();
         println!(
             "cluster: kills: {}: {count} requests refused (503), the last sent {latest:?} after \
-             the fault; its principals served again by a request sent {first_served:?} after it",
+             the fault; its principals served again by a request sent {first_served:?} after it; \
+             a served request waited at most {longest_wait:?}",
             fault.describe()
         );
         figures.push(FaultFigures {
             refused: *count,
             last_refused: *latest,
             first_served,
+            longest_wait,
         });
     }
     figures

@@ -50,8 +50,23 @@ impl ReplicatedBilling {
         })
     }
 
-    fn owner(&self, owner: &str) -> &BillingClient {
-        &self.replicas[self.membership.owner(owner)]
+    /// `call` on the replica owning ledger `owner`, and once more on the
+    /// next one when that replica dies or hangs meanwhile
+    /// ([`Membership::on_owner`]): each call routed so is keyed (request
+    /// id) or a read, and answers the same the second time (a settlement
+    /// reports what was charged), so a second run changes nothing twice.
+    async fn routed<R, T, F, Fut>(&self, owner: &str, request: R, call: F) -> Result<T>
+    where
+        R: Clone,
+        F: Fn(BillingClient, R) -> Fut,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        self.membership
+            .on_owner(owner, |index| {
+                call(self.replicas[index].clone(), request.clone())
+            })
+            .await
+            .1
     }
 }
 
@@ -65,49 +80,89 @@ pub fn owner_of(owner: &str, addresses: &[&str]) -> usize {
 impl BillingService for ReplicatedBilling {
     async fn quote(&self, request: pb::QuoteRequest) -> Result<pb::Cost> {
         // Prices are configuration: any replica knows them.
-        self.owner(&request.model_id).quote(request).await
+        let model = request.model_id.clone();
+        self.routed(&model, request, |billing, request| async move {
+            billing.quote(request).await
+        })
+        .await
     }
 
     async fn hold(&self, request: pb::HoldRequest) -> Result<pb::HoldResponse> {
-        self.owner(&request.owner).hold(request).await
+        let owner = request.owner.clone();
+        self.routed(&owner, request, |billing, request| async move {
+            billing.hold(request).await
+        })
+        .await
     }
 
     async fn settle(&self, request: pb::SettleRequest) -> Result<pb::Cost> {
-        self.owner(&request.owner).settle(request).await
+        let owner = request.owner.clone();
+        self.routed(&owner, request, |billing, request| async move {
+            billing.settle(request).await
+        })
+        .await
     }
 
     async fn checkpoint(&self, request: pb::CheckpointRequest) -> Result<pb::CheckpointResponse> {
-        self.owner(&request.owner).checkpoint(request).await
+        let owner = request.owner.clone();
+        self.routed(&owner, request, |billing, request| async move {
+            billing.checkpoint(request).await
+        })
+        .await
     }
 
     async fn credit(&self, request: pb::CreditRequest) -> Result<pb::CreditResponse> {
-        self.owner(&request.owner).credit(request).await
+        // Not asked twice: it would answer "not applied" for a credit the
+        // first call applied. The caller retries with its reference.
+        self.replicas[self.membership.owner(&request.owner)]
+            .credit(request)
+            .await
     }
 
     async fn get_balance(&self, request: pb::GetBalanceRequest) -> Result<pb::Balance> {
-        self.owner(&request.owner).get_balance(request).await
+        let owner = request.owner.clone();
+        self.routed(&owner, request, |billing, request| async move {
+            billing.get_balance(request).await
+        })
+        .await
     }
 
     async fn usage_history(
         &self,
         request: pb::UsageHistoryRequest,
     ) -> Result<pb::UsageHistoryResponse> {
-        self.owner(&request.owner).usage_history(request).await
+        let owner = request.owner.clone();
+        self.routed(&owner, request, |billing, request| async move {
+            billing.usage_history(request).await
+        })
+        .await
     }
 
     async fn set_stake(&self, request: pb::SetStakeRequest) -> Result<pb::Balance> {
-        self.owner(&request.owner).set_stake(request).await
+        let owner = request.owner.clone();
+        self.routed(&owner, request, |billing, request| async move {
+            billing.set_stake(request).await
+        })
+        .await
     }
 
     async fn key_spend(&self, request: pb::KeySpendRequest) -> Result<pb::KeySpendResponse> {
-        self.owner(&request.owner).key_spend(request).await
+        let owner = request.owner.clone();
+        self.routed(&owner, request, |billing, request| async move {
+            billing.key_spend(request).await
+        })
+        .await
     }
 
     async fn transactions(
         &self,
         request: pb::TransactionsRequest,
     ) -> Result<pb::TransactionsResponse> {
-        self.owner(&request.owner).transactions(request).await
+        let owner = request.owner.clone();
+        self.routed(&owner, request, |billing, request| async move {
+            billing.transactions(request).await
+        })
+        .await
     }
 
     async fn top_up(&self, request: pb::TopUpRequest) -> Result<pb::TopUpResponse> {

@@ -81,6 +81,8 @@ pub struct Membership(Arc<Inner>);
 
 struct Inner {
     service: &'static str,
+    /// Heartbeats are heard (`track`): owners can move.
+    tracked: std::sync::atomic::AtomicBool,
     names: Box<[String]>,
     seeds: Box<[u64]>,
     me: Option<usize>,
@@ -161,6 +163,7 @@ impl Membership {
         let all = all_bits(names.len());
         Self(Arc::new(Inner {
             service,
+            tracked: std::sync::atomic::AtomicBool::new(false),
             names: names.into(),
             seeds,
             me,
@@ -193,6 +196,7 @@ impl Membership {
             )));
         }
         let membership = Self::new(service, names, me, timing);
+        membership.0.tracked.store(true, Ordering::Relaxed);
         let subject = bus.subject(&format!("replicas.{service}"));
         let mut heartbeats = bus.subscribe(subject.clone(), None).await?;
         let listener = membership.clone();
@@ -299,6 +303,60 @@ impl Membership {
             }
         }
         best.0
+    }
+
+    /// Runs `call` on the replica owning `key`, and once more on the one
+    /// owning it next when the first cannot serve: it failed as unavailable
+    /// (killed: connection refused) and the view then moves `key` within
+    /// `dead_after` and a little, or the view moves `key` while the call is
+    /// still running (hung). So a request caught by a replica's death
+    /// waits for the detection and is served by the successor instead of
+    /// failing. `call` must be safe to run twice (every call to a limiter
+    /// or billing replica is: keyed by request). Returns the replica that
+    /// answered. Without failover, one plain call.
+    pub async fn on_owner<T, F, Fut>(&self, key: &str, call: F) -> (usize, crate::Result<T>)
+    where
+        F: Fn(usize) -> Fut,
+        Fut: std::future::Future<Output = crate::Result<T>>,
+    {
+        let first = self.owner(key);
+        if !self.0.tracked.load(Ordering::Relaxed) {
+            return (first, call(first).await);
+        }
+        let mut changes = self.changes();
+        let attempt = call(first);
+        tokio::pin!(attempt);
+        let outcome = loop {
+            tokio::select! {
+                result = &mut attempt => break Some(result),
+                changed = changes.changed() => {
+                    if changed.is_err() || self.owner(key) != first {
+                        break None;
+                    }
+                }
+            }
+        };
+        match outcome {
+            Some(Err(error)) if error.code == crate::ErrorCode::Unavailable => {
+                let wait = tokio::time::sleep(self.0.timing.dead_after + WATCH_EVERY * 2);
+                tokio::pin!(wait);
+                while self.owner(key) == first {
+                    tokio::select! {
+                        changed = changes.changed() => {
+                            if changed.is_err() {
+                                return (first, Err(error));
+                            }
+                        }
+                        () = &mut wait => return (first, Err(error)),
+                    }
+                }
+            }
+            Some(result) => return (first, result),
+            // Moved while the call ran: abandoned, asked again below.
+            None => {}
+        }
+        let next = self.owner(key);
+        (next, call(next).await)
     }
 
     /// Whether replica `index` is ready (may own) in this process's view.
@@ -706,7 +764,9 @@ mod tests {
         }
         let detected = silent.elapsed();
         assert!(
-            detected >= FAST.dead_after && detected < FAST.dead_after * 2,
+            // Its last beat went out up to 20 ms before `silent`.
+            detected + Duration::from_millis(25) >= FAST.dead_after
+                && detected < FAST.dead_after * 2,
             "declared dead after {detected:?}"
         );
         let successor = view.owner(&owned_by_1);
@@ -823,6 +883,91 @@ mod tests {
         cold.watch(&mut watched);
         assert_eq!(cold.owners(), 0b101, "{:?}", watched.sets);
         assert_ne!(cold.owner(&owned_by_1), 1);
+    }
+
+    /// A call that reaches a dying replica is asked again of the next one
+    /// once the view moves its key: at once when it failed as unavailable
+    /// (killed), by abandoning it when it hangs; any other error is the
+    /// answer; without failover there is one call only.
+    #[tokio::test]
+    async fn a_call_caught_by_a_replica_death_goes_to_the_next() {
+        use crate::{Error, ErrorCode};
+        let bus = Bus::in_process("membership-calls");
+        let subject = bus.subject("replicas.billing");
+        let view = Membership::track("billing", names(2), None, FAST, &bus)
+            .await
+            .unwrap();
+        let fixed = Membership::fixed("billing", names(2));
+        let key = key_of(&fixed, 1);
+        // Both beat past the start; then only replica 0 does.
+        let beating = Arc::new(AtomicU64::new(0b11));
+        let beats = beating.clone();
+        tokio::spawn(async move {
+            loop {
+                for i in 0..2 {
+                    if beats.load(Ordering::SeqCst) & (1 << i) != 0 {
+                        let payload = format!("{:016x} 60000 http://replica-{i}:9090", i + 1);
+                        bus.publish(subject.clone(), Bytes::from(payload))
+                            .await
+                            .unwrap();
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        });
+        until("both ready", || view.is_ready(0) && view.is_ready(1)).await;
+
+        let calls = Arc::new(AtomicU64::new(0));
+        let unavailable = |index: usize| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            async move {
+                if index == 1 {
+                    Err(Error::new(ErrorCode::Unavailable, "connection refused"))
+                } else {
+                    Ok(index)
+                }
+            }
+        };
+        // Replica 1 killed: refused at once, served by 0 after detection.
+        beating.store(0b01, Ordering::SeqCst);
+        let started = Instant::now();
+        let (answered, result) = view.on_owner(&key, unavailable).await;
+        assert_eq!((answered, result.unwrap()), (0, 0));
+        assert_eq!(calls.load(Ordering::SeqCst), 2);
+        assert!(
+            started.elapsed() < FAST.dead_after * 3,
+            "{:?}",
+            started.elapsed()
+        );
+
+        // Replica 1 back and ready; then hung: the call never answers.
+        beating.store(0b11, Ordering::SeqCst);
+        until("replica 1 ready again", || view.owner(&key) == 1).await;
+        let hung = |index: usize| async move {
+            if index == 1 {
+                std::future::pending::<()>().await;
+            }
+            Ok::<_, Error>(index)
+        };
+        beating.store(0b01, Ordering::SeqCst);
+        let (answered, result) = view.on_owner(&key, hung).await;
+        assert_eq!((answered, result.unwrap()), (0, 0));
+
+        // Another error is the answer; no second call.
+        calls.store(0, Ordering::SeqCst);
+        let refused = |_index: usize| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            async { Err::<usize, _>(Error::new(ErrorCode::PaymentRequired, "no credit")) }
+        };
+        let (_, result) = view.on_owner(&key, refused).await;
+        assert_eq!(result.unwrap_err().code, ErrorCode::PaymentRequired);
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        // Without failover: one call, whatever it answers.
+        calls.store(0, Ordering::SeqCst);
+        let (answered, result) = fixed.on_owner(&key, unavailable).await;
+        assert_eq!(answered, 1);
+        assert_eq!(result.unwrap_err().code, ErrorCode::Unavailable);
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
     }
 
     #[test]

@@ -173,31 +173,41 @@ impl RateLimiter {
         } in windows
         {
             let owner = self.owner(&principal);
-            let response = match self.local(owner) {
+            let (owner, response) = match self.local(owner) {
                 // Decided here and now: no copy of the request, no hop.
-                Some(local) => Ok(local.decide(&Admit {
-                    request_id,
-                    principal: &principal,
-                    window: target.window,
-                    limit,
-                    estimated_tokens,
-                    account_id: caller.account_id,
-                    key_id: caller.key_id,
-                    tier: caller.tier,
-                    peek: false,
-                })),
+                Some(local) => (
+                    owner,
+                    Ok(local.decide(&Admit {
+                        request_id,
+                        principal: &principal,
+                        window: target.window,
+                        limit,
+                        estimated_tokens,
+                        account_id: caller.account_id,
+                        key_id: caller.key_id,
+                        tier: caller.tier,
+                        peek: false,
+                    })),
+                ),
+                // Another process: asked again of the next replica when
+                // this one dies or hangs meanwhile.
                 None => {
-                    self.replica(owner)?
-                        .admit(pb::AdmitRequest {
-                            request_id: request_id.to_owned(),
-                            principal: principal.clone(),
-                            window: target.window.to_owned(),
-                            limit: Some(limit),
-                            estimated_tokens,
-                            account_id: caller.account_id.to_owned(),
-                            key_id: caller.key_id.to_owned(),
-                            tier: caller.tier.to_owned(),
-                            peek: false,
+                    let request = pb::AdmitRequest {
+                        request_id: request_id.to_owned(),
+                        principal: principal.clone(),
+                        window: target.window.to_owned(),
+                        limit: Some(limit),
+                        estimated_tokens,
+                        account_id: caller.account_id.to_owned(),
+                        key_id: caller.key_id.to_owned(),
+                        tier: caller.tier.to_owned(),
+                        peek: false,
+                    };
+                    self.0
+                        .membership
+                        .on_owner(&principal, |owner| {
+                            let request = request.clone();
+                            async move { self.replica(owner)?.admit(request).await }
                         })
                         .await
                 }
