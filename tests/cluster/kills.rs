@@ -442,9 +442,10 @@ struct FaultFigures {
     last_refused: Duration,
     /// The first request of its principals sent after it and served.
     first_served: Duration,
-    /// The longest a request of its principals that was served waited for
-    /// its answer's head, among those sent from the fault to the end of
-    /// its detection window: the wait for the next replica.
+    /// The longest a request of its principals that was served took to its
+    /// whole answer (a stream's own half second included), among those
+    /// running from the fault to the end of its detection window: the
+    /// wait for the next replica.
     longest_wait: Duration,
 }
 
@@ -701,7 +702,7 @@ fn explained(load: &Load, outcomes: &[Outcome], faults: &[Fault]) -> Vec<FaultFi
                     && o.reply.answered.unwrap_or(o.reply.sent) >= fault.at.began
                     && o.reply.sent <= fault.at.done + DETECTION
             })
-            .map(|o| o.reply.answered.unwrap_or(o.reply.sent) - o.reply.sent)
+            .map(|o| o.reply.finished - o.reply.sent)
             .max()
             .unwrap_or_default();
         println!(
