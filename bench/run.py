@@ -1593,16 +1593,23 @@ def local_model_report(results, meta):
     return lines
 
 
+def measured_on_its_own(section, meta):
+    """The sentence that says where a section measured on its own (an
+    `--only` run's, kept under its "meta") comes from; empty for a section
+    of the full run."""
+    own = section.get("meta") or meta
+    if own is meta:
+        return ""
+    return (f"Measured on its own: {own['date']}, commit `{own['commit']}`, `{own['command']}`; raw figures in "
+            f"`{own['results_file']}`. ")
+
+
 def soak_report(results, meta):
     """The abuse soak's section; empty for results of runs before it."""
     soak = results.get("soak")
     if not soak:
         return []
-    own = soak.get("meta") or meta
-    when = ""
-    if own is not meta:
-        when = (f"Measured on its own: {own['date']}, commit `{own['commit']}`, `{own['command']}`; raw figures in "
-                f"`{own['results_file']}`. ")
+    when = measured_on_its_own(soak, meta)
     alone, abused = soak["alone"], soak["abused"]
     ratio = abused["p99_us"] / alone["p99_us"] if alone["p99_us"] else 0
     lines = ["", "## Abuse soak (issue 16)", "",
@@ -1635,11 +1642,7 @@ def failover_report(results, meta):
     failover = results.get("failover")
     if not failover:
         return []
-    own = failover.get("meta") or meta
-    when = ""
-    if own is not meta:
-        when = (f"Measured on its own: {own['date']}, commit `{own['commit']}`, `{own['command']}`; raw figures in "
-                f"`{own['results_file']}`. ")
+    when = measured_on_its_own(failover, meta)
     lines = ["", "## Failover (issue 17)", "",
              when + f"`make test-cluster`'s faults: the local cluster of `deploy/cluster.sh` (two gateways, two limiter "
              f"and two billing replicas, auth and router, one process each of the debug build, PostgreSQL and NATS, "
