@@ -917,6 +917,21 @@ mod tests {
         (dir, Database::connect(&url, 8).await.unwrap())
     }
 
+    /// A SQLite ledger where `owner` was credited `usd` and `diem`, and a
+    /// book over it whose streams' leases last `lease_ms`.
+    async fn funded(
+        owner: &str,
+        usd: i64,
+        diem: i64,
+        lease_ms: i64,
+    ) -> (tempfile::TempDir, Database, Ledger, Book) {
+        let (dir, db) = sqlite().await;
+        let ledger = Ledger::new(db.clone());
+        ledger.credit(owner, usd, diem, "seed").await.unwrap();
+        let book = Book::start(db.clone(), lease_ms);
+        (dir, db, ledger, book)
+    }
+
     /// A fresh PostgreSQL database, dropped by the returned guard's future.
     async fn postgres() -> (Database, impl std::future::Future<Output = ()>) {
         let server = std::env::var("E2E_POSTGRES_URL")
@@ -1089,13 +1104,7 @@ mod tests {
     /// record arriving afterwards charges nothing more.
     #[tokio::test]
     async fn a_stream_cut_by_a_crash_is_charged_its_last_checkpoint() {
-        let (_dir, db) = sqlite().await;
-        let ledger = Ledger::new(db.clone());
-        ledger
-            .credit("account:s", 10 * NANO, 0, "seed")
-            .await
-            .unwrap();
-        let book = Book::start(db.clone(), 200);
+        let (_dir, db, ledger, book) = funded("account:s", 10 * NANO, 0, 200).await;
         let placed = book.hold("account:s", &hold("s1", 4 * NANO, true)).await;
         assert!(matches!(placed.unwrap(), HoldOutcome::Placed { usd, .. } if usd == 4 * NANO));
         // Durable before the first token (in the ledger's log); the
@@ -1134,13 +1143,7 @@ mod tests {
     /// between the hold and the settlement) charges what was used, once.
     #[tokio::test]
     async fn a_settlement_after_a_restart_charges_what_was_used() {
-        let (_dir, db) = sqlite().await;
-        let ledger = Ledger::new(db.clone());
-        ledger
-            .credit("account:r", 10 * NANO, 0, "seed")
-            .await
-            .unwrap();
-        let book = Book::start(db.clone(), 30_000);
+        let (_dir, _db, ledger, book) = funded("account:r", 10 * NANO, 0, 30_000).await;
         let order = settle("r1", 3 * NANO);
         let settled = book.settle("account:r", &order).await.unwrap();
         assert_eq!(settled, charged(3 * NANO, 0, 0));
@@ -1208,13 +1211,7 @@ mod tests {
     /// key's request pays it.
     #[tokio::test]
     async fn a_charge_beyond_the_hold_stays_within_the_keys_cap() {
-        let (_dir, db) = sqlite().await;
-        let ledger = Ledger::new(db.clone());
-        ledger
-            .credit("account:c", 10 * NANO, 0, "seed")
-            .await
-            .unwrap();
-        let book = Book::start(db.clone(), 30_000);
+        let (_dir, _db, ledger, book) = funded("account:c", 10 * NANO, 0, 30_000).await;
         let cap = KeyCap {
             key_id: "key-c".into(),
             period: "EPOCH:1".into(),
@@ -1500,13 +1497,7 @@ mod tests {
     /// the database agrees.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_key_cap_holds_exactly_under_a_race() {
-        let (_dir, db) = sqlite().await;
-        let ledger = Ledger::new(db.clone());
-        ledger
-            .credit("account:k", 10 * NANO, 0, "seed")
-            .await
-            .unwrap();
-        let book = Book::start(db, 30_000);
+        let (_dir, _db, _ledger, book) = funded("account:k", 10 * NANO, 0, 30_000).await;
         let cap = KeyCap {
             key_id: "key-1".into(),
             period: "EPOCH:1".into(),
@@ -1562,13 +1553,7 @@ mod tests {
     /// hold is charged from the balance no other hold reserves.
     #[tokio::test]
     async fn diem_pays_first_and_a_cost_above_the_hold_is_charged_from_the_rest() {
-        let (_dir, db) = sqlite().await;
-        let ledger = Ledger::new(db.clone());
-        ledger
-            .credit("account:w", 2 * NANO, NANO, "seed")
-            .await
-            .unwrap();
-        let book = Book::start(db, 30_000);
+        let (_dir, _db, ledger, book) = funded("account:w", 2 * NANO, NANO, 30_000).await;
         let placed = book
             .hold("account:w", &hold("w1", 3 * NANO / 2, false))
             .await
@@ -1667,13 +1652,7 @@ mod tests {
     /// balance that already has the charge: memory must not count it twice.
     #[tokio::test]
     async fn a_refresh_batched_with_a_settlement_counts_it_once() {
-        let (_dir, db) = sqlite().await;
-        let ledger = Ledger::new(db.clone());
-        ledger
-            .credit("account:o", 10 * NANO, 0, "seed")
-            .await
-            .unwrap();
-        let book = Book::start(db, 30_000);
+        let (_dir, _db, ledger, book) = funded("account:o", 10 * NANO, 0, 30_000).await;
         book.hold("account:o", &hold("o1", 2 * NANO, false))
             .await
             .unwrap();

@@ -50,8 +50,6 @@ struct Replication {
     /// `<prefix>.limiter.replication.<index>` of each replica: what each
     /// hears (the principals it is first or second in line for).
     subjects: Vec<String>,
-    /// This replica's name, as `remote.limiter` lists it.
-    origin: String,
 }
 
 /// How long an admission waits for its event to be taken by the bus client
@@ -169,7 +167,6 @@ impl LocalLimiter {
                 let subjects: Vec<String> = (0..membership.len())
                     .map(|index| bus.subject(&format!("{REPLICATION_SUBJECT}.{index}")))
                     .collect();
-                let origin = membership.name(me).to_owned();
                 // Only the events of principals this replica is first or
                 // second in line for are sent to it.
                 let mut events = bus.subscribe(subjects[me].clone(), None).await?;
@@ -188,7 +185,6 @@ impl LocalLimiter {
                     membership,
                     me,
                     subjects,
-                    origin,
                 }))
             }
             None => None,
@@ -206,11 +202,10 @@ impl LocalLimiter {
     /// its way before anyone acts on the decision.
     /// It goes to the other of the principal's first two replicas (to
     /// both when this one is neither: two are down).
-    async fn replicate(&self, event: impl FnOnce(String) -> pb::WindowEvent) {
+    async fn replicate(&self, event: pb::WindowEvent) {
         let Some(replication) = &self.replication else {
             return;
         };
-        let event = event(replication.origin.clone());
         let (first, second) = replication.membership.first_two(&event.principal);
         let payload = Bytes::from(event.encode_to_vec());
         for target in [Some(first), second].into_iter().flatten() {
@@ -288,20 +283,18 @@ impl LimiterService for LocalLimiter {
     async fn admit(&self, request: pb::AdmitRequest) -> Result<pb::AdmitResponse> {
         let response = self.decide(&Admit::of(&request));
         if response.admitted && !request.peek {
-            let at_ms = crate::clock::now_ms();
-            let daily = request.limit.is_some_and(|l| l.requests_per_day > 0);
             // The owner's count of the day, so that a copy that missed some
             // (it started mid-day) still refuses past the daily limit.
-            let day_count = if daily {
-                self.principals
-                    .day_count(&request.principal, &request.window, at_ms)
+            let day_count = if request.limit.is_some_and(|l| l.requests_per_day > 0) {
+                self.principals.day_count(
+                    &request.principal,
+                    &request.window,
+                    crate::clock::now_ms(),
+                )
             } else {
                 0
             };
-            self.replicate(|origin| pb::WindowEvent {
-                origin,
-                at_ms,
-                counts_day: daily,
+            self.replicate(pb::WindowEvent {
                 day_count,
                 estimated_tokens: request.estimated_tokens,
                 request_id: request.request_id,
@@ -319,8 +312,7 @@ impl LimiterService for LocalLimiter {
         if request.release {
             // Commits travel on the bus to every replica; releases come
             // here alone, so they are passed on.
-            self.replicate(|origin| pb::WindowEvent {
-                origin,
+            self.replicate(pb::WindowEvent {
                 estimated_tokens: request.estimated_tokens,
                 request_id: request.request_id,
                 principal: request.principal,

@@ -371,7 +371,7 @@ impl Principals {
         let Some(named) = principal.windows.get_mut(event.window.as_str()) else {
             return;
         };
-        let day_count = event.counts_day.then_some(event.day_count);
+        let day_count = (event.day_count > 0).then_some(event.day_count);
         let added = named
             .window
             .replay(now, now, event.estimated_tokens, tag, day_count);
