@@ -13,7 +13,12 @@ the manifests:
   their StatefulSet, in order, by pod name under its headless Service
   (http://rialto-limiter-0.rialto-limiter:9090, ...);
 - every other host named in [remote] and bus.url without a dot is a Service
-  of the render, on that port;
+  of the render, on that port; so is web_search.url's host when the
+  gateway's provider is searxng (its [web_search] is rialto.toml's under the
+  gateway's RIALTO_WEB_SEARCH__* variables, which win, as in the binary),
+  and that URL is http(s);
+- every RIALTO_<SECTION>__<KEY> variable of a Rialto container names a
+  top-level key of the binary (it ignores the others without a word);
 - the ports: gateway.listen is the gateway's http port, grpc.listen the
   other services' grpc port and their gRPC probes', metrics.listen every
   pod's metrics port and prometheus.io/port;
@@ -76,7 +81,8 @@ def main() -> int:
         print(f"check_render: {path.name}: expected one rialto-config ConfigMap, found {len(configs)}", file=sys.stderr)
         return 1
     config = tomllib.loads(configs[0]["data"]["rialto.toml"])
-    for key in sorted(set(config) - top_level_keys()):
+    known = top_level_keys()
+    for key in sorted(set(config) - known):
         errors.append(f"rialto.toml: unknown top-level key {key!r} (the binary would refuse it)")
 
     workloads = {}
@@ -113,15 +119,46 @@ def main() -> int:
     hosts = [(f"remote.{s}", remote[s]) for s in ("auth", "router") if s in remote]
     if config.get("bus", {}).get("url"):
         hosts.append(("bus.url", config["bus"]["url"]))
+
+    # The gateway's [web_search]: rialto.toml's, under its variables.
+    search = dict(config.get("web_search", {}))
+    gateway = workloads.get("rialto-gateway")
+    if gateway:
+        for env in gateway["spec"]["template"]["spec"]["containers"][0].get("env", []):
+            prefix = "RIALTO_WEB_SEARCH__"
+            if env["name"].upper().startswith(prefix) and "value" in env:
+                search[env["name"][len(prefix):].lower()] = env["value"]
+    if search.get("provider") == "searxng":
+        url = search.get("url", "")
+        if urlsplit(url).scheme not in ("http", "https"):
+            errors.append(f"web_search.url = {url!r}: not the SearXNG instance's http(s) base URL")
+        else:
+            hosts.append(("web_search.url", url))
+
     for key, url in hosts:
         parts = urlsplit(url)
         if "." in (parts.hostname or ""):
             continue  # outside the render (another namespace, or outside the cluster)
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
         service = services.get(parts.hostname)
         if not service:
             errors.append(f"{key} = {url}: no Service {parts.hostname} in the render")
-        elif parts.port not in [p["port"] for p in service["spec"]["ports"]]:
-            errors.append(f"{key} = {url}: Service {parts.hostname} has no port {parts.port}")
+        elif port not in [p["port"] for p in service["spec"]["ports"]]:
+            errors.append(f"{key} = {url}: Service {parts.hostname} has no port {port}")
+
+    for service in SERVICES:
+        workload = workloads.get(f"rialto-{service}")
+        if not workload:
+            continue
+        for env in workload["spec"]["template"]["spec"]["containers"][0].get("env", []):
+            name = env["name"]
+            if name.upper().startswith("RIALTO_") and "__" in name:
+                section = name[len("RIALTO_"):].split("__", 1)[0].lower()
+                if section not in known:
+                    errors.append(
+                        f"rialto-{service}: {name} names no top-level key of the binary, "
+                        f"which ignores it"
+                    )
 
     metrics_port = port_of(config["metrics"]["listen"]) if config.get("metrics", {}).get("listen") else None
     for service in SERVICES:
