@@ -23,3 +23,4 @@ mod sign_in;
 mod support;
 mod tracing;
 mod wallet;
+mod web;

@@ -6,7 +6,7 @@
 
 use std::path::PathBuf;
 
-use rialto_test_kit::{MockUpstream, Sandbox, Storage, Topology};
+use rialto_test_kit::{MockSearxng, MockUpstream, Sandbox, Storage, Topology};
 
 use crate::both_topologies;
 use crate::support::{World, models_toml};
@@ -82,12 +82,14 @@ mod openapi_conformance {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn one_process() {
-        super::openapi_conformance(&conformance_world(Topology::OneProcess).await).await;
+        let (world, searxng) = conformance_world(Topology::OneProcess).await;
+        super::openapi_conformance(&world, &searxng).await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn split() {
-        super::openapi_conformance(&conformance_world(Topology::Split).await).await;
+        let (world, searxng) = conformance_world(Topology::Split).await;
+        super::openapi_conformance(&world, &searxng).await;
     }
 }
 
@@ -95,9 +97,14 @@ mod openapi_conformance {
 /// that the conformance check meets a real 429 from the limiter.
 const LIMITED_MODEL: &str = "limited-chat";
 
-/// The shared world's catalog plus [`LIMITED_MODEL`].
-async fn conformance_world(topology: Topology) -> World {
+/// A model that searches the web, with a mock SearXNG behind it.
+const SEARCH_MODEL: &str = "search-chat";
+
+/// The shared world's catalog plus [`LIMITED_MODEL`] and [`SEARCH_MODEL`],
+/// and the mock SearXNG (which also serves the pages to scrape).
+async fn conformance_world(topology: Topology) -> (World, MockSearxng) {
     let mock = MockUpstream::start().await.unwrap();
+    let searxng = MockSearxng::start().await.unwrap();
     let limited = format!(
         r#"
 [[models]]
@@ -107,21 +114,40 @@ tier = "XS"
 global_rpm = 1
 backends = [{{ kind = "openai", url = "{}", model = "mock-model" }}]
 
+[[models]]
+id = "{SEARCH_MODEL}"
+input_usd_per_mtok = 1.0
+output_usd_per_mtok = 1.0
+capabilities = ["web_search", "tools"]
+backends = [{{ kind = "openai", url = "{}", model = "mock-model" }}]
+
+[web_search]
+provider = "searxng"
+url = "{}"
+usd_per_search = 0.01
+
+[web_scraping]
+usd_per_scraped_url = 0.002
+
 # The script signs in an empty wallet and uses free models with it (the
 # default minimum refuses that: tests/e2e/wallet.rs).
 [wallet]
 min_balance_usd = "0"
 "#,
-        mock.base_url()
+        mock.base_url(),
+        mock.base_url(),
+        searxng.url()
     );
     let sandbox = Sandbox::builder(topology)
         .storage(Storage::Sqlite)
         .config(&models_toml(&mock.base_url()))
         .config(&limited)
+        // The mock SearXNG's pages are on loopback.
+        .env("RIALTO_GATEWAY__FILE_URLS_ALLOW_PRIVATE", "true")
         .start()
         .await
         .unwrap();
-    World { mock, sandbox }
+    (World { mock, sandbox }, searxng)
 }
 
 /// An independent wallet (eth-account for the sign-in, the x402 Python SDK
@@ -170,7 +196,8 @@ max_usd = "10000"
     assert_eq!(facilitator.settlements().len(), 1);
 }
 
-async fn openapi_conformance(world: &World) {
+async fn openapi_conformance(world: &World, searxng: &MockSearxng) {
+    let page = searxng.page_url("conformance");
     let stdout = run_script(
         "openapi_conformance.py",
         &[
@@ -178,6 +205,8 @@ async fn openapi_conformance(world: &World) {
             ("RIALTO_E2E_OPERATOR_TOKEN", &world.sandbox.operator_token),
             ("RIALTO_E2E_MODEL", "mock-chat"),
             ("RIALTO_E2E_LIMITED_MODEL", LIMITED_MODEL),
+            ("RIALTO_E2E_SEARCH_MODEL", SEARCH_MODEL),
+            ("RIALTO_E2E_PAGE_URL", &page),
         ],
     )
     .await;

@@ -255,6 +255,32 @@ assert len(stream_cost) == 1 and stream_cost[0]["usd"] > 0 and stream_cost[0]["d
 spent += stream_cost[0]["usd"]
 # What the chats cost is what the balance lost.
 assert balance(admin)["balances"] == {"diem": 0, "usd": 100 - spent}, spent
+
+# Web search in a chat, and the augment routes, against a mock SearXNG that
+# also serves the page to scrape; each is billed its configured price.
+search_model = os.environ["RIALTO_E2E_SEARCH_MODEL"]
+searched = check(session.post(f"{api}/chat/completions", headers=inference, json={
+    "model": search_model, "messages": hello,
+    "rialto_parameters": {"enable_web_search": "on", "enable_web_citations": True}}), 200)
+assert len(searched.json()["rialto_parameters"]["web_search_citations"]) == 3, searched.text
+spent += numbers(searched)["cost"]["usd"]
+found = check(session.post(f"{api}/augment/search", json={"query": "conformance", "limit": 2}, headers=inference),
+              200).json()
+assert [r["title"] for r in found["results"]] == ["Result 1 about conformance", "Result 2 about conformance"], found
+spent += Decimal("0.01")
+page = check(session.post(f"{api}/augment/scrape", json={"url": os.environ["RIALTO_E2E_PAGE_URL"]},
+                          headers=inference), 200).json()
+assert "the answer is 42" in page["content"] and page["format"] == "markdown", page
+spent += Decimal("0.002")
+check(session.post(f"{api}/augment/scrape", json={"url": "not a url"}, headers=inference), 400, valid_request=False)
+parsed = check(session.post(f"{api}/augment/text-parser", files={"file": ("notes.txt", b"some text here")},
+                            headers=inference), 200).json()
+assert parsed == {"text": "some text here", "tokens": 4}, parsed
+as_text = check(session.post(f"{api}/augment/text-parser", files={"file": ("notes.txt", b"some text here")},
+                             data={"response_format": "text"}, headers=inference), 200)
+assert as_text.text == "some text here", as_text.text
+check(session.post(f"{api}/augment/text-parser", files={"file": ("tool.exe", b"MZ")}, headers=inference), 400)
+assert balance(admin)["balances"] == {"diem": 0, "usd": 100 - spent}, spent
 check(session.post(f"{api}/chat/completions", json={"model": model, "messages": []}, headers=inference), 400,
       valid_request=False)
 check(session.post(f"{api}/chat/completions", json={"model": "nope", "messages": hello}, headers=inference), 404)

@@ -93,7 +93,19 @@ pub struct Prices {
     pub cache_write: Decimal,
 }
 
+/// What the `model_id` of an augment endpoint's hold starts with
+/// (`augment/search`): no tokens to price, only the extra it names.
+pub const AUGMENT_PREFIX: &str = "augment/";
+
 impl Prices {
+    /// Tokens cost nothing (an augment endpoint's charge is its extra).
+    pub const FREE: Prices = Prices {
+        input: Decimal::ZERO,
+        output: Decimal::ZERO,
+        cached_input: Decimal::ZERO,
+        cache_write: Decimal::ZERO,
+    };
+
     pub fn from_model(model: &ModelConfig) -> Self {
         let input = price_decimal(model.input_usd_per_mtok);
         Self {
@@ -118,7 +130,10 @@ impl Prices {
             .saturating_add(Decimal::from(cached).saturating_mul(self.cached_input))
             .saturating_add(Decimal::from(written).saturating_mul(self.cache_write))
             .saturating_add(Decimal::from(usage.completion_tokens).saturating_mul(self.output));
-        (per_mtok / Decimal::from(1_000_000u32)).normalize()
+        let extra = Decimal::from(usage.extra_usd_nanos) / Decimal::from(NANOS);
+        (per_mtok / Decimal::from(1_000_000u32))
+            .saturating_add(extra)
+            .normalize()
     }
 }
 
@@ -339,6 +354,11 @@ impl LocalBilling {
     }
 
     fn prices(&self, model_id: &str) -> Result<&Prices> {
+        static NO_TOKENS: Prices = Prices::FREE;
+        if model_id.starts_with(AUGMENT_PREFIX) {
+            // An augment endpoint's charge is all extra.
+            return Ok(&NO_TOKENS);
+        }
         self.prices
             .get(model_id)
             .ok_or_else(|| Error::new(ErrorCode::ModelNotFound, "Specified model not found"))
@@ -360,6 +380,7 @@ impl BillingService for LocalBilling {
         let most = prices.cost(&pb::Usage {
             prompt_tokens: request.prompt_tokens,
             completion_tokens: request.max_completion_tokens,
+            extra_usd_nanos: request.extra_usd_nanos,
             ..Default::default()
         });
         let now = rialto_core::db::now_ms();
@@ -759,6 +780,7 @@ mod tests {
                 max_completion_tokens: 1000,
                 key_limit: None,
                 durable: true,
+                extra_usd_nanos: 0,
             })
             .await
             .unwrap();
@@ -834,6 +856,7 @@ mod tests {
             cached_prompt_tokens: 500_000,
             completion_tokens: 0,
             cache_write_tokens: 0,
+            extra_usd_nanos: 0,
         };
         assert_eq!(prices.cost(&usage).to_string(), "0.55");
     }
@@ -860,6 +883,7 @@ mod tests {
             max_completion_tokens: 1000,
             key_limit: None,
             durable: false,
+            extra_usd_nanos: 0,
         };
         // At most 1000 * $1/M + 1000 * $2/M = $0.003: fits in 0.001 DIEM + $0.003.
         let placed = billing.hold(hold("r1")).await.unwrap();
@@ -955,6 +979,7 @@ mod tests {
                     max_completion_tokens: 0,
                     key_limit: None,
                     durable: false,
+                    extra_usd_nanos: 0,
                 };
                 (i, billing.hold(hold).await.unwrap())
             }

@@ -23,6 +23,8 @@ pub struct Brand {
     pub header_model_deprecation_date: String,
     pub header_balance_usd: String,
     pub header_balance_diem: String,
+    /// Why a request's web search was left out (the provider failed).
+    pub header_web_search_error: String,
 }
 
 impl Brand {
@@ -42,6 +44,7 @@ impl Brand {
             header_model_deprecation_date: header("model-deprecation-date"),
             header_balance_usd: header("balance-usd"),
             header_balance_diem: header("balance-diem"),
+            header_web_search_error: header("web-search-error"),
             name,
         }
     }

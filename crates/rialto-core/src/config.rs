@@ -43,6 +43,82 @@ pub struct Config {
     pub metrics: MetricsConfig,
     pub shutdown: ShutdownConfig,
     pub failover: FailoverConfig,
+    pub web_search: WebSearchConfig,
+    pub web_scraping: WebScrapingConfig,
+    pub text_parser: TextParserConfig,
+}
+
+/// The search provider behind `enable_web_search` and `POST
+/// /augment/search` (`[web_search]`). With no `provider`, requests asking
+/// for search are refused (400) and no model advertises it.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WebSearchConfig {
+    /// `searxng` (a SearXNG instance's JSON API at `url`) or `brave` (the
+    /// Brave Search API; `url` defaults to its public endpoint); empty for
+    /// none.
+    pub provider: String,
+    /// SearXNG: the instance's base URL (`http://searxng:8080`). Brave: the
+    /// web-search endpoint, when not the public one.
+    pub url: String,
+    /// Environment variable holding the provider's API key (Brave's
+    /// subscription token), read at start.
+    pub api_key_env: Option<String>,
+    /// Results a search puts in the prompt (and `/augment/search` returns
+    /// when the caller sets no `limit`); 1 to 20.
+    pub max_results: usize,
+    /// How long a search may take before the request goes on without it.
+    pub timeout_ms: u64,
+    /// Price of one search, added to the request's cost (USD).
+    pub usd_per_search: f64,
+    /// What `enable_web_search = "on"` searches for: `last_user_message`
+    /// (its text, as written) or `model` (a query the model writes from the
+    /// conversation first, priced at its token prices).
+    pub query: String,
+}
+
+impl Default for WebSearchConfig {
+    fn default() -> Self {
+        Self {
+            provider: String::new(),
+            url: String::new(),
+            api_key_env: None,
+            max_results: 10,
+            timeout_ms: 5_000,
+            usd_per_search: 0.0,
+            query: "last_user_message".to_owned(),
+        }
+    }
+}
+
+/// `enable_web_scraping` and `POST /augment/scrape` (`[web_scraping]`):
+/// pages are fetched under the file-URL rules and limits (public addresses
+/// only unless `gateway.file_urls_allow_private`, no redirects, 15 s, 10
+/// MiB).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct WebScrapingConfig {
+    /// Price of one successfully scraped URL (USD).
+    pub usd_per_scraped_url: f64,
+    /// Characters of one page's readable text kept for the prompt.
+    pub max_chars_per_page: usize,
+}
+
+impl Default for WebScrapingConfig {
+    fn default() -> Self {
+        Self {
+            usd_per_scraped_url: 0.0,
+            max_chars_per_page: 20_000,
+        }
+    }
+}
+
+/// `POST /augment/text-parser` (`[text_parser]`).
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TextParserConfig {
+    /// Price of one parsed file (USD); free when 0.
+    pub usd_per_file: f64,
 }
 
 /// Failover among limiter and billing replicas (`[failover]`), when several
@@ -558,6 +634,16 @@ pub struct ModelConfig {
     /// guess would count less (code, punctuation, other scripts).
     #[serde(default)]
     pub tokenizer: Option<String>,
+    /// Members merged into the upstream body when a request sets
+    /// `enable_x_search` (the model's upstream searches the web and social
+    /// media itself, e.g. `{ search_parameters = { mode = "on" } }`); a
+    /// request setting it on a model without this is refused.
+    #[serde(default)]
+    pub native_search: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Price of one request with `enable_x_search` on (USD), on top of its
+    /// tokens.
+    #[serde(default)]
+    pub native_search_usd: f64,
     #[serde(default)]
     pub backends: Vec<BackendConfig>,
 }
@@ -624,7 +710,10 @@ fn default_tier() -> String {
 }
 
 /// Top-level keys of [`Config`], the only ones `RIALTO_*` variables may set.
-const TOP_LEVEL_KEYS: [&str; 19] = [
+const TOP_LEVEL_KEYS: [&str; 22] = [
+    "web_search",
+    "web_scraping",
+    "text_parser",
     "brand",
     "services",
     "gateway",
@@ -671,6 +760,9 @@ impl Default for Config {
             metrics: MetricsConfig::default(),
             shutdown: ShutdownConfig::default(),
             failover: FailoverConfig::default(),
+            web_search: WebSearchConfig::default(),
+            web_scraping: WebScrapingConfig::default(),
+            text_parser: TextParserConfig::default(),
         }
     }
 }
@@ -836,6 +928,72 @@ impl ModelConfig {
     }
 }
 
+impl Config {
+    /// `[web_search]`, `[web_scraping]`, `[text_parser]` and the models'
+    /// native search.
+    fn validate_augment(&self) -> Result<(), ConfigError> {
+        let invalid = |msg: String| Err(ConfigError::Invalid(msg));
+        let search = &self.web_search;
+        match search.provider.as_str() {
+            "" | "brave" => {}
+            "searxng"
+                if search.url.starts_with("http://") || search.url.starts_with("https://") => {}
+            "searxng" => {
+                return invalid(format!(
+                    "web_search.url {:?} must be the SearXNG instance's http(s) base URL",
+                    search.url
+                ));
+            }
+            other => {
+                return invalid(format!(
+                    "web_search.provider {other:?} must be \"searxng\", \"brave\" or empty"
+                ));
+            }
+        }
+        if search.provider == "brave" && search.api_key_env.as_deref().unwrap_or("").is_empty() {
+            return invalid(
+                "web_search.provider \"brave\" needs web_search.api_key_env (the variable \
+                 holding the subscription token)"
+                    .into(),
+            );
+        }
+        if !(1..=20).contains(&search.max_results) || search.timeout_ms == 0 {
+            return invalid(
+                "web_search.max_results must be 1 to 20 and web_search.timeout_ms at least 1"
+                    .into(),
+            );
+        }
+        if !matches!(search.query.as_str(), "last_user_message" | "model") {
+            return invalid(format!(
+                "web_search.query {:?} must be \"last_user_message\" or \"model\"",
+                search.query
+            ));
+        }
+        let scraping = &self.web_scraping;
+        if scraping.max_chars_per_page == 0 {
+            return invalid("web_scraping.max_chars_per_page must be at least 1".into());
+        }
+        let prices = [
+            ("web_search.usd_per_search", search.usd_per_search),
+            (
+                "web_scraping.usd_per_scraped_url",
+                scraping.usd_per_scraped_url,
+            ),
+            ("text_parser.usd_per_file", self.text_parser.usd_per_file),
+        ];
+        let models = self
+            .models
+            .iter()
+            .map(|m| ("native_search_usd", m.native_search_usd));
+        for (name, price) in prices.into_iter().chain(models) {
+            if !price.is_finite() || price < 0.0 {
+                return invalid(format!("{name} must be a price of at least 0"));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// A configuration that cannot be loaded or makes no sense.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -998,6 +1156,7 @@ impl Config {
                 self.wallet.min_balance_usd
             ));
         }
+        self.validate_augment()?;
         let billing = &self.billing;
         if billing.stream_lease_secs == 0
             || billing.checkpoint_ms.saturating_mul(2)

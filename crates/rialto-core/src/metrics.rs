@@ -155,6 +155,11 @@ pub struct Metrics {
     pub replica_up: Family<ReplicaLabels, Gauge>,
     pub ownership_moves: Family<MoveLabels, Counter>,
     pub replica_away_seconds: Family<ServiceLabels, Histogram, AwayBuckets>,
+    /// Web searches made for requests: `ok` or `failed` (the provider
+    /// failed or timed out: the answer went on without it).
+    pub web_searches: Family<OutcomeLabels, Counter>,
+    /// Pages fetched for requests: `ok` or `failed`.
+    pub pages_scraped: Family<OutcomeLabels, Counter>,
     /// Log lines dropped because stdout fell behind (set at scrape time by
     /// `telemetry`).
     pub log_lines_dropped: Counter,
@@ -196,6 +201,8 @@ impl Metrics {
         let ownership_moves = Family::default();
         let replica_away_seconds = Family::new_with_constructor(AwayBuckets);
         let log_lines_dropped = Counter::default();
+        let web_searches = Family::default();
+        let pages_scraped = Family::default();
         registry.register(
             "http_requests",
             "HTTP requests answered, by route, method and status",
@@ -290,6 +297,17 @@ impl Metrics {
             replica_away_seconds.clone(),
         );
         registry.register(
+            "web_searches",
+            "Web searches made for requests, by outcome (ok, or failed: the answer went on \
+             without it)",
+            web_searches.clone(),
+        );
+        registry.register(
+            "pages_scraped",
+            "Web pages fetched and read for requests, by outcome (ok or failed)",
+            pages_scraped.clone(),
+        );
+        registry.register(
             "log_lines_dropped",
             "Log lines dropped because stdout fell 128,000 lines behind",
             log_lines_dropped.clone(),
@@ -315,6 +333,8 @@ impl Metrics {
             replica_up,
             ownership_moves,
             replica_away_seconds,
+            web_searches,
+            pages_scraped,
             log_lines_dropped,
         }
     }

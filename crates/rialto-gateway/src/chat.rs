@@ -24,6 +24,7 @@ use rialto_proto::router::v1::chat_stream_event::Event;
 use serde_json::{Map, Value, json};
 use tokio::sync::mpsc;
 
+use crate::augment;
 use crate::headers::RequestId;
 use crate::{
     ApiError, Details, Gateway, ModelEntry, RateLimitHeaders, authenticate, header_value,
@@ -44,6 +45,8 @@ struct Chat {
     service: router_pb::ServiceParameters,
     prompt_tokens_estimate: u64,
     estimated_tokens: u64,
+    /// `enable_x_search` (not echoed: the spec's echo has no such member).
+    x_search: bool,
 }
 
 /// Per-request facts the response needs.
@@ -59,6 +62,9 @@ struct Exchange {
     checkpoint_every: std::time::Duration,
     /// How long a stream waits for its client to take a chunk.
     reader_patience: std::time::Duration,
+    /// What the request asks of the web, and what came of it.
+    web: Option<augment::Plan>,
+    found: augment::Outcome,
 }
 
 /// `X-Balance-Remaining`: a wallet's USD balance after the request.
@@ -93,11 +99,18 @@ pub(crate) struct Settlement {
     /// That key's caps, which bound a charge beyond the hold.
     key_limit: Option<billing_pb::KeyLimit>,
     prices: rialto_billing::Prices,
+    /// What the request cost besides its tokens (searches, scraped pages),
+    /// in USD nano-units: charged with whatever usage it settles.
+    pub(crate) extra_usd_nanos: u64,
+    /// Tokens the request used besides its answer's (the model's search
+    /// query), counted in its rate windows.
+    pub(crate) extra_tokens: u64,
 }
 
 impl Settlement {
     fn settle(&mut self, used_tokens: u64) {
         if let Some(ticket) = self.ticket.take() {
+            let used_tokens = used_tokens.saturating_add(self.extra_tokens);
             self.limiter.commit(ticket, used_tokens);
         }
     }
@@ -109,11 +122,19 @@ impl Settlement {
         }
     }
 
+    /// `usage` with the request's extras, as billing prices it.
+    fn billed(&self, usage: &Usage) -> billing_pb::Usage {
+        billing_pb::Usage {
+            extra_usd_nanos: self.extra_usd_nanos,
+            ..usage.billed()
+        }
+    }
+
     fn settle_request(&self, usage: &Usage) -> billing_pb::SettleRequest {
         billing_pb::SettleRequest {
             request_id: self.request_id.clone(),
             model_id: self.model_id.clone(),
-            usage: Some(usage.billed()),
+            usage: Some(self.billed(usage)),
             owner: self.owner.clone(),
             held_usd: self.held_usd.clone(),
             held_diem: self.held_diem.clone(),
@@ -134,7 +155,7 @@ impl Settlement {
             request_id: self.request_id.clone(),
             owner: self.owner.clone(),
             model_id: self.model_id.clone(),
-            usage: Some(usage.billed()),
+            usage: Some(self.billed(usage)),
         };
         tokio::spawn(async move {
             if let Err(error) = billing.checkpoint(request).await {
@@ -215,8 +236,11 @@ impl Settlement {
         }
     }
 
-    /// No backend answered: nothing used, nothing charged, the hold released.
+    /// No backend answered: nothing used, nothing charged (not the
+    /// searches either: a request that fails costs nothing), the hold
+    /// released.
     pub(crate) fn release(&mut self) {
+        self.extra_usd_nanos = 0;
         self.bill_later(&Usage::none());
     }
 }
@@ -352,9 +376,36 @@ async fn complete_or_stream(
         chat.estimated_tokens = chat.estimated_tokens.saturating_add(more);
     }
     // Validation refused anything but an object.
-    let Value::Object(body) = body else {
+    let Value::Object(mut body) = body else {
         return Err(rialto_core::Error::internal("a validated chat body is not an object").into());
     };
+    let web = augment::plan(
+        gateway,
+        model,
+        &mut chat.parameters,
+        chat.x_search,
+        &mut body,
+        chat.prompt_tokens_estimate,
+    );
+    let web = match web {
+        Ok(web) => web,
+        Err(error) => {
+            if let Some(admission) = limited {
+                gateway.services.limiter.commit(admission.ticket, 0);
+            }
+            return Err(error);
+        }
+    };
+    if let Some(plan) = &web {
+        // The sources it may add are prompt too.
+        chat.prompt_tokens_estimate = chat
+            .prompt_tokens_estimate
+            .saturating_add(plan.most_prompt_tokens);
+        chat.estimated_tokens = chat
+            .estimated_tokens
+            .saturating_add(plan.most_prompt_tokens)
+            .saturating_add(plan.most_query_tokens);
+    }
 
     let Admitted {
         settlement,
@@ -363,12 +414,13 @@ async fn complete_or_stream(
         gateway,
         request,
         principal,
-        model,
+        Priced::model(model),
         &request_id,
         Reservation {
             prompt_tokens: chat.prompt_tokens_estimate,
             total_tokens: chat.estimated_tokens,
             durable: chat.stream,
+            extra_usd_nanos: web.as_ref().map_or(0, |plan| plan.most_extra_usd_nanos),
         },
         limited,
     )
@@ -389,6 +441,8 @@ async fn complete_or_stream(
         wallet_usd_before,
         checkpoint_every: gateway.checkpoint_every,
         reader_patience: gateway.reader_patience,
+        web,
+        found: augment::Outcome::default(),
     };
     if exchange.chat.stream {
         stream(gateway, model, router_request, exchange).await
@@ -447,6 +501,26 @@ pub(crate) struct Reservation {
     /// A stream's hold: written before the first token, so a crash after
     /// it still charges the stream.
     pub(crate) durable: bool,
+    /// The most the request can cost besides its tokens (USD nano-units).
+    pub(crate) extra_usd_nanos: u64,
+}
+
+/// What a request is limited and priced as: a model, or an endpoint
+/// whose price is all extra.
+pub(crate) struct Priced<'a> {
+    pub(crate) target: Target<'a>,
+    pub(crate) model_id: &'a str,
+    pub(crate) prices: rialto_billing::Prices,
+}
+
+impl<'a> Priced<'a> {
+    pub(crate) fn model(model: &'a ModelEntry) -> Self {
+        Self {
+            target: Target::model(&model.config),
+            model_id: &model.config.id,
+            prices: rialto_billing::Prices::from_model(&model.config),
+        }
+    }
 }
 
 /// Admits a request to `model` through the limiter (its rate-limit headers
@@ -458,11 +532,16 @@ pub(crate) async fn admit(
     gateway: &Gateway,
     request: &HttpRequest,
     principal: &auth_pb::Principal,
-    model: &ModelEntry,
+    priced: Priced<'_>,
     request_id: &str,
     reservation: Reservation,
     limited: Option<Admission>,
 ) -> Result<Admitted, ApiError> {
+    let Priced {
+        target,
+        model_id,
+        prices,
+    } = priced;
     let limiter = &gateway.services.limiter;
     let owner = crate::ledger_owner(principal);
     // Sent with the hold, and with the settlement (a charge beyond the hold
@@ -477,7 +556,7 @@ pub(crate) async fn admit(
                 limiter
                     .admit(
                         crate::caller(principal),
-                        Target::model(&model.config),
+                        target,
                         request_id,
                         reservation.total_tokens,
                     )
@@ -488,16 +567,16 @@ pub(crate) async fn admit(
     let holding = gateway.services.billing.hold(billing_pb::HoldRequest {
         owner: owner.clone(),
         request_id: request_id.to_owned(),
-        model_id: model.config.id.clone(),
+        model_id: model_id.to_owned(),
         prompt_tokens: reservation.prompt_tokens,
         max_completion_tokens: reservation
             .total_tokens
             .saturating_sub(reservation.prompt_tokens),
         key_limit: key_limit.clone(),
         durable: reservation.durable,
+        extra_usd_nanos: reservation.extra_usd_nanos,
     });
     let (admission, hold) = futures_util::future::join(admitting, holding).await;
-    let prices = rialto_billing::Prices::from_model(&model.config);
     // A hold the limiter's refusal makes useless is released at once.
     let release_hold = |hold: &billing_pb::HoldResponse| {
         if !(hold.placed && hold.reserved) {
@@ -510,7 +589,7 @@ pub(crate) async fn admit(
             usage_queue: gateway.services.usage_queue.clone(),
             owner: owner.clone(),
             request_id: request_id.to_owned(),
-            model_id: model.config.id.clone(),
+            model_id: model_id.to_owned(),
             held: true,
             held_usd: hold.held_usd.clone(),
             held_diem: hold.held_diem.clone(),
@@ -518,6 +597,8 @@ pub(crate) async fn admit(
             key_period: hold.key_period.clone(),
             key_limit: None,
             prices: prices.clone(),
+            extra_usd_nanos: 0,
+            extra_tokens: 0,
         };
         orphan.release();
     };
@@ -547,7 +628,7 @@ pub(crate) async fn admit(
         usage_queue: gateway.services.usage_queue.clone(),
         owner,
         request_id: request_id.to_owned(),
-        model_id: model.config.id.clone(),
+        model_id: model_id.to_owned(),
         held: false,
         held_usd: String::new(),
         held_diem: String::new(),
@@ -555,6 +636,8 @@ pub(crate) async fn admit(
         key_period: String::new(),
         key_limit: None,
         prices,
+        extra_usd_nanos: 0,
+        extra_tokens: 0,
     };
     let hold = match hold {
         Ok(hold) => hold,
@@ -649,6 +732,8 @@ struct Answered {
     retry_count: u32,
     /// `X-Balance-Remaining` of a signed-in wallet.
     balance_remaining: Option<String>,
+    /// Why the web search was left out, if it was.
+    search_error: Option<String>,
 }
 
 async fn complete(
@@ -684,6 +769,7 @@ async fn complete(
     if let Some(remaining) = answered.balance_remaining {
         response.insert_header((BALANCE_REMAINING, remaining));
     }
+    search_error_header(&mut response, gateway, answered.search_error.as_deref());
     Ok(response.json(answered.body))
 }
 
@@ -695,6 +781,8 @@ async fn answer(
     exchange: Exchange,
 ) -> Result<Answered, ApiError> {
     let mut exchange = exchange;
+    let mut router_request = router_request;
+    search_the_web(gateway, &mut router_request, &mut exchange).await;
     let answer = match gateway.services.router.chat(router_request).await {
         Ok(answer) => answer,
         Err(error) => {
@@ -728,6 +816,12 @@ async fn answer(
     object.insert("usage".into(), usage.json);
     object.insert("cost".into(), cost);
     object.entry("prompt_logprobs").or_insert(Value::Null);
+    if let Some(plan) = &exchange.web {
+        augment::echo(&mut exchange.chat.parameters, plan, &exchange.found);
+        if let Some(call) = augment::documents_call(plan, &exchange.found) {
+            augment::add_documents(object, &call);
+        }
+    }
     object.insert(
         gateway.brand.parameters_field.clone(),
         Value::Object(exchange.chat.parameters),
@@ -742,7 +836,46 @@ async fn answer(
         backend: answer.backend,
         retry_count: answer.retry_count,
         balance_remaining,
+        search_error: exchange.found.error,
     })
+}
+
+/// Carries out what the request asks of the web (after its hold), its
+/// extras charged with whatever the request settles.
+async fn search_the_web(
+    gateway: &Gateway,
+    router_request: &mut rialto_router::Chat,
+    exchange: &mut Exchange,
+) {
+    let (Some(plan), Some(model)) = (&exchange.web, gateway.model(&exchange.chat.model_id)) else {
+        return;
+    };
+    let found = augment::run(gateway, model, plan, router_request).await;
+    exchange.settlement.extra_usd_nanos = found.extra_usd_nanos;
+    exchange.settlement.extra_tokens = found.extra_tokens;
+    exchange.found = found;
+}
+
+/// `x-<brand>-web-search-error`: why the answer came without its search.
+fn search_error_header(response: &mut HttpResponseBuilder, gateway: &Gateway, why: Option<&str>) {
+    let Some(why) = why else {
+        return;
+    };
+    // A header value is visible ASCII: the reason, kept to what fits.
+    let text: String = why
+        .chars()
+        .map(|c| {
+            if c.is_ascii_graphic() || c == ' ' {
+                c
+            } else {
+                '?'
+            }
+        })
+        .take(200)
+        .collect();
+    if let Some(value) = header_value(&text) {
+        response.insert_header((gateway.brand.header_web_search_error.clone(), value));
+    }
 }
 
 async fn stream(
@@ -752,13 +885,27 @@ async fn stream(
     exchange: Exchange,
 ) -> Result<HttpResponse, ApiError> {
     let mut exchange = exchange;
+    let mut router_request = router_request;
     // The stream's hold lives on a lease that checkpoints renew: while the
-    // backend thinks before its first byte too (a long prompt can take
-    // longer than the lease), or the hold would expire and the stream run
-    // free.
+    // web is searched and the backend thinks before its first byte too (a
+    // long prompt can take longer than the lease), or the hold would
+    // expire and the stream run free.
+    let mut checkpoints = checkpoint_clock(exchange.checkpoint_every);
+    if let Some(plan) = exchange.web.clone() {
+        let searching = augment::run(gateway, model, &plan, &mut router_request);
+        tokio::pin!(searching);
+        let found = loop {
+            tokio::select! {
+                found = &mut searching => break found,
+                _ = checkpoints.tick() => exchange.settlement.checkpoint(&Usage::completion_only(0)),
+            }
+        };
+        exchange.settlement.extra_usd_nanos = found.extra_usd_nanos;
+        exchange.settlement.extra_tokens = found.extra_tokens;
+        exchange.found = found;
+    }
     let opening = gateway.services.router.chat_stream(router_request);
     tokio::pin!(opening);
-    let mut checkpoints = checkpoint_clock(exchange.checkpoint_every);
     let opened = loop {
         tokio::select! {
             opened = &mut opening => break opened,
@@ -796,8 +943,16 @@ async fn stream(
         let held: rust_decimal::Decimal = exchange.settlement.held_usd.parse().unwrap_or_default();
         (before - held).normalize().to_string()
     });
+    let exchange_error = exchange.found.error.clone();
     let (sender, receiver) = mpsc::channel::<Bytes>(64);
-    tokio::spawn(relay(events, sender, exchange, checkpoints));
+    let parameters_field = gateway.brand.parameters_field.clone();
+    tokio::spawn(relay(
+        events,
+        sender,
+        exchange,
+        checkpoints,
+        parameters_field,
+    ));
     let body = futures_util::stream::unfold(receiver, |mut receiver| async move {
         receiver
             .recv()
@@ -816,6 +971,7 @@ async fn stream(
     if let Some(remaining) = remaining {
         response.insert_header((BALANCE_REMAINING, remaining));
     }
+    search_error_header(&mut response, gateway, exchange_error.as_deref());
     Ok(response.streaming(body))
 }
 
@@ -837,6 +993,7 @@ async fn relay(
     sender: mpsc::Sender<Bytes>,
     mut exchange: Exchange,
     mut checkpoints: tokio::time::Interval,
+    parameters_field: String,
 ) {
     let mut upstream_usage: Option<Value> = None;
     let mut completion_text = 0usize;
@@ -846,6 +1003,25 @@ async fn relay(
     };
     let patience = exchange.reader_patience;
     let mut content_chunks = 0u64;
+    // Search results as documents: a tool call before the content, and
+    // the choices finish with `tool_calls`.
+    let documents = exchange
+        .web
+        .as_ref()
+        .and_then(|plan| augment::documents_call(plan, &exchange.found));
+    if let Some(call) = &documents {
+        let mut delta_call = call.clone();
+        delta_call["index"] = json!(0);
+        let first = json!({
+            "id": exchange.completion_id,
+            "object": "chat.completion.chunk",
+            "created": created.get_or_insert_with(|| json!(now())).clone(),
+            "model": exchange.chat.model_id,
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": null,
+                "tool_calls": [delta_call]}, "logprobs": null, "finish_reason": null}],
+        });
+        let _ = sender.send(sse(&first)).await;
+    }
     loop {
         let event = tokio::select! {
             biased;
@@ -922,6 +1098,15 @@ async fn relay(
             created.get_or_insert_with(|| chunk.get("created").cloned().unwrap_or(json!(now())));
         chunk.insert("created".into(), created.clone());
         chunk.remove("system_fingerprint");
+        if documents.is_some()
+            && let Some(Value::Array(choices)) = chunk.get_mut("choices")
+        {
+            for choice in choices.iter_mut() {
+                if choice.get("finish_reason").is_some_and(|r| r == "stop") {
+                    choice["finish_reason"] = json!("tool_calls");
+                }
+            }
+        }
         match tokio::time::timeout(patience, sender.send(sse(&Value::Object(chunk)))).await {
             Ok(Ok(())) => {}
             // Closed: the select above settles on the next turn.
@@ -939,11 +1124,12 @@ async fn relay(
         }
     }
     let usage = estimate(&upstream_usage, completion_text);
+    let created = created.unwrap_or_else(|| json!(now()));
     let last = match exchange.settlement.bill(&usage).await {
         Ok(cost) => json!({
             "id": exchange.completion_id,
             "object": "chat.completion.chunk",
-            "created": created.unwrap_or_else(|| json!(now())),
+            "created": created.clone(),
             "model": exchange.chat.model_id,
             "choices": [],
             "usage": usage.json,
@@ -957,6 +1143,22 @@ async fn relay(
         }}),
     };
     let _ = sender.send(sse(&last)).await;
+    // The citations, when asked for in the stream: last before `[DONE]`.
+    if let Some(plan) = exchange.web.as_ref().filter(|plan| plan.in_stream) {
+        let mut parameters = std::mem::take(&mut exchange.chat.parameters);
+        augment::echo(&mut parameters, plan, &exchange.found);
+        if parameters.contains_key("web_search_citations") {
+            let citations = json!({
+                "id": exchange.completion_id,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": exchange.chat.model_id,
+                "choices": [],
+                parameters_field: parameters,
+            });
+            let _ = sender.send(sse(&citations)).await;
+        }
+    }
     let _ = sender.send(Bytes::from_static(DONE)).await;
 }
 
@@ -1027,7 +1229,7 @@ impl Usage {
         self.prompt.saturating_add(self.completion)
     }
 
-    fn none() -> Self {
+    pub(crate) fn none() -> Self {
         Self {
             prompt: 0,
             completion: 0,
@@ -1043,6 +1245,8 @@ impl Usage {
             completion_tokens: self.completion,
             cached_prompt_tokens: self.cached,
             cache_write_tokens: self.cache_write,
+            // The settlement adds the request's extras.
+            extra_usd_nanos: 0,
         }
     }
 }
@@ -1359,6 +1563,8 @@ fn validate(gateway: &Gateway, body: &mut Value) -> Result<Chat, ApiError> {
             }
         }
     }
+    // `enable_x_search` is not a suffix key (the hosted API's rule).
+    suffix.remove("enable_x_search");
     let mut requested = object.remove(&gateway.brand.parameters_field);
     if !suffix.is_empty() {
         match &mut requested {
@@ -1368,6 +1574,11 @@ fn validate(gateway: &Gateway, body: &mut Value) -> Result<Chat, ApiError> {
             _ => requested = Some(Value::Object(suffix)),
         }
     }
+    let x_search = requested
+        .as_ref()
+        .and_then(|r| r.get("enable_x_search"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
     let parameters = effective_parameters(gateway, requested, &mut details)?;
     details.into_result()?;
     let flag = |name: &str| {
@@ -1417,6 +1628,7 @@ fn validate(gateway: &Gateway, body: &mut Value) -> Result<Chat, ApiError> {
         prompt_tokens_estimate,
         estimated_tokens: prompt_tokens_estimate
             .saturating_add(completion_budget.saturating_mul(n)),
+        x_search,
     })
 }
 
@@ -1687,10 +1899,10 @@ fn check_cache_control(details: &mut Details, index: &str, part: &str, value: Op
     }
 }
 
-/// The `<brand>_parameters` echo: every required member, with what this
-/// server really applies (the router applies the system prompt and the
-/// thinking flags). Features that arrive in later issues (web search,
-/// scraping, citations, e2ee) are reported as off.
+/// The `<brand>_parameters` echo: every required member, as requested
+/// (the router applies the system prompt and the thinking flags; the web
+/// members are what `augment::plan` then corrects to what is effective).
+/// End-to-end encryption is not offered: reported off.
 fn effective_parameters(
     gateway: &Gateway,
     requested: Option<Value>,
@@ -1753,10 +1965,27 @@ fn effective_parameters(
     if let Some(slug) = character {
         echo.insert("character_slug".into(), json!(slug));
     }
+    let flag = |name: &str| {
+        requested
+            .get(name)
+            .and_then(Value::as_bool)
+            .unwrap_or(false)
+    };
     echo.insert("enable_e2ee".into(), json!(false));
-    echo.insert("enable_web_search".into(), json!("off"));
-    echo.insert("enable_web_citations".into(), json!(false));
-    echo.insert("enable_web_scraping".into(), json!(false));
+    let search = requested
+        .get("enable_web_search")
+        .and_then(Value::as_str)
+        .filter(|mode| matches!(*mode, "on" | "auto"))
+        .unwrap_or("off");
+    echo.insert("enable_web_search".into(), json!(search));
+    echo.insert(
+        "enable_web_citations".into(),
+        json!(flag("enable_web_citations")),
+    );
+    echo.insert(
+        "enable_web_scraping".into(),
+        json!(flag("enable_web_scraping")),
+    );
     echo.insert(
         include_prompt.into(),
         json!(
@@ -1766,14 +1995,14 @@ fn effective_parameters(
                 .unwrap_or(true)
         ),
     );
-    echo.insert("include_search_results_in_stream".into(), json!(false));
-    echo.insert("return_search_results_as_documents".into(), json!(false));
-    let flag = |name: &str| {
-        requested
-            .get(name)
-            .and_then(Value::as_bool)
-            .unwrap_or(false)
-    };
+    echo.insert(
+        "include_search_results_in_stream".into(),
+        json!(flag("include_search_results_in_stream")),
+    );
+    echo.insert(
+        "return_search_results_as_documents".into(),
+        json!(flag("return_search_results_as_documents")),
+    );
     echo.insert(
         "strip_thinking_response".into(),
         json!(flag("strip_thinking_response")),

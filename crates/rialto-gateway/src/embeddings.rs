@@ -8,7 +8,7 @@ use rialto_proto::router::v1 as router_pb;
 use serde_json::{Value, json};
 
 use crate::chat::{
-    Admitted, BALANCE_REMAINING, Reservation, Usage, admit, invalid_answer, model_headers,
+    Admitted, BALANCE_REMAINING, Priced, Reservation, Usage, admit, invalid_answer, model_headers,
 };
 use crate::headers::RequestId;
 use crate::{ApiError, Details, Gateway, ModelEntry, authenticate, parse_json, read_body};
@@ -33,12 +33,13 @@ pub async fn create(
         &gateway,
         &request,
         &principal,
-        model,
+        Priced::model(model),
         &request_id,
         Reservation {
             prompt_tokens: prompt_estimate,
             total_tokens: prompt_estimate,
             durable: false,
+            extra_usd_nanos: 0,
         },
         None,
     )

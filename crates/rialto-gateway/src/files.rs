@@ -42,7 +42,17 @@ pub(crate) enum Format {
     Pptx,
     Xlsx,
     Text,
+    /// A web page: its readable part (Mozilla Readability's rules), as
+    /// Markdown.
+    Html,
 }
+
+/// Extensions read as UTF-8 text: prose, data and source code.
+const TEXT_EXTENSIONS: &[&str] = &[
+    "txt", "csv", "md", "markdown", "json", "jsonl", "xml", "yaml", "yml", "toml", "ini", "log",
+    "sql", "py", "js", "mjs", "ts", "tsx", "jsx", "c", "h", "cc", "cpp", "hpp", "cs", "java", "kt",
+    "go", "rs", "rb", "php", "swift", "scala", "sh", "bash", "ps1", "r", "lua", "pl", "css", "tex",
+];
 
 pub(crate) fn format_of(name: &str, media_type: &str) -> Option<Format> {
     let extension = name.rsplit_once('.').map(|(_, e)| e.to_ascii_lowercase());
@@ -60,8 +70,11 @@ pub(crate) fn format_of(name: &str, media_type: &str) -> Option<Format> {
         | (_, "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet") => {
             Some(Format::Xlsx)
         }
-        (Some("txt" | "csv" | "md" | "markdown"), _)
-        | (_, "text/plain" | "text/csv" | "text/markdown") => Some(Format::Text),
+        (Some("html" | "htm" | "xhtml"), _) | (_, "text/html" | "application/xhtml+xml") => {
+            Some(Format::Html)
+        }
+        (Some(extension), _) if TEXT_EXTENSIONS.contains(&extension) => Some(Format::Text),
+        (_, "text/plain" | "text/csv" | "text/markdown" | "application/json") => Some(Format::Text),
         _ => None,
     }
 }
@@ -84,7 +97,10 @@ pub(crate) fn precheck(name: &str, format: Format, bytes: &[u8]) -> Result<(), S
         Format::Pdf => pdf_nesting(bytes).map_err(|why| format!("{name:?} {why}")),
         Format::Xlsx => sheet_extent(bytes)
             .map_err(|why| format!("{name:?} could not be read as an XLSX file: {why}")),
-        Format::Docx | Format::Pptx | Format::Text => Ok(()),
+        Format::Html if bytes.len() > MAX_HTML_BYTES => Err(format!(
+            "{name:?} is a page of more than {MAX_HTML_BYTES} bytes of HTML"
+        )),
+        Format::Docx | Format::Pptx | Format::Text | Format::Html => Ok(()),
     }
 }
 
@@ -231,7 +247,10 @@ fn cell_position(reference: &[u8]) -> Option<(u64, u64)> {
 /// The text of a file, or why it cannot be read.
 pub fn to_text(name: &str, media_type: &str, bytes: &[u8]) -> Result<String, String> {
     let format = format_of(name, media_type).ok_or_else(|| {
-        format!("{name:?} is not a supported file: send PDF, DOCX, PPTX, XLSX, TXT, CSV or MD")
+        format!(
+            "{name:?} is not a supported file: send PDF, DOCX, PPTX, XLSX, HTML, or text \
+             (TXT, CSV, MD, JSON, source code)"
+        )
     })?;
     let text = match format {
         Format::Text => {
@@ -250,6 +269,8 @@ pub fn to_text(name: &str, media_type: &str, bytes: &[u8]) -> Result<String, Str
         .map_err(|why| format!("{name:?} could not be read as a PPTX file: {why}"))?,
         Format::Xlsx => sheet_text(bytes)
             .map_err(|why| format!("{name:?} could not be read as an XLSX file: {why}"))?,
+        Format::Html => page_text(bytes)
+            .map_err(|why| format!("{name:?} could not be read as a web page: {why}"))?,
     };
     if text.chars().count() > MAX_TEXT_CHARS {
         return Err(format!(
@@ -257,6 +278,46 @@ pub fn to_text(name: &str, media_type: &str, bytes: &[u8]) -> Result<String, Str
         ));
     }
     Ok(text)
+}
+
+/// The most HTML a page may hold to be read (a DOM costs many times its
+/// source); beyond, the page is refused before parsing.
+pub(crate) const MAX_HTML_BYTES: usize = 4 * 1024 * 1024;
+
+/// The most elements a page's DOM may have.
+const MAX_HTML_ELEMENTS: usize = 200_000;
+
+/// The readable part of a web page as Markdown, its title first as a
+/// `# ` heading (the scraper reads it back as the page's title). A page
+/// Readability finds no article in (a list of links, an app shell) gives
+/// its whole text.
+fn page_text(bytes: &[u8]) -> Result<String, String> {
+    let html = String::from_utf8_lossy(bytes);
+    let config = dom_smoothie::Config {
+        text_mode: dom_smoothie::TextMode::Formatted,
+        max_elements_to_parse: MAX_HTML_ELEMENTS,
+        ..Default::default()
+    };
+    let mut readability = dom_smoothie::Readability::new(html.as_ref(), None, Some(config))
+        .map_err(|e| e.to_string())?;
+    let (title, text) = match readability.parse() {
+        Ok(article) => (article.title, article.text_content.to_string()),
+        Err(dom_smoothie::ReadabilityError::GrabFailed) => {
+            let document = dom_query::Document::from(html.as_ref());
+            let title = document.select("title").text().trim().to_owned();
+            (title, document.select("body").formatted_text().to_string())
+        }
+        Err(error) => return Err(error.to_string()),
+    };
+    let text = text.trim();
+    let title = title.trim();
+    Ok(
+        if title.is_empty() || text.starts_with(&format!("# {title}")) {
+            text.to_owned()
+        } else {
+            format!("# {title}\n\n{text}")
+        },
+    )
 }
 
 /// The text of the XML entries `wanted` of an Office archive: the content
@@ -544,7 +605,11 @@ fn public(ip: std::net::IpAddr) -> bool {
 const TOO_LARGE: &str = "the file is larger than the bytes left for it";
 
 /// Downloads `url`, at most `limit` bytes of it: (media type, bytes).
-async fn fetch(url: &str, allow_private: bool, limit: usize) -> Result<(String, Vec<u8>), String> {
+pub(crate) async fn fetch(
+    url: &str,
+    allow_private: bool,
+    limit: usize,
+) -> Result<(String, Vec<u8>), String> {
     let parsed = reqwest::Url::parse(url).map_err(|_| format!("{url:?} is not a URL"))?;
     if !matches!(parsed.scheme(), "http" | "https") {
         return Err("file URLs must be http or https".to_owned());

@@ -31,6 +31,7 @@ use rialto_proto::auth::v1 as auth_pb;
 use rialto_router::RouterClient;
 use secrecy::SecretString;
 
+mod augment;
 mod characters;
 mod chat;
 pub mod convert;
@@ -43,6 +44,7 @@ mod limits;
 mod models;
 mod openapi;
 pub mod operator;
+mod sources;
 mod usage;
 mod wallet;
 
@@ -99,6 +101,12 @@ pub struct Gateway {
     file_urls_allow_private: bool,
     /// Where documents become text (a sandboxed child under `rialto serve`).
     converter: convert::Converter,
+    /// The configured search provider, if any (`[web_search]`).
+    web_search: Option<sources::WebSearch>,
+    /// Fetches and reads pages (`[web_scraping]`).
+    scraper: sources::Scraper,
+    /// Price of one `/augment/text-parser` file, in USD nano-units.
+    text_parser_price_nanos: u64,
     /// Length of `router.system_prompt`, counted in holds when it is sent.
     system_prompt_chars: usize,
     /// Connections per HTTP worker, and the time a request's head may take.
@@ -173,6 +181,12 @@ impl Gateway {
             configured_characters: config.characters.clone(),
             file_urls_allow_private: config.gateway.file_urls_allow_private,
             converter: convert::Converter::in_process(),
+            web_search: sources::WebSearch::from_config(&config.web_search)?,
+            scraper: sources::Scraper::new(
+                &config.web_scraping,
+                config.gateway.file_urls_allow_private,
+            ),
+            text_parser_price_nanos: sources::usd_nanos(config.text_parser.usd_per_file),
             system_prompt_chars: config.router.system_prompt.len(),
             max_connections: config.gateway.max_connections,
             client_request_timeout: std::time::Duration::from_millis(
@@ -325,6 +339,9 @@ pub fn configure(gateway: web::Data<Gateway>) -> impl FnOnce(&mut web::ServiceCo
                 web::scope("/api/v1")
                     .route("/chat/completions", web::post().to(chat::completions))
                     .route("/embeddings", web::post().to(embeddings::create))
+                    .route("/augment/search", web::post().to(augment::search))
+                    .route("/augment/scrape", web::post().to(augment::scrape))
+                    .route("/augment/text-parser", web::post().to(augment::text_parser))
                     .route("/models", web::get().to(models::list))
                     .route("/models/traits", web::get().to(models::traits))
                     .route(

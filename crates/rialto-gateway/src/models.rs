@@ -55,7 +55,7 @@ pub async fn list(
             "code" => false,
             other => m.model_type == other,
         })
-        .map(|m| model_json(m, &gateway.brand.name))
+        .map(|m| model_json(m, &gateway.brand.name, gateway.web_search.is_some()))
         .collect();
     Ok(HttpResponse::Ok().json(json!({"object": "list", "type": wanted, "data": data})))
 }
@@ -128,7 +128,9 @@ fn price(usd: f64) -> Value {
     json!({"usd": value, "diem": value})
 }
 
-fn model_json(model: &ModelConfig, brand: &str) -> Value {
+/// A model's `/models` entry; `web_search`: whether a search provider is
+/// configured (a model advertises search only with one).
+fn model_json(model: &ModelConfig, brand: &str, web_search: bool) -> Value {
     let mut pricing = json!({
         "input": price(model.input_usd_per_mtok),
         "output": price(model.output_usd_per_mtok),
@@ -160,11 +162,11 @@ fn model_json(model: &ModelConfig, brand: &str) -> Value {
             "supportsMultipleImages": has("vision"),
             "supportsVision": has("vision"),
             "supportsVideoInput": has("video"),
-            "supportsWebSearch": has("web_search"),
+            "supportsWebSearch": web_search && has("web_search"),
             "supportsLogProbs": has("logprobs"),
             "supportsTeeAttestation": false,
             "supportsE2EE": false,
-            "supportsXSearch": false,
+            "supportsXSearch": model.native_search.is_some(),
         });
     }
     if let Some(description) = &model.description {

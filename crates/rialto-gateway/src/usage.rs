@@ -97,6 +97,19 @@ fn number(text: &str) -> Value {
 /// One entry in the hosted API's shape; `amount` is negative (a debit).
 fn entry_json(entry: &billing_pb::UsageEntry) -> Value {
     let tokens = entry.prompt_tokens.saturating_add(entry.completion_tokens);
+    // An augment call (`augment/search`) is one unit of its own SKU
+    // (`augment-search`), priced as a whole.
+    let (sku, units) = match entry.model_id.strip_prefix(rialto_billing::AUGMENT_PREFIX) {
+        Some(name) => (format!("augment-{name}"), json!(1)),
+        None => (
+            format!("{}-llm-mtoken", entry.model_id),
+            number(
+                &rust_decimal::Decimal::new(tokens.min(i64::MAX as u64) as i64, 6)
+                    .normalize()
+                    .to_string(),
+            ),
+        ),
+    };
     json!({
         "amount": number(&format!("-{}", entry.amount)),
         "currency": entry.currency,
@@ -108,9 +121,9 @@ fn entry_json(entry: &billing_pb::UsageEntry) -> Value {
         },
         "notes": "API Inference",
         "pricePerUnitUsd": number(&entry.price_per_mtok_usd),
-        "sku": format!("{}-llm-mtoken", entry.model_id),
+        "sku": sku,
         "timestamp": timestamp(entry.at_ms),
-        "units": number(&rust_decimal::Decimal::new(tokens.min(i64::MAX as u64) as i64, 6).normalize().to_string()),
+        "units": units,
     })
 }
 

@@ -12,6 +12,9 @@
 //!
 //! - [`documents`]: PDFs and workbooks, plain and hostile, for file parts.
 //!
+//! - [`MockSearxng`]: a SearXNG JSON API that records its queries, and a
+//!   server of web pages to scrape.
+//!
 //! Nothing here is used in production code.
 
 pub mod collector;
@@ -19,8 +22,10 @@ pub mod documents;
 pub mod facilitator;
 pub mod mock_upstream;
 pub mod sandbox;
+pub mod searxng;
 
 pub use collector::{CollectedSpan, OtlpCollector};
 pub use facilitator::{Behaviour, Facilitator};
 pub use mock_upstream::MockUpstream;
 pub use sandbox::{Account, GRPC_TOKEN, Sandbox, SandboxBuilder, Storage, Topology};
+pub use searxng::MockSearxng;

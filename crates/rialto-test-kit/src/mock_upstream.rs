@@ -6,7 +6,8 @@
 //! `Authorization` header, and obeys per-request directives in the body field `mock`:
 //! `reply`, `words`, `status`, `delay_ms`, `chunk_delay_ms`, `fail_after_chunks`,
 //! `cached_tokens`, `cache_write_tokens` and `prompt_tokens` (reported in
-//! the usage).
+//! the usage), and `tool_call` (`{name, arguments}`: called when the
+//! request offers that function).
 //! [`MockUpstream::fail_next`] makes this one mock (not its siblings) fail its
 //! next requests, which is how a test fails one backend of several. The
 //! server stops when the [`MockUpstream`] is dropped or [`MockUpstream::stop`]ped.
@@ -332,6 +333,28 @@ async fn chat(req: HttpRequest, raw: web::Bytes, state: web::Data<State>) -> Htt
     );
     let created = unix_now();
     let model = body["model"].as_str().unwrap_or("mock-model");
+
+    // `tool_call: {name, arguments}`: when the request offers a function
+    // of that name, the (non-streamed) answer calls it instead of writing.
+    let offered = |name: &str| {
+        body["tools"]
+            .as_array()
+            .is_some_and(|tools| tools.iter().any(|t| t["function"]["name"] == name))
+    };
+    if let Some(name) = mock["tool_call"]["name"].as_str()
+        && offered(name)
+        && body["stream"].as_bool() != Some(true)
+    {
+        let call = json!({"id": "call_mock", "type": "function", "function": {
+            "name": name, "arguments": mock["tool_call"]["arguments"].to_string()}});
+        return HttpResponse::Ok().json(json!({
+            "id": id, "object": "chat.completion", "created": created, "model": model,
+            "choices": [{"index": 0, "logprobs": null, "finish_reason": "tool_calls",
+                "message": {"role": "assistant", "content": null, "tool_calls": [call]}}],
+            "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": 10,
+                "total_tokens": prompt_tokens + 10},
+        }));
+    }
 
     if body["stream"].as_bool() != Some(true) {
         let choices: Vec<Value> = choices
