@@ -284,6 +284,10 @@ pub fn to_text(name: &str, media_type: &str, bytes: &[u8]) -> Result<String, Str
 /// source); beyond, the page is refused before parsing.
 pub(crate) const MAX_HTML_BYTES: usize = 4 * 1024 * 1024;
 
+/// An article shorter than this (characters) is weighed against the
+/// page's whole text.
+const MIN_ARTICLE_CHARS: usize = 500;
+
 /// The most elements a page's DOM may have.
 const MAX_HTML_ELEMENTS: usize = 200_000;
 
@@ -300,13 +304,28 @@ fn page_text(bytes: &[u8]) -> Result<String, String> {
     };
     let mut readability = dom_smoothie::Readability::new(html.as_ref(), None, Some(config))
         .map_err(|e| e.to_string())?;
+    let whole_page = || {
+        let document = dom_query::Document::from(html.as_ref());
+        document
+            .select("script, style, noscript, template")
+            .remove();
+        let title = document.select("title").text().trim().to_owned();
+        (title, document.select("body").formatted_text().to_string())
+    };
     let (title, text) = match readability.parse() {
-        Ok(article) => (article.title, article.text_content.to_string()),
-        Err(dom_smoothie::ReadabilityError::GrabFailed) => {
-            let document = dom_query::Document::from(html.as_ref());
-            let title = document.select("title").text().trim().to_owned();
-            (title, document.select("body").formatted_text().to_string())
+        // Readability's best guess at a page that is mostly links (an
+        // index, a reference list) can be a stray box of a few words: the
+        // page's whole text says more.
+        Ok(article) if article.text_content.trim().chars().count() < MIN_ARTICLE_CHARS => {
+            let (title, page) = whole_page();
+            if page.trim().len() > article.text_content.trim().len() {
+                (title, page)
+            } else {
+                (article.title, article.text_content.to_string())
+            }
         }
+        Ok(article) => (article.title, article.text_content.to_string()),
+        Err(dom_smoothie::ReadabilityError::GrabFailed) => whole_page(),
         Err(error) => return Err(error.to_string()),
     };
     let text = text.trim();
@@ -946,6 +965,37 @@ pub(crate) mod tests {
 
     /// One address inside each refused range, and the public ones just
     /// outside some of them.
+    #[test]
+    fn a_page_is_its_article_with_its_title() {
+        let page = r#"<html><head><title>Sky</title><script>var x = 1;</script></head><body>
+            <nav><a href="/">Home</a></nav><article><h1>Sky</h1>
+            <p>The sky is blue because air scatters short wavelengths of sunlight more than
+            long ones, which is called Rayleigh scattering, and our eyes see the result.</p>
+            <p>At sunset the light crosses more air, so the blue is scattered away and the
+            reds and oranges remain, which is why evening skies glow in warm colours.</p>
+            <p>Clouds are white because their droplets scatter every wavelength alike, and
+            so the sunlight they send on keeps all of its colours mixed together.</p>
+            </article><footer>(c) 2026</footer></body></html>"#;
+        let text = to_text("sky.html", "", page.as_bytes()).unwrap();
+        assert!(text.starts_with("# Sky\n\n"), "{text}");
+        assert!(text.contains("Rayleigh scattering"), "{text}");
+        assert!(!text.contains("var x"), "{text}");
+    }
+
+    #[test]
+    fn a_page_of_links_is_its_whole_text() {
+        let links: String = (0..40)
+            .map(|i| format!("<li><a href=\"/r{i}\">Reference number {i}</a></li>"))
+            .collect();
+        let page = format!(
+            "<html><head><title>References</title><style>p {{}}</style></head><body>\
+             <div class=\"help\"><p>Press S to search.</p></div><ul>{links}</ul></body></html>"
+        );
+        let text = to_text("refs.html", "text/html", page.as_bytes()).unwrap();
+        assert!(text.contains("Reference number 39"), "{text}");
+        assert!(!text.contains("p {}"), "{text}");
+    }
+
     #[test]
     fn every_special_range_is_refused() {
         for address in [
