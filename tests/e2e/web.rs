@@ -354,6 +354,14 @@ async fn documents(world: &World) {
         .filter(|f| !f.is_null())
         .collect();
     assert_eq!(finishes, [&json!("tool_calls")], "{events:?}");
+    // The non-streamed call keeps the model's own calls after it.
+    assert_eq!(
+        answer["choices"][0]["message"]["tool_calls"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
 }
 
 /// `enable_web_scraping`: the URLs of the last user message are fetched and
@@ -461,6 +469,23 @@ async fn auto(world: &World) {
 /// the echo says `off`, `x-rialto-web-search-error` says why, and the
 /// search is not charged.
 async fn failing_provider(world: &World) {
+    // The backend refuses the request as invalid after the search: the
+    // search was made and is charged; nothing else is.
+    let balance = world.balance_nanos().await;
+    let refused = json!({"model": "search-chat", "messages": [{"role": "user", "content": "sky"}],
+        "rialto_parameters": {"enable_web_search": "on"}, "mock": {"status": 400}});
+    assert_eq!(world.chat(&refused).await.status(), 400);
+    // The settlement of a failed request runs off the response's path.
+    let mut spent = 0;
+    for _ in 0..50 {
+        spent = balance - world.balance_nanos().await;
+        if spent != 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(spent, SEARCH_NANOS);
+
     world.searxng.fail_with(Some(500));
     let body = json!({"model": "search-chat", "messages": [{"role": "user", "content": "sky"}],
         "rialto_parameters": {"enable_web_search": "on"}});
@@ -659,6 +684,10 @@ async fn endpoints(world: &World) {
     assert!(response.text().await.unwrap().contains("Fact of gamma"));
     let refused = parse("tool.exe", b"MZ", None).await.unwrap();
     assert_eq!(refused.status(), 400);
+    // A form past the file limit is refused before it is all read.
+    let huge = vec![b'a'; 11 * 1024 * 1024];
+    let refused = parse("big.txt", &huge, None).await.unwrap();
+    assert_eq!(refused.status(), 413);
 
     // One search, one page and two files were billed; the refusals were
     // not.

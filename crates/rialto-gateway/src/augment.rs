@@ -34,9 +34,15 @@ const DOCUMENTS_CALL_ID: &str = "web_search_call";
 /// search.
 const QUERY_TOKENS: u64 = 256;
 
-/// Characters a result adds to the prompt besides its snippet (title,
-/// URL, date, numbering).
-const RESULT_OVERHEAD_CHARS: usize = 400;
+/// Longest title of a source kept, in characters.
+const MAX_TITLE_CHARS: usize = 300;
+
+/// Longest URL of a search result kept (a longer one drops the result).
+const MAX_URL_CHARS: usize = 500;
+
+/// Characters a source adds to the prompt besides its text, at most
+/// (title, URL, date, numbering).
+const RESULT_OVERHEAD_CHARS: usize = MAX_TITLE_CHARS + MAX_URL_CHARS + 100;
 
 /// Whether and how a chat searches.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,6 +76,12 @@ pub(crate) struct Plan {
     scrape: Vec<String>,
     /// The upstream searches natively (its own price is in the extras).
     x_search_nanos: u64,
+    /// What the user wrote last (before any file became text): searched
+    /// for, and where the links to scrape were found.
+    user_text: String,
+    /// The prompt's estimate without sources: the model's query call reads
+    /// about this much.
+    prompt_tokens: u64,
     /// The most the plan adds to the request's cost (USD nano-units) and
     /// to its prompt (tokens): what the hold reserves for it.
     pub(crate) most_extra_usd_nanos: u64,
@@ -123,12 +135,14 @@ pub(crate) struct Outcome {
     pub(crate) extra_usd_nanos: u64,
     /// Tokens the model's query call used.
     pub(crate) extra_tokens: u64,
+    /// Characters the sources added to the prompt.
+    pub(crate) prompt_chars: usize,
     scraped: usize,
     searched: bool,
 }
 
 /// The text of the last user message (its text parts, joined).
-fn last_user_text(body: &Map<String, Value>) -> String {
+pub(crate) fn last_user_text(body: &Value) -> String {
     let Some(message) = body
         .get("messages")
         .and_then(Value::as_array)
@@ -172,6 +186,7 @@ pub(crate) fn plan(
     x_search: bool,
     body: &mut Map<String, Value>,
     prompt_tokens: u64,
+    user_text: String,
 ) -> Result<Option<Plan>, ApiError> {
     let field = gateway.brand.parameters_field.as_str();
     let config = &model.config;
@@ -203,7 +218,7 @@ pub(crate) fn plan(
         search = SearchMode::Off;
     }
     let scrape = if scraping {
-        crate::sources::urls_in(&last_user_text(body))
+        crate::sources::urls_in(&user_text)
     } else {
         Vec::new()
     };
@@ -288,6 +303,8 @@ pub(crate) fn plan(
         documents,
         scrape,
         x_search_nanos,
+        user_text,
+        prompt_tokens,
         most_extra_usd_nanos,
         most_prompt_tokens: (most_prompt_chars as u64).div_ceil(4),
         most_query_tokens,
@@ -315,6 +332,7 @@ pub(crate) async fn run(
     }
     if !outcome.sources.is_empty() {
         let block = sources_prompt(plan, &outcome);
+        outcome.prompt_chars = block.chars().count();
         if let Some(Value::Array(messages)) = chat.body.get_mut("messages") {
             messages.insert(0, json!({"role": "system", "content": block}));
         }
@@ -338,7 +356,7 @@ async fn scrape_into(gateway: &Gateway, plan: &Plan, outcome: &mut Outcome) {
                 outcome.scraped += 1;
                 let markdown: String = page.markdown.chars().take(scraper.max_chars()).collect();
                 outcome.sources.push(Source {
-                    title: page.title,
+                    title: page.title.chars().take(MAX_TITLE_CHARS).collect(),
                     url: page.url,
                     content: markdown,
                     date: None,
@@ -363,7 +381,8 @@ async fn search_into(
     outcome: &mut Outcome,
 ) {
     let query = if plan.search == SearchMode::Auto || provider.query_from_model {
-        let asked = ask_for_query(gateway, model, chat, plan.search == SearchMode::Auto).await;
+        let decide = plan.search == SearchMode::Auto;
+        let asked = ask_for_query(gateway, model, chat, decide, plan.prompt_tokens).await;
         outcome.extra_usd_nanos = outcome.extra_usd_nanos.saturating_add(asked.cost_nanos);
         outcome.extra_tokens = asked.tokens;
         match asked.query {
@@ -376,14 +395,21 @@ async fn search_into(
             }
         }
     } else {
-        last_user_text(&chat.body)
+        plan.user_text.clone()
     };
     match provider.search(&query, provider.max_results).await {
         Ok(results) => {
             outcome.looked = true;
             outcome.searched = true;
             outcome.extra_usd_nanos = outcome.extra_usd_nanos.saturating_add(provider.price_nanos);
-            outcome.sources = results.into_iter().map(Source::from).collect();
+            outcome.sources = results
+                .into_iter()
+                .filter(|result| result.url.chars().count() <= MAX_URL_CHARS)
+                .map(|mut result| {
+                    result.title = result.title.chars().take(MAX_TITLE_CHARS).collect();
+                    Source::from(result)
+                })
+                .collect();
         }
         Err(why) => {
             tracing::warn!(why, "web search failed; answering without it");
@@ -408,6 +434,7 @@ async fn ask_for_query(
     model: &ModelEntry,
     chat: &rialto_router::Chat,
     decide: bool,
+    prompt_estimate: u64,
 ) -> Asked {
     let mut body = chat.body.clone();
     for member in [
@@ -464,9 +491,23 @@ async fn ask_for_query(
         }
     };
     let reply: Value = serde_json::from_slice(&answer.body_json).unwrap_or_default();
+    let message = &reply["choices"][0]["message"];
+    // A backend that reports no usage is charged the estimate: the
+    // prompt's, and four characters a token of what it wrote.
+    let calls = &message["tool_calls"];
+    let written = message["content"].as_str().map_or(0, str::len)
+        + if calls.is_array() {
+            calls.to_string().len()
+        } else {
+            0
+        };
     let usage = rialto_proto::billing::v1::Usage {
-        prompt_tokens: reply["usage"]["prompt_tokens"].as_u64().unwrap_or(0),
-        completion_tokens: reply["usage"]["completion_tokens"].as_u64().unwrap_or(0),
+        prompt_tokens: reply["usage"]["prompt_tokens"]
+            .as_u64()
+            .unwrap_or(prompt_estimate),
+        completion_tokens: reply["usage"]["completion_tokens"]
+            .as_u64()
+            .unwrap_or((written as u64).div_ceil(4)),
         ..Default::default()
     };
     let cost = rialto_billing::Prices::from_model(&model.config).cost(&usage);
@@ -474,7 +515,6 @@ async fn ask_for_query(
         .ok()
         .and_then(|n| u64::try_from(n).ok())
         .unwrap_or(0);
-    let message = &reply["choices"][0]["message"];
     let query = if decide {
         message["tool_calls"]
             .as_array()
@@ -583,8 +623,8 @@ pub(crate) fn documents_call(plan: &Plan, outcome: &Outcome) -> Option<Value> {
     }))
 }
 
-/// Puts the documents call first in each choice's tool calls (its finish
-/// reason becomes `tool_calls`).
+/// Puts the documents call first in each choice's tool calls (a choice
+/// that stopped finishes with `tool_calls`).
 pub(crate) fn add_documents(body: &mut Map<String, Value>, call: &Value) {
     let Some(Value::Array(choices)) = body.get_mut("choices") else {
         return;
@@ -601,7 +641,9 @@ pub(crate) fn add_documents(body: &mut Map<String, Value>, call: &Value) {
                 calls.insert(0, call.clone());
             }
         }
-        choice.insert("finish_reason".into(), json!("tool_calls"));
+        if choice.get("finish_reason").is_some_and(|r| r == "stop") {
+            choice.insert("finish_reason".into(), json!("tool_calls"));
+        }
     }
 }
 
@@ -636,6 +678,7 @@ async fn admitted(
             total_tokens: 0,
             durable: false,
             extra_usd_nanos: price_nanos,
+            limiter_extra_tokens: 0,
         },
         None,
     )
@@ -692,7 +735,9 @@ pub async fn search(
     let body = object_body(&gateway, &request, payload).await?;
     let mut details = Details::new();
     let query = match body.get("query") {
-        Some(Value::String(q)) if (1..=MAX_QUERY_CHARS).contains(&q.chars().count()) => q.clone(),
+        Some(Value::String(q)) if (1..=MAX_QUERY_CHARS).contains(&q.trim().chars().count()) => {
+            q.trim().to_owned()
+        }
         Some(Value::String(_)) => {
             details.push(&["query"], "String must contain 1 to 400 character(s)");
             String::new()
@@ -847,12 +892,64 @@ async fn read_file_form(
     request: &HttpRequest,
     payload: web::Payload,
 ) -> Result<(String, String, Vec<u8>, String), ApiError> {
+    // The whole form is capped before the multipart parser sees it: the
+    // parser buffers until it finds a boundary, which a hostile body never
+    // sends.
+    let cap = crate::files::MAX_FILE_BYTES + FORM_OVERHEAD_BYTES;
+    let too_large = || {
+        ApiError::new(
+            ErrorCode::PayloadTooLarge,
+            format!("The form is larger than {cap} bytes"),
+        )
+    };
+    let declared = request
+        .headers()
+        .get(actix_web::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|length| length > cap) {
+        return Err(too_large());
+    }
+    let overflowed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut seen = 0usize;
+    let capped = {
+        let overflowed = overflowed.clone();
+        payload.into_inner().map(move |chunk| {
+            let chunk = chunk?;
+            seen = seen.saturating_add(chunk.len());
+            if seen > cap {
+                overflowed.store(true, std::sync::atomic::Ordering::Relaxed);
+                return Err(actix_web::error::PayloadError::Overflow);
+            }
+            Ok(chunk)
+        })
+    };
+    let reading = read_form(actix_multipart::Multipart::new(request.headers(), capped));
+    match tokio::time::timeout(FORM_READ_TIME, reading).await {
+        Ok(Err(_)) if overflowed.load(std::sync::atomic::Ordering::Relaxed) => Err(too_large()),
+        Ok(read) => read,
+        Err(_) => Err(ApiError::new(
+            ErrorCode::InvalidRequest,
+            format!("The form took longer than {FORM_READ_TIME:?} to arrive"),
+        )),
+    }
+}
+
+/// What a form may hold besides its file (headers, boundaries, fields).
+const FORM_OVERHEAD_BYTES: usize = 64 * 1024;
+
+/// How long a form may take to arrive.
+const FORM_READ_TIME: std::time::Duration = std::time::Duration::from_secs(60);
+
+/// The fields of a text-parser form.
+async fn read_form(
+    mut form: actix_multipart::Multipart,
+) -> Result<(String, String, Vec<u8>, String), ApiError> {
     let invalid = |path: &str, why: String| {
         let mut details = Details::new();
         details.push(&[path], why);
         ApiError::validation(details)
     };
-    let mut form = actix_multipart::Multipart::new(request.headers(), payload.into_inner());
     let mut file = None;
     let mut format = "json".to_owned();
     let mut fields = 0;

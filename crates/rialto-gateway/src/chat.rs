@@ -47,6 +47,8 @@ struct Chat {
     estimated_tokens: u64,
     /// `enable_x_search` (not echoed: the spec's echo has no such member).
     x_search: bool,
+    /// Choices asked for (`n`).
+    choices: u64,
 }
 
 /// Per-request facts the response needs.
@@ -65,6 +67,9 @@ struct Exchange {
     /// What the request asks of the web, and what came of it.
     web: Option<augment::Plan>,
     found: augment::Outcome,
+    /// The prompt's estimate before any sources: the sources found are
+    /// added to it (the hold counted the most they could add).
+    prompt_without_sources: u64,
 }
 
 /// `X-Balance-Remaining`: a wallet's USD balance after the request.
@@ -355,6 +360,9 @@ async fn complete_or_stream(
     // A trait or alias names the model from here on.
     chat.model_id.clone_from(&model.config.id);
     let request_id = RequestId::of(request);
+    // What the user wrote, before any file becomes text: what is searched
+    // for, and where links to scrape are found.
+    let user_text = augment::last_user_text(&body);
     let has_files = body["messages"]
         .as_array()
         .is_some_and(|messages| crate::files::any(messages));
@@ -386,6 +394,7 @@ async fn complete_or_stream(
         chat.x_search,
         &mut body,
         chat.prompt_tokens_estimate,
+        user_text,
     );
     let web = match web {
         Ok(web) => web,
@@ -396,16 +405,16 @@ async fn complete_or_stream(
             return Err(error);
         }
     };
-    if let Some(plan) = &web {
-        // The sources it may add are prompt too.
-        chat.prompt_tokens_estimate = chat
-            .prompt_tokens_estimate
-            .saturating_add(plan.most_prompt_tokens);
-        chat.estimated_tokens = chat
-            .estimated_tokens
-            .saturating_add(plan.most_prompt_tokens)
-            .saturating_add(plan.most_query_tokens);
-    }
+    // The sources the plan may add are prompt too: held now, and replaced
+    // by what was really added once they are found.
+    let (most_prompt_tokens, query_tokens) = web.as_ref().map_or((0, 0), |plan| {
+        (plan.most_prompt_tokens, plan.most_query_tokens)
+    });
+    let prompt_without_sources = chat.prompt_tokens_estimate;
+    chat.prompt_tokens_estimate = chat
+        .prompt_tokens_estimate
+        .saturating_add(most_prompt_tokens);
+    chat.estimated_tokens = chat.estimated_tokens.saturating_add(most_prompt_tokens);
 
     let Admitted {
         settlement,
@@ -421,6 +430,9 @@ async fn complete_or_stream(
             total_tokens: chat.estimated_tokens,
             durable: chat.stream,
             extra_usd_nanos: web.as_ref().map_or(0, |plan| plan.most_extra_usd_nanos),
+            // The model's query call counts in the windows; its price is in
+            // the extras.
+            limiter_extra_tokens: query_tokens,
         },
         limited,
     )
@@ -443,6 +455,7 @@ async fn complete_or_stream(
         reader_patience: gateway.reader_patience,
         web,
         found: augment::Outcome::default(),
+        prompt_without_sources,
     };
     if exchange.chat.stream {
         stream(gateway, model, router_request, exchange).await
@@ -503,6 +516,9 @@ pub(crate) struct Reservation {
     pub(crate) durable: bool,
     /// The most the request can cost besides its tokens (USD nano-units).
     pub(crate) extra_usd_nanos: u64,
+    /// Tokens the rate windows count besides `total_tokens`, which the
+    /// hold does not (their price is in the extras).
+    pub(crate) limiter_extra_tokens: u64,
 }
 
 /// What a request is limited and priced as: a model, or an endpoint
@@ -558,7 +574,9 @@ pub(crate) async fn admit(
                         crate::caller(principal),
                         target,
                         request_id,
-                        reservation.total_tokens,
+                        reservation
+                            .total_tokens
+                            .saturating_add(reservation.limiter_extra_tokens),
                     )
                     .await
             }
@@ -786,7 +804,7 @@ async fn answer(
     let answer = match gateway.services.router.chat(router_request).await {
         Ok(answer) => answer,
         Err(error) => {
-            exchange.settlement.release();
+            exchange.failed(&error);
             return Err(error.into());
         }
     };
@@ -851,9 +869,32 @@ async fn search_the_web(
         return;
     };
     let found = augment::run(gateway, model, plan, router_request).await;
-    exchange.settlement.extra_usd_nanos = found.extra_usd_nanos;
-    exchange.settlement.extra_tokens = found.extra_tokens;
-    exchange.found = found;
+    exchange.found(found);
+}
+
+impl Exchange {
+    /// Records what the web search found: its extras ride on every
+    /// settlement, and the prompt estimate counts the sources really added.
+    fn found(&mut self, found: augment::Outcome) {
+        self.settlement.extra_usd_nanos = found.extra_usd_nanos;
+        self.settlement.extra_tokens = found.extra_tokens;
+        self.chat.prompt_tokens_estimate = self
+            .prompt_without_sources
+            .saturating_add((found.prompt_chars as u64).div_ceil(4));
+        self.found = found;
+    }
+
+    /// The backend refused or failed: nothing is charged but what the
+    /// search and pages cost when the backend said the request itself was
+    /// wrong (searching for requests that could never be answered would
+    /// otherwise be free).
+    fn failed(&mut self, error: &rialto_core::Error) {
+        if error.code == ErrorCode::InvalidRequest && self.settlement.extra_usd_nanos > 0 {
+            self.settlement.bill_later(&Usage::none());
+        } else {
+            self.settlement.release();
+        }
+    }
 }
 
 /// `x-<brand>-web-search-error`: why the answer came without its search.
@@ -900,9 +941,7 @@ async fn stream(
                 _ = checkpoints.tick() => exchange.settlement.checkpoint(&Usage::completion_only(0)),
             }
         };
-        exchange.settlement.extra_usd_nanos = found.extra_usd_nanos;
-        exchange.settlement.extra_tokens = found.extra_tokens;
-        exchange.found = found;
+        exchange.found(found);
     }
     let opening = gateway.services.router.chat_stream(router_request);
     tokio::pin!(opening);
@@ -915,7 +954,7 @@ async fn stream(
     let mut events = match opened {
         Ok(events) => events,
         Err(error) => {
-            exchange.settlement.release();
+            exchange.failed(&error);
             return Err(error.into());
         }
     };
@@ -927,7 +966,7 @@ async fn stream(
             retry_count,
         })) => (name, retry_count),
         Some(Err(error)) => {
-            exchange.settlement.release();
+            exchange.failed(&error);
             return Err(error.into());
         }
         // A router that names no backend: keep whatever came first.
@@ -1012,13 +1051,18 @@ async fn relay(
     if let Some(call) = &documents {
         let mut delta_call = call.clone();
         delta_call["index"] = json!(0);
+        let choices: Vec<Value> = (0..exchange.chat.choices)
+            .map(|index| {
+                json!({"index": index, "delta": {"role": "assistant", "content": null,
+                    "tool_calls": [delta_call]}, "logprobs": null, "finish_reason": null})
+            })
+            .collect();
         let first = json!({
             "id": exchange.completion_id,
             "object": "chat.completion.chunk",
             "created": created.get_or_insert_with(|| json!(now())).clone(),
             "model": exchange.chat.model_id,
-            "choices": [{"index": 0, "delta": {"role": "assistant", "content": null,
-                "tool_calls": [delta_call]}, "logprobs": null, "finish_reason": null}],
+            "choices": choices,
         });
         let _ = sender.send(sse(&first)).await;
     }
@@ -1104,6 +1148,18 @@ async fn relay(
             for choice in choices.iter_mut() {
                 if choice.get("finish_reason").is_some_and(|r| r == "stop") {
                     choice["finish_reason"] = json!("tool_calls");
+                }
+                // The documents call is the choice's tool call 0: the
+                // model's own calls come after it.
+                let calls = choice
+                    .get_mut("delta")
+                    .and_then(|delta| delta.get_mut("tool_calls"));
+                if let Some(Value::Array(calls)) = calls {
+                    for call in calls.iter_mut() {
+                        if let Some(index) = call.get("index").and_then(Value::as_u64) {
+                            call["index"] = json!(index + 1);
+                        }
+                    }
                 }
             }
         }
@@ -1629,6 +1685,7 @@ fn validate(gateway: &Gateway, body: &mut Value) -> Result<Chat, ApiError> {
         estimated_tokens: prompt_tokens_estimate
             .saturating_add(completion_budget.saturating_mul(n)),
         x_search,
+        choices: n,
     })
 }
 

@@ -95,9 +95,7 @@ impl Converter {
         media_type: &str,
         bytes: Vec<u8>,
     ) -> Result<String, String> {
-        let format = files::format_of(name, media_type).ok_or_else(|| {
-            format!("{name:?} is not a supported file: send PDF, DOCX, PPTX, XLSX, TXT, CSV or MD")
-        })?;
+        let format = files::format_of(name, media_type).ok_or_else(|| files::unsupported(name))?;
         if format == Format::Text {
             return files::to_text(name, media_type, &bytes);
         }

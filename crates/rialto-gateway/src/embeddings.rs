@@ -40,6 +40,7 @@ pub async fn create(
             total_tokens: prompt_estimate,
             durable: false,
             extra_usd_nanos: 0,
+            limiter_extra_tokens: 0,
         },
         None,
     )

@@ -244,14 +244,17 @@ fn cell_position(reference: &[u8]) -> Option<(u64, u64)> {
     (row >= 1).then_some((row, column))
 }
 
+/// Why a file of no format we read is refused.
+pub(crate) fn unsupported(name: &str) -> String {
+    format!(
+        "{name:?} is not a supported file: send PDF, DOCX, PPTX, XLSX, HTML, or text \
+         (TXT, CSV, MD, JSON, source code)"
+    )
+}
+
 /// The text of a file, or why it cannot be read.
 pub fn to_text(name: &str, media_type: &str, bytes: &[u8]) -> Result<String, String> {
-    let format = format_of(name, media_type).ok_or_else(|| {
-        format!(
-            "{name:?} is not a supported file: send PDF, DOCX, PPTX, XLSX, HTML, or text \
-             (TXT, CSV, MD, JSON, source code)"
-        )
-    })?;
+    let format = format_of(name, media_type).ok_or_else(|| unsupported(name))?;
     let text = match format {
         Format::Text => {
             String::from_utf8(bytes.to_vec()).map_err(|_| format!("{name:?} is not UTF-8 text"))?
@@ -631,7 +634,7 @@ pub(crate) async fn fetch(
 ) -> Result<(String, Vec<u8>), String> {
     let parsed = reqwest::Url::parse(url).map_err(|_| format!("{url:?} is not a URL"))?;
     if !matches!(parsed.scheme(), "http" | "https") {
-        return Err("file URLs must be http or https".to_owned());
+        return Err("URLs must be http or https".to_owned());
     }
     let host = parsed
         .host_str()
@@ -642,12 +645,10 @@ pub(crate) async fn fetch(
     let port = parsed.port_or_known_default().unwrap_or(443);
     let address = tokio::net::lookup_host((host.as_str(), port))
         .await
-        .map_err(|_| format!("the file URL's host {host} cannot be resolved"))?
+        .map_err(|_| format!("the host {host} cannot be resolved"))?
         .find(|a| allow_private || public(a.ip()))
         .ok_or_else(|| {
-            format!(
-                "the file URL's host {host} is not a public address; send the file as file_data"
-            )
+            format!("the host {host} is not a public address (send a file's content as file_data)")
         })?;
     let _ = rustls::crypto::ring::default_provider().install_default();
     // The checked address, and no other: a second lookup could answer
@@ -664,9 +665,9 @@ pub(crate) async fn fetch(
         .get(parsed)
         .send()
         .await
-        .map_err(|e| format!("the file could not be fetched ({})", e.without_url()))?;
+        .map_err(|e| format!("{url} could not be fetched ({})", e.without_url()))?;
     if !response.status().is_success() {
-        return Err(format!("fetching the file answered {}", response.status()));
+        return Err(format!("fetching {url} answered {}", response.status()));
     }
     let media_type = response
         .headers()
@@ -678,7 +679,7 @@ pub(crate) async fn fetch(
     while let Some(chunk) = response
         .chunk()
         .await
-        .map_err(|e| format!("the file could not be fetched ({})", e.without_url()))?
+        .map_err(|e| format!("{url} could not be fetched ({})", e.without_url()))?
     {
         if bytes.len() + chunk.len() > limit {
             return Err(if limit == MAX_FILE_BYTES {

@@ -258,7 +258,13 @@ pub(crate) struct Scraper {
     max_chars: usize,
     /// Price of one scraped page, in USD nano-units.
     pub price_nanos: u64,
+    /// Pages being fetched at once, from all requests: each may hold the
+    /// file limit in memory while it arrives.
+    slots: std::sync::Arc<tokio::sync::Semaphore>,
 }
+
+/// Pages fetched at once by one gateway, at most.
+const SCRAPE_SLOTS: usize = 16;
 
 impl Scraper {
     pub(crate) fn new(config: &WebScrapingConfig, allow_private: bool) -> Self {
@@ -266,6 +272,7 @@ impl Scraper {
             allow_private,
             max_chars: config.max_chars_per_page,
             price_nanos: usd_nanos(config.usd_per_scraped_url),
+            slots: std::sync::Arc::new(tokio::sync::Semaphore::new(SCRAPE_SLOTS)),
         }
     }
 
@@ -281,7 +288,10 @@ impl Scraper {
         url: &str,
         converter: &crate::convert::Converter,
     ) -> Result<Page, String> {
-        let page = self.read(url, converter).await;
+        let page = match self.slots.acquire().await {
+            Ok(_slot) => self.read(url, converter).await,
+            Err(_) => Err("the gateway is shutting down".to_owned()),
+        };
         let outcome = if page.is_ok() { "ok" } else { "failed" };
         metrics()
             .pages_scraped

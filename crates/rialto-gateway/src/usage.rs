@@ -99,8 +99,8 @@ fn entry_json(entry: &billing_pb::UsageEntry) -> Value {
     let tokens = entry.prompt_tokens.saturating_add(entry.completion_tokens);
     // An augment call (`augment/search`) is one unit of its own SKU
     // (`augment-search`), priced as a whole.
-    let (sku, units) = match entry.model_id.strip_prefix(rialto_billing::AUGMENT_PREFIX) {
-        Some(name) => (format!("augment-{name}"), json!(1)),
+    let (sku, units, price) = match entry.model_id.strip_prefix(rialto_billing::AUGMENT_PREFIX) {
+        Some(name) => (format!("augment-{name}"), json!(1), number(&entry.amount)),
         None => (
             format!("{}-llm-mtoken", entry.model_id),
             number(
@@ -108,6 +108,7 @@ fn entry_json(entry: &billing_pb::UsageEntry) -> Value {
                     .normalize()
                     .to_string(),
             ),
+            number(&entry.price_per_mtok_usd),
         ),
     };
     json!({
@@ -120,7 +121,7 @@ fn entry_json(entry: &billing_pb::UsageEntry) -> Value {
             "inferenceExecutionTime": null,
         },
         "notes": "API Inference",
-        "pricePerUnitUsd": number(&entry.price_per_mtok_usd),
+        "pricePerUnitUsd": price,
         "sku": sku,
         "timestamp": timestamp(entry.at_ms),
         "units": units,
