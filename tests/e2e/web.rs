@@ -354,6 +354,27 @@ async fn documents(world: &World) {
         .filter(|f| !f.is_null())
         .collect();
     assert_eq!(finishes, [&json!("tool_calls")], "{events:?}");
+    // The model's own streamed call comes after the documents: its
+    // index moves from 0 to 1.
+    let own = json!({"model": "search-chat", "stream": true, "rialto_parameters": parameters,
+        "messages": [{"role": "user", "content": "weather in Paris"}],
+        "tools": [{"type": "function", "function": {"name": "weather",
+            "parameters": {"type": "object", "properties": {}}}}],
+        "mock": {"tool_call": {"name": "weather", "arguments": {"city": "Paris"}}}});
+    let (_, events) = world.stream(&own).await;
+    let calls: Vec<&Value> = events
+        .iter()
+        .filter_map(|e| e["choices"].get(0))
+        .filter_map(|c| c["delta"]["tool_calls"].as_array())
+        .flatten()
+        .collect();
+    assert_eq!(calls[0]["function"]["name"], "web_search", "{events:?}");
+    assert_eq!(calls[0]["index"], 0);
+    assert_eq!(calls[1]["function"]["name"], "weather", "{events:?}");
+    assert!(
+        calls[1..].iter().all(|call| call["index"] == 1),
+        "{events:?}"
+    );
     // The non-streamed call keeps the model's own calls after it.
     assert_eq!(
         answer["choices"][0]["message"]["tool_calls"]

@@ -405,6 +405,111 @@ pub(crate) fn urls_in(text: &str) -> Vec<String> {
 mod tests {
     use super::*;
 
+    /// Serves one HTTP request with `body` (JSON) and hands back the
+    /// request's head.
+    async fn answer_once(body: &'static str) -> (String, tokio::sync::oneshot::Receiver<String>) {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let (sender, receiver) = tokio::sync::oneshot::channel();
+        tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut head = vec![0u8; 4096];
+            let read = socket.read(&mut head).await.unwrap();
+            let _ = sender.send(String::from_utf8_lossy(&head[..read]).into_owned());
+            let answer = format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\
+                 Connection: close\r\n\r\n{body}",
+                body.len()
+            );
+            socket.write_all(answer.as_bytes()).await.unwrap();
+        });
+        (url, receiver)
+    }
+
+    fn client() -> reqwest::Client {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        reqwest::Client::new()
+    }
+
+    /// Brave Search's documented shape: `web.results[]` with `title`,
+    /// `url`, `description` (marked up) and `page_age`; the key goes in
+    /// `X-Subscription-Token`, the limit in `count`.
+    #[tokio::test]
+    async fn brave_answers_are_read_and_keyed() {
+        let (url, head) = answer_once(
+            r#"{"type":"search","query":{"original":"rust 2026"},"web":{"type":"search","results":[
+              {"title":"Rust <strong>2026</strong>","url":"https://blog.rust-lang.org/","description":"The <strong>Rust</strong> team's plans.","page_age":"2026-01-05T10:00:00","age":"January 5, 2026"},
+              {"title":"Second","url":"https://example.org/2","description":"Two."}]}}"#,
+        )
+        .await;
+        let brave = Brave {
+            url: format!("{url}/res/v1/web/search"),
+            key: "brave-key".to_owned(),
+            client: client(),
+        };
+        let results = brave.search("rust 2026", 2).await.unwrap();
+        let head = head.await.unwrap().to_ascii_lowercase();
+        assert!(
+            head.starts_with("get /res/v1/web/search?q=rust+2026&count=2 "),
+            "{head}"
+        );
+        assert!(head.contains("x-subscription-token: brave-key"), "{head}");
+        assert_eq!(
+            results,
+            [
+                SearchResult {
+                    title: "Rust 2026".to_owned(),
+                    url: "https://blog.rust-lang.org/".to_owned(),
+                    content: "The Rust team's plans.".to_owned(),
+                    date: Some("2026-01-05T10:00:00".to_owned()),
+                },
+                SearchResult {
+                    title: "Second".to_owned(),
+                    url: "https://example.org/2".to_owned(),
+                    content: "Two.".to_owned(),
+                    date: None,
+                },
+            ]
+        );
+        // No web results for a query is no results, not a failure.
+        let (url, _) = answer_once(r#"{"type":"search","query":{"original":"zzz"}}"#).await;
+        let brave = Brave {
+            url,
+            key: "k".to_owned(),
+            client: client(),
+        };
+        assert!(brave.search("zzz", 5).await.unwrap().is_empty());
+    }
+
+    /// SearXNG's JSON: results cut to the limit, a result without a URL
+    /// skipped, `publishedDate` as the date.
+    #[tokio::test]
+    async fn searxng_answers_are_read_and_cut_to_the_limit() {
+        let (url, head) = answer_once(
+            r#"{"query":"q","results":[
+              {"url":"https://a.example/","title":"A","content":"first","publishedDate":"2026-02-01T00:00:00"},
+              {"title":"no url"},
+              {"url":"https://b.example/","title":"B","content":"second","publishedDate":null},
+              {"url":"https://c.example/","title":"C","content":"third"}]}"#,
+        )
+        .await;
+        let searxng = SearXng {
+            url: format!("{url}/search"),
+            client: client(),
+        };
+        let results = searxng.search("what & why", 2).await.unwrap();
+        let head = head.await.unwrap();
+        assert!(
+            head.starts_with("GET /search?q=what+%26+why&format=json "),
+            "{head}"
+        );
+        let urls: Vec<&str> = results.iter().map(|r| r.url.as_str()).collect();
+        assert_eq!(urls, ["https://a.example/", "https://b.example/"]);
+        assert_eq!(results[0].date.as_deref(), Some("2026-02-01T00:00:00"));
+        assert_eq!(results[1].date, None);
+    }
+
     #[test]
     fn urls_are_found_once_in_order_and_at_most_five() {
         let text = "see https://a.example/x, then (http://b.example/y?z=1) and \

@@ -7,7 +7,7 @@
 //! `reply`, `words`, `status`, `delay_ms`, `chunk_delay_ms`, `fail_after_chunks`,
 //! `cached_tokens`, `cache_write_tokens` and `prompt_tokens` (reported in
 //! the usage), and `tool_call` (`{name, arguments}`: called when the
-//! request offers that function).
+//! request offers that function, streamed or not).
 //! [`MockUpstream::fail_next`] makes this one mock (not its siblings) fail its
 //! next requests, which is how a test fails one backend of several. The
 //! server stops when the [`MockUpstream`] is dropped or [`MockUpstream::stop`]ped.
@@ -341,9 +341,48 @@ async fn chat(req: HttpRequest, raw: web::Bytes, state: web::Data<State>) -> Htt
             .as_array()
             .is_some_and(|tools| tools.iter().any(|t| t["function"]["name"] == name))
     };
+    let streamed = body["stream"].as_bool() == Some(true);
     if let Some(name) = mock["tool_call"]["name"].as_str()
         && offered(name)
-        && body["stream"].as_bool() != Some(true)
+        && streamed
+    {
+        // The call in two deltas (name, then arguments), as servers stream it.
+        let chunk = |choice: Value| {
+            format!(
+                "data: {}\n\n",
+                json!({"id": id, "object": "chat.completion.chunk", "created": created,
+                       "model": model, "choices": [choice]})
+            )
+        };
+        let mut events = vec![
+            chunk(
+                json!({"index": 0, "finish_reason": null, "delta": {"role": "assistant",
+                "tool_calls": [{"index": 0, "id": "call_mock", "type": "function",
+                    "function": {"name": name, "arguments": ""}}]}}),
+            ),
+            chunk(
+                json!({"index": 0, "finish_reason": null, "delta": {"tool_calls": [
+                {"index": 0, "function": {"arguments": mock["tool_call"]["arguments"].to_string()}}]}}),
+            ),
+            chunk(json!({"index": 0, "finish_reason": "tool_calls", "delta": {}})),
+        ];
+        if body["stream_options"]["include_usage"].as_bool() == Some(true) {
+            let usage = json!({"prompt_tokens": prompt_tokens, "completion_tokens": 10,
+                "total_tokens": prompt_tokens + 10});
+            events.push(format!(
+                "data: {}\n\n",
+                json!({"id": id, "object": "chat.completion.chunk", "created": created,
+                       "model": model, "choices": [], "usage": usage})
+            ));
+        }
+        events.push("data: [DONE]\n\n".to_owned());
+        return HttpResponse::Ok()
+            .content_type("text/event-stream")
+            .body(events.concat());
+    }
+    if let Some(name) = mock["tool_call"]["name"].as_str()
+        && offered(name)
+        && !streamed
     {
         let call = json!({"id": "call_mock", "type": "function", "function": {
             "name": name, "arguments": mock["tool_call"]["arguments"].to_string()}});
