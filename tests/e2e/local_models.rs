@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use rialto_test_kit::{Sandbox, Topology};
+use rialto_test_kit::{MockSearxng, Sandbox, Topology};
 use serde_json::{Value, json};
 
 use crate::python::run_script;
@@ -17,7 +17,7 @@ fn models_dir() -> PathBuf {
 
 /// The built-in catalog's two models with absolute paths, and a second chat
 /// model on the same file whose queue holds nobody (`max_queue = 0`).
-fn local_models_toml() -> String {
+fn local_models_toml(searxng: &str) -> String {
     let dir = models_dir();
     let gguf = dir.join("SmolLM2-135M-Instruct.Q4_1.gguf");
     let embedder = dir.join("all-minilm-l6-v2");
@@ -32,6 +32,7 @@ id = "smollm2-135m"
 type = "text"
 context_length = 2048
 traits = ["default"]
+capabilities = ["web_search"]
 backends = [{{ kind = "local", path = "{gguf}", name = "local-smollm2", context_size = 2048 }}]
 
 [[models]]
@@ -44,6 +45,11 @@ id = "all-minilm-l6-v2"
 type = "embedding"
 aliases = ["text-embedding-3-small"]
 backends = [{{ kind = "local", path = "{embedder}", name = "local-minilm" }}]
+
+[web_search]
+provider = "searxng"
+url = "{searxng}"
+max_results = 3
 "#,
         gguf = gguf.display(),
         embedder = embedder.display()
@@ -51,8 +57,9 @@ backends = [{{ kind = "local", path = "{embedder}", name = "local-minilm" }}]
 }
 
 async fn local_models(topology: Topology) {
+    let searxng = MockSearxng::start().await.unwrap();
     let sandbox = Sandbox::builder(topology)
-        .config(&local_models_toml())
+        .config(&local_models_toml(&searxng.url()))
         .start()
         .await
         .unwrap();
@@ -87,6 +94,37 @@ async fn local_models(topology: Topology) {
     // SmolLM2's template adds its default system prompt: ~42 tokens in all.
     assert!((30..60).contains(&prompt_tokens), "{body}");
     assert!((1..=24).contains(&completion_tokens), "{body}");
+
+    // The same question with web search: the real model reads the sources
+    // (its own tokenizer counts them in the prompt) and the answer lists
+    // them.
+    let response = http
+        .post(sandbox.api("/chat/completions"))
+        .bearer_auth(&key)
+        .json(&json!({
+            "model": "smollm2-135m:enable_web_search=on&enable_web_citations=true",
+            "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+            "temperature": 0,
+            "max_tokens": 24,
+        }))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let searched: Value = response.json().await.unwrap();
+    assert_eq!(
+        searxng.queries(),
+        ["What is the capital of France? Answer in one word."]
+    );
+    let citations = searched["rialto_parameters"]["web_search_citations"]
+        .as_array()
+        .unwrap();
+    assert_eq!(citations.len(), 3, "{searched}");
+    let prompt = |answer: &Value| answer["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(
+        prompt(&searched) > prompt(&body) + 100,
+        "the sources reached the model: {searched} vs {body}"
+    );
 
     // Embeddings: OpenAI's shape, unit vectors, similar texts closer.
     let response = http
