@@ -70,19 +70,21 @@ async fn local_models(topology: Topology) {
         .unwrap();
     let http = sandbox.http();
 
+    // The capital of France, asked of `model` (with its suffix).
+    let ask = |model: &'static str| {
+        http.post(sandbox.api("/chat/completions"))
+            .bearer_auth(&key)
+            .json(&json!({
+                "model": model,
+                "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
+                "temperature": 0,
+                "max_tokens": 24,
+            }))
+            .send()
+    };
+
     // A real answer with real token counts, from the in-process backend.
-    let response = http
-        .post(sandbox.api("/chat/completions"))
-        .bearer_auth(&key)
-        .json(&json!({
-            "model": "smollm2-135m",
-            "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
-            "temperature": 0,
-            "max_tokens": 24,
-        }))
-        .send()
-        .await
-        .unwrap();
+    let response = ask("smollm2-135m").await.unwrap();
     assert_eq!(response.status(), 200);
     assert_eq!(response.headers()["x-rialto-model-router"], "local-smollm2");
     let body: Value = response.json().await.unwrap();
@@ -98,16 +100,7 @@ async fn local_models(topology: Topology) {
     // The same question with web search: the real model reads the sources
     // (its own tokenizer counts them in the prompt) and the answer lists
     // them.
-    let response = http
-        .post(sandbox.api("/chat/completions"))
-        .bearer_auth(&key)
-        .json(&json!({
-            "model": "smollm2-135m:enable_web_search=on&enable_web_citations=true",
-            "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
-            "temperature": 0,
-            "max_tokens": 24,
-        }))
-        .send()
+    let response = ask("smollm2-135m:enable_web_search=on&enable_web_citations=true")
         .await
         .unwrap();
     assert_eq!(response.status(), 200);

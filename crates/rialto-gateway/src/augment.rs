@@ -167,6 +167,16 @@ pub(crate) fn last_user_text(body: &Value) -> String {
     }
 }
 
+/// Whether a chat's echo asks for anything of the web (most do not: they
+/// pay for no planning).
+pub(crate) fn asks_for_web(parameters: &Map<String, Value>, x_search: bool) -> bool {
+    x_search
+        || requested_flag(parameters, "enable_web_scraping")
+        || parameters
+            .get("enable_web_search")
+            .is_some_and(|mode| mode != "off")
+}
+
 fn requested_flag(parameters: &Map<String, Value>, name: &str) -> bool {
     parameters
         .get(name)
@@ -199,16 +209,14 @@ pub(crate) fn plan(
     let mut x_search_nanos = 0;
     if x_search {
         let Some(native) = &config.native_search else {
-            let mut details = Details::new();
-            details.push(
+            return Err(invalid_at(
                 &[field, "enable_x_search"],
                 format!(
                     "Model {} does not search natively; enable_x_search is only for models \
                      whose upstream does",
                     config.id
                 ),
-            );
-            return Err(ApiError::validation(details));
+            ));
         };
         for (name, value) in native {
             body.insert(name.clone(), value.clone());
@@ -228,24 +236,20 @@ pub(crate) fn plan(
     }
     if search != SearchMode::Off {
         if gateway.web_search.is_none() {
-            let mut details = Details::new();
-            details.push(
+            return Err(invalid_at(
                 &[field, "enable_web_search"],
                 "Web search is not configured on this server: its operator sets \
                  [web_search] provider (searxng or brave)",
-            );
-            return Err(ApiError::validation(details));
+            ));
         }
         let allowed = config.capabilities.iter().any(|c| c == "web_search");
         let tools = config.capabilities.iter().any(|c| c == "tools");
         match search {
             SearchMode::On if !allowed => {
-                let mut details = Details::new();
-                details.push(
+                return Err(invalid_at(
                     &[field, "enable_web_search"],
                     format!("Model {} does not support web search", config.id),
-                );
-                return Err(ApiError::validation(details));
+                ));
             }
             // `auto` is "if the model can": off where it cannot decide.
             SearchMode::Auto if !(allowed && tools) => search = SearchMode::Off,
@@ -650,20 +654,25 @@ pub(crate) fn add_documents(body: &mut Map<String, Value>, call: &Value) {
 // ---------------------------------------------------------------------
 // The augment endpoints.
 
-/// Authenticates a caller (key or signed-in wallet), takes a slot in its
-/// window of the endpoint, and holds `price_nanos`: billed as
-/// `augment/<name>` when the work succeeds.
-async fn admitted(
+/// Runs an augment call's `work` metered: a slot in the caller's window
+/// of the endpoint, a hold of `price_nanos`, then the price charged as
+/// `augment/<name>` when the work succeeds (with `X-Balance-Remaining` for a
+/// wallet) or the hold released when it fails.
+async fn metered<T>(
     gateway: &Gateway,
     request: &HttpRequest,
     principal: &auth_pb::Principal,
     name: &str,
     price_nanos: u64,
-) -> Result<Admitted, ApiError> {
+    work: impl std::future::Future<Output = Result<T, ApiError>>,
+) -> Result<(T, actix_web::HttpResponseBuilder), ApiError> {
     let window = format!("endpoint:api/v1/augment/{name}");
     let model_id = format!("{}{name}", rialto_billing::AUGMENT_PREFIX);
     let request_id = RequestId::of(request);
-    admit(
+    let Admitted {
+        mut settlement,
+        wallet_usd_before,
+    } = admit(
         gateway,
         request,
         principal,
@@ -682,21 +691,17 @@ async fn admitted(
         },
         None,
     )
-    .await
-}
-
-/// Charges a successful augment call; `X-Balance-Remaining` for a wallet.
-async fn charged(
-    admitted: Admitted,
-    price_nanos: u64,
-    response: &mut actix_web::HttpResponseBuilder,
-) -> Result<(), ApiError> {
-    let Admitted {
-        mut settlement,
-        wallet_usd_before,
-    } = admitted;
+    .await?;
+    let done = match work.await {
+        Ok(done) => done,
+        Err(error) => {
+            settlement.release();
+            return Err(error);
+        }
+    };
     settlement.extra_usd_nanos = price_nanos;
     let cost = settlement.bill(&Usage::none()).await?;
+    let mut response = HttpResponse::Ok();
     if let Some(before) = wallet_usd_before {
         let charged: rust_decimal::Decimal = cost["usd"].to_string().parse().unwrap_or_default();
         response.insert_header((
@@ -704,7 +709,34 @@ async fn charged(
             (before - charged).normalize().to_string(),
         ));
     }
-    Ok(())
+    Ok((done, response))
+}
+
+/// A 400 whose details name one member (`[]`: the body as a whole).
+fn invalid_at(path: &[&str], why: impl Into<String>) -> ApiError {
+    let mut details = Details::new();
+    details.push(path, why);
+    ApiError::validation(details)
+}
+
+/// The string member `field` of a request body; its absence or another
+/// type goes in `details`.
+fn string_member<'a>(
+    body: &'a Map<String, Value>,
+    field: &str,
+    details: &mut Details,
+) -> Option<&'a str> {
+    match body.get(field) {
+        Some(Value::String(text)) => Some(text),
+        Some(_) => {
+            details.push(&[field], "Expected string");
+            None
+        }
+        None => {
+            details.push(&[field], "Required");
+            None
+        }
+    }
 }
 
 /// The JSON object of a request body, or a 400.
@@ -716,11 +748,7 @@ async fn object_body(
     let body = read_body(gateway, request, payload).await?;
     match parse_json(&body)? {
         Value::Object(object) => Ok(object),
-        _ => {
-            let mut details = Details::new();
-            details.push(&[], "Expected a JSON object");
-            Err(ApiError::validation(details))
-        }
+        _ => Err(invalid_at(&[], "Expected a JSON object")),
     }
 }
 
@@ -734,23 +762,12 @@ pub async fn search(
     let principal = authenticate(&gateway, &request).await?;
     let body = object_body(&gateway, &request, payload).await?;
     let mut details = Details::new();
-    let query = match body.get("query") {
-        Some(Value::String(q)) if (1..=MAX_QUERY_CHARS).contains(&q.trim().chars().count()) => {
-            q.trim().to_owned()
-        }
-        Some(Value::String(_)) => {
-            details.push(&["query"], "String must contain 1 to 400 character(s)");
-            String::new()
-        }
-        Some(_) => {
-            details.push(&["query"], "Expected string");
-            String::new()
-        }
-        None => {
-            details.push(&["query"], "Required");
-            String::new()
-        }
-    };
+    let query = string_member(&body, "query", &mut details).map_or("", str::trim);
+    if query.is_empty() && body.get("query").is_some_and(Value::is_string)
+        || query.chars().count() > MAX_QUERY_CHARS
+    {
+        details.push(&["query"], "String must contain 1 to 400 character(s)");
+    }
     let limit = match body.get("limit") {
         None | Some(Value::Null) => 10,
         Some(value) => match value.as_u64() {
@@ -779,21 +796,17 @@ pub async fn search(
              provider (searxng or brave)",
         ));
     };
-    let price = provider.price_nanos;
-    let admitted = admitted(&gateway, &request, &principal, "search", price).await?;
-    let results = match provider.search(&query, limit).await {
-        Ok(results) => results,
-        Err(why) => {
-            let mut settlement = admitted.settlement;
-            settlement.release();
-            return Err(ApiError::new(
+    let searching = async {
+        provider.search(query, limit).await.map_err(|why| {
+            ApiError::new(
                 ErrorCode::UpstreamFailed,
                 format!("The search failed: {why}"),
-            ));
-        }
+            )
+        })
     };
-    let mut response = HttpResponse::Ok();
-    charged(admitted, price, &mut response).await?;
+    let price = provider.price_nanos;
+    let (results, mut response) =
+        metered(&gateway, &request, &principal, "search", price, searching).await?;
     let results: Vec<Value> = results
         .into_iter()
         .map(|r| {
@@ -813,38 +826,19 @@ pub async fn scrape(
     let principal = authenticate(&gateway, &request).await?;
     let body = object_body(&gateway, &request, payload).await?;
     let mut details = Details::new();
-    let url = match body.get("url") {
-        Some(Value::String(url)) => match reqwest::Url::parse(url) {
-            Ok(parsed) if matches!(parsed.scheme(), "http" | "https") => url.clone(),
-            _ => {
-                details.push(&["url"], "Invalid url: expected an http(s) URL");
-                String::new()
-            }
-        },
-        Some(_) => {
-            details.push(&["url"], "Expected string");
-            String::new()
-        }
-        None => {
-            details.push(&["url"], "Required");
-            String::new()
-        }
-    };
+    let url = string_member(&body, "url", &mut details).unwrap_or_default();
+    let web_url = reqwest::Url::parse(url).is_ok_and(|u| matches!(u.scheme(), "http" | "https"));
+    if body.get("url").is_some_and(Value::is_string) && !web_url {
+        details.push(&["url"], "Invalid url: expected an http(s) URL");
+    }
     details.into_result()?;
-    let price = gateway.scraper.price_nanos;
-    let admitted = admitted(&gateway, &request, &principal, "scrape", price).await?;
-    let page = match gateway.scraper.scrape(&url, &gateway.converter).await {
-        Ok(page) => page,
-        Err(why) => {
-            let mut settlement = admitted.settlement;
-            settlement.release();
-            let mut details = Details::new();
-            details.push(&["url"], format!("The page could not be scraped: {why}"));
-            return Err(ApiError::validation(details));
-        }
+    let scraping = async {
+        let page = gateway.scraper.scrape(url, &gateway.converter).await;
+        page.map_err(|why| invalid_at(&["url"], format!("The page could not be scraped: {why}")))
     };
-    let mut response = HttpResponse::Ok();
-    charged(admitted, price, &mut response).await?;
+    let price = gateway.scraper.price_nanos;
+    let (page, mut response) =
+        metered(&gateway, &request, &principal, "scrape", price, scraping).await?;
     let content = if page.title == page.url {
         page.markdown
     } else {
@@ -862,20 +856,20 @@ pub async fn text_parser(
 ) -> Result<HttpResponse, ApiError> {
     let principal = authenticate(&gateway, &request).await?;
     let (name, media_type, bytes, format) = read_file_form(&request, payload).await?;
-    let price = gateway.text_parser_price_nanos;
-    let admitted = admitted(&gateway, &request, &principal, "text-parser", price).await?;
-    let text = match gateway.converter.to_text(&name, &media_type, bytes).await {
-        Ok(text) => text,
-        Err(why) => {
-            let mut settlement = admitted.settlement;
-            settlement.release();
-            let mut details = Details::new();
-            details.push(&["file"], why);
-            return Err(ApiError::validation(details));
-        }
+    let parsing = async {
+        let text = gateway.converter.to_text(&name, &media_type, bytes).await;
+        text.map_err(|why| invalid_at(&["file"], why))
     };
-    let mut response = HttpResponse::Ok();
-    charged(admitted, price, &mut response).await?;
+    let price = gateway.text_parser_price_nanos;
+    let (text, mut response) = metered(
+        &gateway,
+        &request,
+        &principal,
+        "text-parser",
+        price,
+        parsing,
+    )
+    .await?;
     if format == "text" {
         return Ok(response
             .content_type("text/plain; charset=utf-8")
@@ -945,11 +939,7 @@ const FORM_READ_TIME: std::time::Duration = std::time::Duration::from_secs(60);
 async fn read_form(
     mut form: actix_multipart::Multipart,
 ) -> Result<(String, String, Vec<u8>, String), ApiError> {
-    let invalid = |path: &str, why: String| {
-        let mut details = Details::new();
-        details.push(&[path], why);
-        ApiError::validation(details)
-    };
+    let invalid = |path: &str, why: String| invalid_at(&[path], why);
     let mut file = None;
     let mut format = "json".to_owned();
     let mut fields = 0;

@@ -67,9 +67,6 @@ struct Exchange {
     /// What the request asks of the web, and what came of it.
     web: Option<augment::Plan>,
     found: augment::Outcome,
-    /// The prompt's estimate before any sources: the sources found are
-    /// added to it (the hold counted the most they could add).
-    prompt_without_sources: u64,
 }
 
 /// `X-Balance-Remaining`: a wallet's USD balance after the request.
@@ -362,7 +359,8 @@ async fn complete_or_stream(
     let request_id = RequestId::of(request);
     // What the user wrote, before any file becomes text: what is searched
     // for, and where links to scrape are found.
-    let user_text = augment::last_user_text(&body);
+    let asks_for_web = augment::asks_for_web(&chat.parameters, chat.x_search);
+    let user_text = asks_for_web.then(|| augment::last_user_text(&body));
     let has_files = body["messages"]
         .as_array()
         .is_some_and(|messages| crate::files::any(messages));
@@ -387,15 +385,18 @@ async fn complete_or_stream(
     let Value::Object(mut body) = body else {
         return Err(rialto_core::Error::internal("a validated chat body is not an object").into());
     };
-    let web = augment::plan(
-        gateway,
-        model,
-        &mut chat.parameters,
-        chat.x_search,
-        &mut body,
-        chat.prompt_tokens_estimate,
-        user_text,
-    );
+    let web = match user_text {
+        Some(user_text) => augment::plan(
+            gateway,
+            model,
+            &mut chat.parameters,
+            chat.x_search,
+            &mut body,
+            chat.prompt_tokens_estimate,
+            user_text,
+        ),
+        None => Ok(None),
+    };
     let web = match web {
         Ok(web) => web,
         Err(error) => {
@@ -410,7 +411,6 @@ async fn complete_or_stream(
     let (most_prompt_tokens, query_tokens) = web.as_ref().map_or((0, 0), |plan| {
         (plan.most_prompt_tokens, plan.most_query_tokens)
     });
-    let prompt_without_sources = chat.prompt_tokens_estimate;
     chat.prompt_tokens_estimate = chat
         .prompt_tokens_estimate
         .saturating_add(most_prompt_tokens);
@@ -455,7 +455,6 @@ async fn complete_or_stream(
         reader_patience: gateway.reader_patience,
         web,
         found: augment::Outcome::default(),
-        prompt_without_sources,
     };
     if exchange.chat.stream {
         stream(gateway, model, router_request, exchange).await
@@ -878,8 +877,13 @@ impl Exchange {
     fn found(&mut self, found: augment::Outcome) {
         self.settlement.extra_usd_nanos = found.extra_usd_nanos;
         self.settlement.extra_tokens = found.extra_tokens;
+        // The hold counted the most the sources could add: count what
+        // they did.
+        let most = self.web.as_ref().map_or(0, |plan| plan.most_prompt_tokens);
         self.chat.prompt_tokens_estimate = self
-            .prompt_without_sources
+            .chat
+            .prompt_tokens_estimate
+            .saturating_sub(most)
             .saturating_add((found.prompt_chars as u64).div_ceil(4));
         self.found = found;
     }

@@ -141,15 +141,25 @@ fn plain(snippet: &str) -> String {
     text.chars().take(MAX_SNIPPET_CHARS).collect()
 }
 
-/// Why a provider's answer is not usable.
-fn provider_error(provider: &str, error: reqwest::Error) -> String {
-    if error.is_timeout() {
-        format!("{provider} did not answer in time")
-    } else if let Some(status) = error.status() {
-        format!("{provider} answered {status}")
-    } else {
-        format!("{provider} could not be reached ({})", error.without_url())
-    }
+/// A provider's JSON answer to `request`, or why there is none.
+async fn answer_of(provider: &str, request: reqwest::RequestBuilder) -> Result<Value, String> {
+    let unusable = |error: reqwest::Error| {
+        if error.is_timeout() {
+            format!("{provider} did not answer in time")
+        } else if let Some(status) = error.status() {
+            format!("{provider} answered {status}")
+        } else {
+            format!("{provider} could not be reached ({})", error.without_url())
+        }
+    };
+    request
+        .send()
+        .await
+        .and_then(reqwest::Response::error_for_status)
+        .map_err(unusable)?
+        .json()
+        .await
+        .map_err(|e| format!("{provider} sent an invalid answer ({})", e.without_url()))
 }
 
 /// `url` with `pairs` as its query string, form-encoded.
@@ -168,16 +178,7 @@ struct SearXng {
 impl SearchProvider for SearXng {
     async fn search(&self, query: &str, limit: usize) -> Result<Vec<SearchResult>, String> {
         let url = with_query(&self.url, &[("q", query), ("format", "json")])?;
-        let body: Value = self
-            .client
-            .get(url)
-            .send()
-            .await
-            .and_then(reqwest::Response::error_for_status)
-            .map_err(|e| provider_error("SearXNG", e))?
-            .json()
-            .await
-            .map_err(|e| format!("SearXNG sent an invalid answer ({})", e.without_url()))?;
+        let body = answer_of("SearXNG", self.client.get(url)).await?;
         let results = body["results"]
             .as_array()
             .ok_or("SearXNG's answer has no results list")?;
@@ -208,18 +209,12 @@ impl SearchProvider for Brave {
     async fn search(&self, query: &str, limit: usize) -> Result<Vec<SearchResult>, String> {
         let count = limit.to_string();
         let url = with_query(&self.url, &[("q", query), ("count", count.as_str())])?;
-        let body: Value = self
+        let request = self
             .client
             .get(url)
             .header("accept", "application/json")
-            .header("x-subscription-token", &self.key)
-            .send()
-            .await
-            .and_then(reqwest::Response::error_for_status)
-            .map_err(|e| provider_error("Brave Search", e))?
-            .json()
-            .await
-            .map_err(|e| format!("Brave Search sent an invalid answer ({})", e.without_url()))?;
+            .header("x-subscription-token", &self.key);
+        let body = answer_of("Brave Search", request).await?;
         let Some(results) = body["web"]["results"].as_array() else {
             // No web results for this query.
             return Ok(Vec::new());
