@@ -2,7 +2,8 @@
 //!
 //! - [`MockUpstream`]: an OpenAI-compatible server (non-stream, stream, `n`,
 //!   failures, delays), steered per request through a `mock` body member that
-//!   the gateway passes through untouched.
+//!   the gateway passes through untouched; it also answers OpenAI's image and
+//!   audio calls with real media made at request time ([`mock_media`]).
 //! - [`Sandbox`]: starts the real `rialto` binary in the one-process or the
 //!   split topology on ephemeral ports, with a fresh SQLite file or a fresh
 //!   PostgreSQL database, and cleans up after itself.
@@ -20,6 +21,7 @@
 pub mod collector;
 pub mod documents;
 pub mod facilitator;
+pub mod mock_media;
 pub mod mock_upstream;
 pub mod sandbox;
 pub mod searxng;

@@ -1,15 +1,19 @@
-//! A mock OpenAI-compatible chat-completions upstream for tests and benchmarks.
+//! A mock OpenAI-compatible upstream (chat completions and media) for tests and benchmarks.
 //!
 //! [`MockUpstream`] runs an actix-web server on its own thread (with its own actix `System`), so it
-//! works from `#[tokio::test]` and plain tokio code alike. It serves `GET /v1/models` and
-//! `POST /v1/chat/completions` (plain and SSE streaming), records every chat request body and its
-//! `Authorization` header, and obeys per-request directives in the body field `mock`:
+//! works from `#[tokio::test]` and plain tokio code alike. It serves `GET /v1/models`,
+//! `POST /v1/chat/completions` (plain and SSE streaming) and OpenAI's media calls (see
+//! [`crate::mock_media`]): `POST /v1/images/generations` and `/v1/images/edits` (real PNG, JPEG
+//! or WebP made at request time), `POST /v1/audio/speech` (a streamed WAV or raw PCM tone that
+//! carries its text) and `POST /v1/audio/transcriptions` (which reads that text back). It records
+//! every request's body (a multipart form as JSON), path and headers, and obeys per-request
+//! directives in the chat body field `mock`:
 //! `reply`, `words`, `status`, `delay_ms`, `chunk_delay_ms`, `fail_after_chunks`,
 //! `cached_tokens`, `cache_write_tokens` and `prompt_tokens` (reported in
 //! the usage), and `tool_call` (`{name, arguments}`: called when the
 //! request offers that function, streamed or not).
 //! [`MockUpstream::fail_next`] makes this one mock (not its siblings) fail its
-//! next requests, which is how a test fails one backend of several. The
+//! next requests (chat or media), which is how a test fails one backend of several. The
 //! server stops when the [`MockUpstream`] is dropped or [`MockUpstream::stop`]ped.
 
 use std::net::{SocketAddr, TcpListener};
@@ -24,14 +28,20 @@ use anyhow::Context as _;
 use bytes::Bytes;
 use serde_json::{Value, json};
 
-/// One recorded chat request: the parsed body and its headers.
-type Recorded = (Value, header::HeaderMap);
+use crate::mock_media;
+
+/// One recorded request: the parsed body (a multipart form as JSON), its path and its headers.
+struct Recorded {
+    body: Value,
+    path: String,
+    headers: header::HeaderMap,
+}
 
 #[derive(Default)]
-struct State {
+pub(crate) struct State {
     log: Mutex<Vec<Recorded>>,
     counter: AtomicU64,
-    /// Chat requests still to fail, and with which status.
+    /// Requests (chat or media) still to fail, and with which status.
     failing: Mutex<(usize, u16)>,
     /// `GET /v1/models` requests served (health checks).
     model_lists: AtomicU64,
@@ -41,6 +51,33 @@ impl State {
     fn log(&self) -> MutexGuard<'_, Vec<Recorded>> {
         // A poisoned lock only means a handler panicked; the log itself is still usable.
         self.log.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Records `body` as what `req` sent.
+    pub(crate) fn record(&self, req: &HttpRequest, body: Value) {
+        self.log().push(Recorded {
+            body,
+            path: req.path().to_owned(),
+            headers: req.headers().clone(),
+        });
+    }
+
+    /// The failure [`MockUpstream::fail_next`] still owes, if any, counting it as given.
+    pub(crate) fn take_failure(&self) -> Option<HttpResponse> {
+        let code = {
+            let mut failing = self.failing.lock().unwrap_or_else(|e| e.into_inner());
+            (failing.0 > 0).then(|| {
+                failing.0 -= 1;
+                failing.1
+            })
+        }?;
+        let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        Some(error_response(
+            status,
+            "mock failure",
+            "server_error",
+            "mock_failure",
+        ))
     }
 }
 
@@ -83,6 +120,16 @@ impl MockUpstream {
                             .app_data(web::PayloadConfig::new(64 * 1024 * 1024))
                             .route("/v1/models", web::get().to(models))
                             .route("/v1/chat/completions", web::post().to(chat))
+                            .route(
+                                "/v1/images/generations",
+                                web::post().to(mock_media::image_generations),
+                            )
+                            .route("/v1/images/edits", web::post().to(mock_media::image_edits))
+                            .route("/v1/audio/speech", web::post().to(mock_media::speech))
+                            .route(
+                                "/v1/audio/transcriptions",
+                                web::post().to(mock_media::transcriptions),
+                            )
                     })
                     .workers(workers.max(1))
                     .disable_signals()
@@ -122,12 +169,24 @@ impl MockUpstream {
         format!("http://{}/v1", self.addr)
     }
 
-    /// Every chat request body received (valid JSON only), in order.
+    /// Every request body received, in order: chat and JSON media bodies as
+    /// sent (valid JSON only), multipart forms as an object of their fields
+    /// (see [`crate::mock_media`]).
     pub fn requests(&self) -> Vec<Value> {
         self.state
             .log()
             .iter()
-            .map(|(body, _)| body.clone())
+            .map(|entry| entry.body.clone())
+            .collect()
+    }
+
+    /// The path of each recorded request (e.g. `/v1/audio/speech`), in the
+    /// same order as [`Self::requests`].
+    pub fn paths(&self) -> Vec<String> {
+        self.state
+            .log()
+            .iter()
+            .map(|entry| entry.path.clone())
             .collect()
     }
 
@@ -141,8 +200,9 @@ impl MockUpstream {
         self.state
             .log()
             .iter()
-            .map(|(_, headers)| {
-                headers
+            .map(|entry| {
+                entry
+                    .headers
                     .get(name)
                     .and_then(|v| v.to_str().ok())
                     .map(str::to_owned)
@@ -150,7 +210,7 @@ impl MockUpstream {
             .collect()
     }
 
-    /// Makes the next `count` chat requests to this mock answer `status`
+    /// Makes the next `count` chat or media requests to this mock answer `status`
     /// (with an OpenAI error body), whatever they ask; they are recorded.
     pub fn fail_next(&self, count: usize, status: u16) {
         *self.state.failing.lock().unwrap_or_else(|e| e.into_inner()) = (count, status);
@@ -167,7 +227,7 @@ impl MockUpstream {
         self.handle.stop(false).await;
     }
 
-    /// How many chat requests were recorded.
+    /// How many requests (chat and media) were recorded.
     pub fn request_count(&self) -> usize {
         self.state.log().len()
     }
@@ -230,7 +290,7 @@ fn truncate(text: String, max: Option<u64>) -> (String, &'static str) {
     }
 }
 
-fn unix_now() -> u64 {
+pub(crate) fn unix_now() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_secs())
@@ -249,17 +309,9 @@ async fn chat(req: HttpRequest, raw: web::Bytes, state: web::Data<State>) -> Htt
             );
         }
     };
-    state.log().push((body.clone(), req.headers().clone()));
-    let failing = {
-        let mut failing = state.failing.lock().unwrap_or_else(|e| e.into_inner());
-        (failing.0 > 0).then(|| {
-            failing.0 -= 1;
-            failing.1
-        })
-    };
-    if let Some(code) = failing {
-        let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        return error_response(status, "mock failure", "server_error", "mock_failure");
+    state.record(&req, body.clone());
+    if let Some(failure) = state.take_failure() {
+        return failure;
     }
 
     let mock = &body["mock"];
