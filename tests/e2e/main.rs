@@ -14,6 +14,7 @@ mod fuzz;
 mod keys;
 mod limits;
 mod local_models;
+mod media;
 mod metrics;
 mod python;
 mod router;

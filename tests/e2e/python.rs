@@ -112,18 +112,44 @@ id = "{LIMITED_MODEL}"
 name = "Limited Chat"
 tier = "XS"
 global_rpm = 1
-backends = [{{ kind = "openai", url = "{}", model = "mock-model" }}]
+backends = [{{ kind = "openai", url = "{0}", model = "mock-model" }}]
 
 [[models]]
 id = "{SEARCH_MODEL}"
 input_usd_per_mtok = 1.0
 output_usd_per_mtok = 1.0
 capabilities = ["web_search", "tools"]
-backends = [{{ kind = "openai", url = "{}", model = "mock-model" }}]
+backends = [{{ kind = "openai", url = "{0}", model = "mock-model" }}]
+
+[[models]]
+id = "conformance-image"
+type = "image"
+usd_per_image = 0.01
+backends = [{{ kind = "openai", url = "{0}" }}]
+
+[[models]]
+id = "conformance-edit"
+type = "inpaint"
+usd_per_image = 0.01
+backends = [{{ kind = "openai", url = "{0}" }}]
+
+[[models]]
+id = "conformance-tts"
+type = "tts"
+usd_per_thousand_characters = 0.01
+voices = ["af_sky"]
+audio_formats = ["wav"]
+backends = [{{ kind = "openai", url = "{0}" }}]
+
+[[models]]
+id = "conformance-asr"
+type = "asr"
+usd_per_audio_second = 0.001
+backends = [{{ kind = "openai", url = "{0}" }}]
 
 [web_search]
 provider = "searxng"
-url = "{}"
+url = "{1}"
 usd_per_search = 0.01
 
 [web_scraping]
@@ -134,7 +160,6 @@ usd_per_scraped_url = 0.002
 [wallet]
 min_balance_usd = "0"
 "#,
-        mock.base_url(),
         mock.base_url(),
         searxng.url()
     );

@@ -51,6 +51,12 @@ backends = [{{ kind = "openai", url = "{0}", model = "mock-model" }}]
 id = "free-chat"
 backends = [{{ kind = "openai", url = "{0}", model = "mock-model" }}]
 
+[[models]]
+id = "paid-image"
+type = "image"
+usd_per_image = 0.25
+backends = [{{ kind = "openai", url = "{0}" }}]
+
 [wallet]
 domains = ["127.0.0.1:8080", "localhost:8080"]
 
@@ -838,4 +844,34 @@ solana_fee_payer = "{}"
     let late: Value = late.json().await.unwrap();
     assert_eq!(late["error"], "PAYMENT_EXPIRED", "{late}");
     assert_eq!(facilitator.settlements().len(), 1);
+}
+
+/// A wallet pays for an image as for a chat: refused until it tops up,
+/// then charged the image's price, its balance in `X-Balance-Remaining`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wallet_pays_for_an_image() {
+    let world = world(Topology::OneProcess).await;
+    let sandbox = &world.sandbox;
+    let wallet = &world.wallet;
+    let generate = |header: String| {
+        sandbox
+            .http()
+            .post(sandbox.api("/image/generate"))
+            .header("SIGN-IN-WITH-X", header)
+            .json(&json!({"model": "paid-image", "prompt": "a coin", "width": 8, "height": 8}))
+            .send()
+    };
+    let response = generate(sign_in(wallet, &fresh_nonce(), 0, "127.0.0.1:8080"))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 402);
+    let paid = payment(wallet, PAY_TO, 5_000_000, 300, "USD Coin", random_nonce());
+    assert_eq!(top_up(sandbox, Some(&paid)).await.status(), 200);
+    let response = generate(sign_in(wallet, &fresh_nonce(), 0, "127.0.0.1:8080"))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["x-balance-remaining"], "4.75");
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["images"].as_array().unwrap().len(), 1);
 }

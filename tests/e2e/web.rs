@@ -654,8 +654,9 @@ async fn endpoints(world: &World) {
             .await
     };
     let response = scrape(world.searxng.page_url("beta")).await.unwrap();
-    assert_eq!(response.status(), 200);
+    let status = response.status();
     let page: Value = response.json().await.unwrap();
+    assert_eq!(status, 200, "{page}");
     assert_eq!(page["format"], "markdown");
     let content = page["content"].as_str().unwrap();
     assert!(content.starts_with("# Page beta"), "{content}");

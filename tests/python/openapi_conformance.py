@@ -281,6 +281,44 @@ as_text = check(session.post(f"{api}/augment/text-parser", files={"file": ("note
 assert as_text.text == "some text here", as_text.text
 check(session.post(f"{api}/augment/text-parser", files={"file": ("tool.exe", b"MZ")}, headers=inference), 400)
 assert balance(admin)["balances"] == {"diem": 0, "usd": 100 - spent}, spent
+
+# Images and audio against the mock upstream's real PNG and WAV, each billed
+# its unit price: $0.01 an image, $0.01 a thousand characters, $0.001 a
+# started second.
+generated = check(session.post(f"{api}/image/generate", headers=inference, json={
+    "model": "conformance-image", "prompt": "a dot", "width": 8, "height": 8, "format": "png"}), 200).json()
+assert base64.b64decode(generated["images"][0])[:8] == b"\x89PNG\r\n\x1a\n", generated["images"][0][:20]
+binary = check(session.post(f"{api}/image/generate", headers=inference, json={
+    "model": "conformance-image", "prompt": "a dot", "width": 8, "height": 8, "return_binary": True,
+    "format": "png"}), 200)
+assert binary.headers["content-type"] == "image/png" and binary.content[:4] == b"\x89PNG", binary.headers
+openai_image = check(session.post(f"{api}/images/generations", headers=inference,
+                                  json={"prompt": "a dot", "size": "256x256"}), 200).json()
+assert openai_image["data"][0]["b64_json"], openai_image
+edited = check(session.post(f"{api}/image/edit", headers=inference,
+                            files={"image": ("dot.png", base64.b64decode(generated["images"][0]), "image/png")},
+                            data={"model": "conformance-edit", "prompt": "invert it"}), 200)
+assert edited.headers["content-type"] == "image/png" and edited.content[:4] == b"\x89PNG", edited.headers
+multi = check(session.post(f"{api}/image/multi-edit", headers=inference, json={
+    "model": "conformance-edit", "prompt": "combine", "images": [generated["images"][0]] * 2}), 200)
+assert multi.content[:4] == b"\x89PNG", multi.headers
+spent += Decimal("0.05")
+assert "Anime" in check(session.get(f"{api}/image/styles"), 200).json()["data"]
+check(session.post(f"{api}/image/generate", headers=inference,
+                   json={"model": "conformance-image", "prompt": "x", "width": 5000}), 400, valid_request=False)
+words = "one two three four"
+speech = check(session.post(f"{api}/audio/speech", headers=inference, json={
+    "model": "conformance-tts", "input": words, "response_format": "wav"}), 200)
+assert speech.content[:4] == b"RIFF" and speech.headers["content-type"] == "audio/wav", speech.headers
+spent += Decimal(len(words)) * Decimal("0.01") / 1000
+heard = check(session.post(f"{api}/audio/transcriptions", headers=inference,
+                           files={"file": ("speech.wav", speech.content, "audio/wav")},
+                           data={"model": "conformance-asr", "timestamps": "true"}), 200).json()
+assert heard["text"] == words and heard["duration"] == 1 and heard["timestamps"]["segment"], heard
+spent += Decimal("0.001")
+voices = check(session.get(f"{api}/audio/voices", headers=inference), 200).json()
+assert [v["id"] for v in voices["data"]] == ["af_sky"], voices
+assert balance(admin)["balances"] == {"diem": 0, "usd": 100 - spent}, spent
 check(session.post(f"{api}/chat/completions", json={"model": model, "messages": []}, headers=inference), 400,
       valid_request=False)
 check(session.post(f"{api}/chat/completions", json={"model": "nope", "messages": hello}, headers=inference), 404)

@@ -25,6 +25,10 @@ pub struct Brand {
     pub header_balance_diem: String,
     /// Why a request's web search was left out (the provider failed).
     pub header_web_search_error: String,
+    /// Whether a generated image came back blurred (safe mode).
+    pub header_is_blurred: String,
+    /// Whether what was asked for broke the content policy.
+    pub header_is_content_violation: String,
 }
 
 impl Brand {
@@ -45,6 +49,8 @@ impl Brand {
             header_balance_usd: header("balance-usd"),
             header_balance_diem: header("balance-diem"),
             header_web_search_error: header("web-search-error"),
+            header_is_blurred: header("is-blurred"),
+            header_is_content_violation: header("is-content-violation"),
             name,
         }
     }

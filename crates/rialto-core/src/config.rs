@@ -46,6 +46,47 @@ pub struct Config {
     pub web_search: WebSearchConfig,
     pub web_scraping: WebScrapingConfig,
     pub text_parser: TextParserConfig,
+    pub media: MediaConfig,
+}
+
+/// The image and audio endpoints (`[media]`); each model's prices are its
+/// own (`usd_per_image`, `usd_per_thousand_characters`,
+/// `usd_per_audio_second`).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MediaConfig {
+    /// `GET /image/styles`, and the `style_preset`s `/image/generate`
+    /// accepts: a preset is added to the prompt (`<prompt>, <preset>
+    /// style`), since OpenAI-compatible image servers know no presets.
+    pub image_styles: Vec<String>,
+    /// Largest uploaded file (audio to transcribe, an image to edit), in
+    /// bytes; OpenAI's limit is 25 MB.
+    pub max_upload_bytes: usize,
+}
+
+impl Default for MediaConfig {
+    fn default() -> Self {
+        Self {
+            image_styles: [
+                "3D Model",
+                "Analog Film",
+                "Anime",
+                "Cinematic",
+                "Comic Book",
+                "Digital Art",
+                "Fantasy Art",
+                "Line Art",
+                "Neon Punk",
+                "Origami",
+                "Photographic",
+                "Pixel Art",
+                "Watercolor",
+            ]
+            .map(str::to_owned)
+            .to_vec(),
+            max_upload_bytes: 25 * 1024 * 1024,
+        }
+    }
 }
 
 /// The search provider behind `enable_web_search` and `POST
@@ -573,7 +614,8 @@ pub struct ModelConfig {
     /// Display name (`x-<brand>-model-name`); the id when absent.
     #[serde(default)]
     pub name: Option<String>,
-    /// `text`, `image`, `audio`, `embedding`, `video`, ...
+    /// One of [`MODEL_TYPES`]: `text` (chat), `embedding`, `image`
+    /// (generation), `tts` (speech), `asr` (transcription), ...
     #[serde(default = "default_model_type", rename = "type")]
     pub model_type: String,
     /// Rate-limit tier: `XS`, `S`, `M` or `L`.
@@ -644,6 +686,31 @@ pub struct ModelConfig {
     /// tokens.
     #[serde(default)]
     pub native_search_usd: f64,
+    /// `image`: price of one image (USD), where no resolution tier prices it.
+    #[serde(default)]
+    pub usd_per_image: f64,
+    /// `image`: price of one image per resolution tier (`"1K" = 0.18`);
+    /// a request's `resolution` picks one (the first tier by default), and
+    /// the model then accepts only these.
+    #[serde(default)]
+    pub usd_per_image_resolution: BTreeMap<String, f64>,
+    /// `image`: longest prompt, in characters (`promptCharacterLimit`).
+    #[serde(default)]
+    pub prompt_character_limit: Option<u64>,
+    /// `tts`: price of a thousand characters of input (USD).
+    #[serde(default)]
+    pub usd_per_thousand_characters: f64,
+    /// `tts`: the voices it speaks (the first is the default); any voice
+    /// when empty.
+    #[serde(default)]
+    pub voices: Vec<String>,
+    /// `tts`: the `response_format`s its backends produce (the first is
+    /// the default); all of OpenAI's when empty.
+    #[serde(default)]
+    pub audio_formats: Vec<String>,
+    /// `asr`: price of one second of transcribed audio (USD).
+    #[serde(default)]
+    pub usd_per_audio_second: f64,
     #[serde(default)]
     pub backends: Vec<BackendConfig>,
 }
@@ -763,6 +830,7 @@ impl Default for Config {
             web_search: WebSearchConfig::default(),
             web_scraping: WebScrapingConfig::default(),
             text_parser: TextParserConfig::default(),
+            media: MediaConfig::default(),
         }
     }
 }
@@ -917,13 +985,42 @@ impl Default for AbuseConfig {
     }
 }
 
+/// The model types a catalog may hold (`/models?type=` takes these).
+pub const MODEL_TYPES: &[&str] = &[
+    "text",
+    "embedding",
+    "image",
+    "upscale",
+    "inpaint",
+    "tts",
+    "asr",
+    "video",
+    "music",
+];
+
+/// OpenAI's speech `response_format`s: a `tts` model's formats when it
+/// lists none.
+pub const AUDIO_FORMATS: &[&str] = &["mp3", "opus", "aac", "flac", "wav", "pcm"];
+
 impl ModelConfig {
-    /// The limit class of this model in the tier tables.
+    /// The limit class of this model in the tier tables: a text model's
+    /// tier; the spec's `image` class for image generation, upscaling and
+    /// editing, `audio` for speech and transcription; else its type.
     pub fn limit_class(&self) -> &str {
-        if self.model_type == "text" {
-            &self.tier
+        match self.model_type.as_str() {
+            "text" => &self.tier,
+            "image" | "upscale" | "inpaint" => "image",
+            "tts" | "asr" => "audio",
+            other => other,
+        }
+    }
+
+    /// A `tts` model's formats, the default first.
+    pub fn audio_formats(&self) -> Vec<&str> {
+        if self.audio_formats.is_empty() {
+            AUDIO_FORMATS.to_vec()
         } else {
-            &self.model_type
+            self.audio_formats.iter().map(String::as_str).collect()
         }
     }
 }
@@ -1209,10 +1306,36 @@ impl Config {
             if !seen.insert(model.id.as_str()) {
                 return invalid(format!("model {} is declared twice", model.id));
             }
-            for price in [model.input_usd_per_mtok, model.output_usd_per_mtok]
-                .into_iter()
-                .chain(model.cached_input_usd_per_mtok)
-                .chain(model.cache_write_usd_per_mtok)
+            if !MODEL_TYPES.contains(&model.model_type.as_str()) {
+                return invalid(format!(
+                    "model {}: type {:?} is not one of {}",
+                    model.id,
+                    model.model_type,
+                    MODEL_TYPES.join(", ")
+                ));
+            }
+            if let Some(format) = model
+                .audio_formats
+                .iter()
+                .find(|f| !AUDIO_FORMATS.contains(&f.as_str()))
+            {
+                return invalid(format!(
+                    "model {}: audio format {format:?} is not one of {}",
+                    model.id,
+                    AUDIO_FORMATS.join(", ")
+                ));
+            }
+            for price in [
+                model.input_usd_per_mtok,
+                model.output_usd_per_mtok,
+                model.usd_per_image,
+                model.usd_per_thousand_characters,
+                model.usd_per_audio_second,
+            ]
+            .into_iter()
+            .chain(model.cached_input_usd_per_mtok)
+            .chain(model.cache_write_usd_per_mtok)
+            .chain(model.usd_per_image_resolution.values().copied())
             {
                 if !price.is_finite() || price < 0.0 {
                     return invalid(format!(

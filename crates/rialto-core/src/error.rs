@@ -16,6 +16,9 @@ pub const GRPC_ERROR_CODE_KEY: &str = "rialto-error-code";
 pub enum ErrorCode {
     /// The request is malformed or fails validation.
     InvalidRequest,
+    /// The backend's content policy refused what the request asks for
+    /// (`x-<brand>-is-content-violation: true`).
+    ContentViolation,
     /// No credentials, or credentials that match nothing.
     Unauthenticated,
     /// Valid credentials without the right (an INFERENCE key on an ADMIN route).
@@ -54,6 +57,12 @@ impl ErrorCode {
             400,
             tonic::Code::InvalidArgument,
             "INVALID_REQUEST",
+        ),
+        (
+            Self::ContentViolation,
+            400,
+            tonic::Code::InvalidArgument,
+            "CONTENT_POLICY_VIOLATION",
         ),
         (
             Self::Unauthenticated,
@@ -314,6 +323,7 @@ mod tests {
 
     const ALL: &[ErrorCode] = &[
         ErrorCode::InvalidRequest,
+        ErrorCode::ContentViolation,
         ErrorCode::Unauthenticated,
         ErrorCode::AdminRequired,
         ErrorCode::Forbidden,

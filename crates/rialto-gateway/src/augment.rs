@@ -13,12 +13,11 @@
 //! `x-<brand>-web-search-error` says why.
 
 use actix_web::{HttpRequest, HttpResponse, web};
-use futures_util::StreamExt;
 use rialto_core::ErrorCode;
 use rialto_proto::auth::v1 as auth_pb;
 use serde_json::{Map, Value, json};
 
-use crate::chat::{Admitted, BALANCE_REMAINING, Priced, Reservation, Usage, admit};
+use crate::chat::{Admitted, Priced, Reservation, Usage, admit, balance_remaining};
 use crate::headers::RequestId;
 use crate::sources::{MAX_QUERY_CHARS, SearchResult};
 use crate::{ApiError, Details, Gateway, ModelEntry, authenticate, parse_json, read_body};
@@ -702,18 +701,12 @@ async fn metered<T>(
     settlement.extra_usd_nanos = price_nanos;
     let cost = settlement.bill(&Usage::none()).await?;
     let mut response = HttpResponse::Ok();
-    if let Some(before) = wallet_usd_before {
-        let charged: rust_decimal::Decimal = cost["usd"].to_string().parse().unwrap_or_default();
-        response.insert_header((
-            BALANCE_REMAINING,
-            (before - charged).normalize().to_string(),
-        ));
-    }
+    balance_remaining(&mut response, wallet_usd_before, &cost);
     Ok((done, response))
 }
 
 /// A 400 whose details name one member (`[]`: the body as a whole).
-fn invalid_at(path: &[&str], why: impl Into<String>) -> ApiError {
+pub(crate) fn invalid_at(path: &[&str], why: impl Into<String>) -> ApiError {
     let mut details = Details::new();
     details.push(path, why);
     ApiError::validation(details)
@@ -721,7 +714,7 @@ fn invalid_at(path: &[&str], why: impl Into<String>) -> ApiError {
 
 /// The string member `field` of a request body; its absence or another
 /// type goes in `details`.
-fn string_member<'a>(
+pub(crate) fn string_member<'a>(
     body: &'a Map<String, Value>,
     field: &str,
     details: &mut Details,
@@ -740,7 +733,7 @@ fn string_member<'a>(
 }
 
 /// The JSON object of a request body, or a 400.
-async fn object_body(
+pub(crate) async fn object_body(
     gateway: &Gateway,
     request: &HttpRequest,
     payload: web::Payload,
@@ -881,121 +874,37 @@ pub async fn text_parser(
 }
 
 /// The `file` part (name, media type, bytes, at most the file limit) and
-/// `response_format` of a text-parser form.
+/// `response_format` of a text-parser form; other fields are ignored, as
+/// unknown JSON members are.
 async fn read_file_form(
     request: &HttpRequest,
     payload: web::Payload,
 ) -> Result<(String, String, Vec<u8>, String), ApiError> {
-    // The whole form is capped before the multipart parser sees it: the
-    // parser buffers until it finds a boundary, which a hostile body never
-    // sends.
-    let cap = crate::files::MAX_FILE_BYTES + FORM_OVERHEAD_BYTES;
-    let too_large = || {
-        ApiError::new(
-            ErrorCode::PayloadTooLarge,
-            format!("The form is larger than {cap} bytes"),
-        )
-    };
-    let declared = request
-        .headers()
-        .get(actix_web::http::header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<usize>().ok());
-    if declared.is_some_and(|length| length > cap) {
-        return Err(too_large());
-    }
-    let overflowed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let mut seen = 0usize;
-    let capped = {
-        let overflowed = overflowed.clone();
-        payload.into_inner().map(move |chunk| {
-            let chunk = chunk?;
-            seen = seen.saturating_add(chunk.len());
-            if seen > cap {
-                overflowed.store(true, std::sync::atomic::Ordering::Relaxed);
-                return Err(actix_web::error::PayloadError::Overflow);
-            }
-            Ok(chunk)
-        })
-    };
-    let reading = read_form(actix_multipart::Multipart::new(request.headers(), capped));
-    match tokio::time::timeout(FORM_READ_TIME, reading).await {
-        Ok(Err(_)) if overflowed.load(std::sync::atomic::Ordering::Relaxed) => Err(too_large()),
-        Ok(read) => read,
-        Err(_) => Err(ApiError::new(
-            ErrorCode::InvalidRequest,
-            format!("The form took longer than {FORM_READ_TIME:?} to arrive"),
-        )),
-    }
-}
-
-/// What a form may hold besides its file (headers, boundaries, fields).
-const FORM_OVERHEAD_BYTES: usize = 64 * 1024;
-
-/// How long a form may take to arrive.
-const FORM_READ_TIME: std::time::Duration = std::time::Duration::from_secs(60);
-
-/// The fields of a text-parser form.
-async fn read_form(
-    mut form: actix_multipart::Multipart,
-) -> Result<(String, String, Vec<u8>, String), ApiError> {
-    let invalid = |path: &str, why: String| invalid_at(&[path], why);
+    let parts =
+        crate::forms::read(request, payload, &["file"], crate::files::MAX_FILE_BYTES).await?;
     let mut file = None;
     let mut format = "json".to_owned();
-    let mut fields = 0;
-    while let Some(field) = form.next().await {
-        fields += 1;
-        if fields > 16 {
-            return Err(invalid("file", "the form has too many fields".to_owned()));
-        }
-        let mut field =
-            field.map_err(|e| invalid("file", format!("the form could not be read: {e}")))?;
-        let name = field.name().unwrap_or_default().to_owned();
-        let limit = if name == "file" {
-            crate::files::MAX_FILE_BYTES
-        } else {
-            64
-        };
-        let mut bytes = Vec::new();
-        while let Some(chunk) = field.next().await {
-            let chunk =
-                chunk.map_err(|e| invalid("file", format!("the form could not be read: {e}")))?;
-            if bytes.len() + chunk.len() > limit {
-                return Err(ApiError::new(
-                    ErrorCode::PayloadTooLarge,
-                    format!("The {name} field is larger than {limit} bytes"),
-                ));
-            }
-            bytes.extend_from_slice(&chunk);
-        }
-        match name.as_str() {
+    for part in parts {
+        match part.name.as_str() {
             "file" => {
-                let filename = field
-                    .content_disposition()
-                    .and_then(|d| d.get_filename())
+                let filename = part
+                    .filename
                     .filter(|n| !n.is_empty())
-                    .unwrap_or("file")
-                    .to_owned();
-                let media_type = field
-                    .content_type()
-                    .map(|m| m.essence_str().to_owned())
-                    .filter(|m| m != "application/octet-stream")
-                    .unwrap_or_default();
-                file = Some((filename, media_type, bytes));
+                    .unwrap_or_else(|| "file".to_owned());
+                file = Some((filename, part.media_type.unwrap_or_default(), part.bytes));
             }
             "response_format" => {
-                format = String::from_utf8_lossy(&bytes).trim().to_owned();
+                format = part.text();
                 if !matches!(format.as_str(), "json" | "text") {
-                    return Err(invalid(
-                        "response_format",
-                        "Invalid enum value. Expected 'json' | 'text'".to_owned(),
+                    return Err(invalid_at(
+                        &["response_format"],
+                        "Invalid enum value. Expected 'json' | 'text'",
                     ));
                 }
             }
-            // Other fields are ignored, as unknown JSON members are.
             _ => {}
         }
     }
-    let (name, media_type, bytes) = file.ok_or_else(|| invalid("file", "Required".to_owned()))?;
+    let (name, media_type, bytes) = file.ok_or_else(|| invalid_at(&["file"], "Required"))?;
     Ok((name, media_type, bytes, format))
 }

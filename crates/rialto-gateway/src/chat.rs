@@ -72,6 +72,23 @@ struct Exchange {
 /// `X-Balance-Remaining`: a wallet's USD balance after the request.
 pub(crate) const BALANCE_REMAINING: &str = "x-balance-remaining";
 
+/// Puts `X-Balance-Remaining` on a signed-in wallet's response: its USD
+/// balance before the request (`before`; None for an account) less the
+/// `cost` charged.
+pub(crate) fn balance_remaining(
+    response: &mut HttpResponseBuilder,
+    before: Option<rust_decimal::Decimal>,
+    cost: &Value,
+) {
+    if let Some(before) = before {
+        let charged: rust_decimal::Decimal = cost["usd"].to_string().parse().unwrap_or_default();
+        response.insert_header((
+            BALANCE_REMAINING,
+            (before - charged).normalize().to_string(),
+        ));
+    }
+}
+
 /// `x-retry-count`: how many times the router sent the request again
 /// before a backend answered; absent when the first attempt did.
 const RETRY_COUNT: &str = "x-retry-count";

@@ -8,7 +8,7 @@ use rialto_proto::router::v1 as router_pb;
 use serde_json::{Value, json};
 
 use crate::chat::{
-    Admitted, BALANCE_REMAINING, Priced, Reservation, Usage, admit, invalid_answer, model_headers,
+    Admitted, Priced, Reservation, Usage, admit, balance_remaining, invalid_answer, model_headers,
 };
 use crate::headers::RequestId;
 use crate::{ApiError, Details, Gateway, ModelEntry, authenticate, parse_json, read_body};
@@ -93,13 +93,7 @@ pub async fn create(
         &answer.backend,
         answer.retry_count,
     );
-    if let Some(before) = wallet_usd_before {
-        let charged: rust_decimal::Decimal = cost["usd"].to_string().parse().unwrap_or_default();
-        response.insert_header((
-            BALANCE_REMAINING,
-            (before - charged).normalize().to_string(),
-        ));
-    }
+    balance_remaining(&mut response, wallet_usd_before, &cost);
     Ok(response.json(json!({
         "object": "list",
         "data": data,

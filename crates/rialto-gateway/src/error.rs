@@ -23,7 +23,7 @@ struct Extra {
     /// A status other than the code's (the x402 answers' 409, 504, ...).
     status: Option<StatusCode>,
     /// Extra headers (`PAYMENT-REQUIRED`, ...).
-    headers: Vec<(&'static str, String)>,
+    headers: Vec<(String, String)>,
 }
 
 impl ApiError {
@@ -53,8 +53,8 @@ impl ApiError {
     }
 
     /// Adds a response header.
-    pub fn with_header(mut self, name: &'static str, value: String) -> Self {
-        self.extra_mut().headers.push((name, value));
+    pub fn with_header(mut self, name: impl Into<String>, value: String) -> Self {
+        self.extra_mut().headers.push((name.into(), value));
         self
     }
 
@@ -102,7 +102,7 @@ impl ResponseError for ApiError {
         let mut response = HttpResponse::build(self.status_code());
         if let Some(extra) = &self.extra {
             for (name, value) in &extra.headers {
-                response.insert_header((*name, value.as_str()));
+                response.insert_header((name.as_str(), value.as_str()));
             }
             if let Some(body) = &extra.body {
                 return response.json(body);

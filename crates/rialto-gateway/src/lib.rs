@@ -31,6 +31,7 @@ use rialto_proto::auth::v1 as auth_pb;
 use rialto_router::RouterClient;
 use secrecy::SecretString;
 
+mod audio;
 mod augment;
 mod characters;
 mod chat;
@@ -38,9 +39,12 @@ pub mod convert;
 mod embeddings;
 pub mod error;
 mod files;
+mod forms;
 mod headers;
+mod images;
 mod keys;
 mod limits;
+mod media;
 mod models;
 mod openapi;
 pub mod operator;
@@ -107,6 +111,10 @@ pub struct Gateway {
     scraper: sources::Scraper,
     /// Price of one `/augment/text-parser` file, in USD nano-units.
     text_parser_price_nanos: u64,
+    /// `media.image_styles`: the `style_preset`s of `/image/generate`.
+    image_styles: Vec<String>,
+    /// `media.max_upload_bytes`: the largest audio or image uploaded.
+    max_upload_bytes: usize,
     /// Length of `router.system_prompt`, counted in holds when it is sent.
     system_prompt_chars: usize,
     /// Connections per HTTP worker, and the time a request's head may take.
@@ -187,6 +195,8 @@ impl Gateway {
                 config.gateway.file_urls_allow_private,
             ),
             text_parser_price_nanos: sources::usd_nanos(config.text_parser.usd_per_file),
+            image_styles: config.media.image_styles.clone(),
+            max_upload_bytes: config.media.max_upload_bytes,
             system_prompt_chars: config.router.system_prompt.len(),
             max_connections: config.gateway.max_connections,
             client_request_timeout: std::time::Duration::from_millis(
@@ -339,6 +349,17 @@ pub fn configure(gateway: web::Data<Gateway>) -> impl FnOnce(&mut web::ServiceCo
                 web::scope("/api/v1")
                     .route("/chat/completions", web::post().to(chat::completions))
                     .route("/embeddings", web::post().to(embeddings::create))
+                    .route("/image/generate", web::post().to(images::generate))
+                    .route("/images/generations", web::post().to(images::generations))
+                    .route("/image/styles", web::get().to(images::styles))
+                    .route("/image/edit", web::post().to(images::edit))
+                    .route("/image/multi-edit", web::post().to(images::multi_edit))
+                    .route("/audio/speech", web::post().to(audio::speech))
+                    .route(
+                        "/audio/transcriptions",
+                        web::post().to(audio::transcriptions),
+                    )
+                    .route("/audio/voices", web::get().to(audio::voices))
                     .route("/augment/search", web::post().to(augment::search))
                     .route("/augment/scrape", web::post().to(augment::scrape))
                     .route("/augment/text-parser", web::post().to(augment::text_parser))

@@ -8,7 +8,8 @@ use serde_json::{Value, json};
 
 use crate::{ApiError, Details, Gateway};
 
-/// Values of `?type=` the hosted API accepts.
+/// Values of `?type=` the hosted API accepts: the model types, `all` and
+/// `code`.
 const TYPES: &[&str] = &[
     "asr",
     "embedding",
@@ -128,19 +129,56 @@ fn price(usd: f64) -> Value {
     json!({"usd": value, "diem": value})
 }
 
+/// A model's `pricing` in the hosted shape of its type.
+fn pricing(model: &ModelConfig) -> Value {
+    match model.model_type.as_str() {
+        "image" if !model.usd_per_image_resolution.is_empty() => {
+            json!({"resolutions": tier_prices(model)})
+        }
+        "image" => json!({"generation": price(model.usd_per_image)}),
+        "inpaint" if !model.usd_per_image_resolution.is_empty() => {
+            json!({"inpaint": price(model.usd_per_image), "resolutions": tier_prices(model)})
+        }
+        "inpaint" => json!({"inpaint": price(model.usd_per_image)}),
+        // Per million characters, as the hosted API publishes it.
+        "tts" => json!({"input": price_scaled(model.usd_per_thousand_characters, 1000)}),
+        "asr" => json!({"per_audio_second": price(model.usd_per_audio_second)}),
+        _ => {
+            let mut pricing = json!({
+                "input": price(model.input_usd_per_mtok),
+                "output": price(model.output_usd_per_mtok),
+            });
+            if let Some(cached) = model.cached_input_usd_per_mtok {
+                pricing["cache_input"] = price(cached);
+            }
+            if let Some(write) = model.cache_write_usd_per_mtok {
+                pricing["cache_write"] = price(write);
+            }
+            pricing
+        }
+    }
+}
+
+/// An image model's price of each resolution tier.
+fn tier_prices(model: &ModelConfig) -> serde_json::Map<String, Value> {
+    model
+        .usd_per_image_resolution
+        .iter()
+        .map(|(tier, usd)| (tier.clone(), price(*usd)))
+        .collect()
+}
+
+/// `usd` times `factor`, exactly.
+fn price_scaled(usd: f64, factor: u32) -> Value {
+    let scaled = price_decimal(usd) * rust_decimal::Decimal::from(factor);
+    let value: Value = serde_json::from_str(&scaled.normalize().to_string()).unwrap_or(json!(0));
+    json!({"usd": value, "diem": value})
+}
+
 /// A model's `/models` entry; `web_search`: whether a search provider is
 /// configured (a model advertises search only with one).
 fn model_json(model: &ModelConfig, brand: &str, web_search: bool) -> Value {
-    let mut pricing = json!({
-        "input": price(model.input_usd_per_mtok),
-        "output": price(model.output_usd_per_mtok),
-    });
-    if let Some(cached) = model.cached_input_usd_per_mtok {
-        pricing["cache_input"] = price(cached);
-    }
-    if let Some(write) = model.cache_write_usd_per_mtok {
-        pricing["cache_write"] = price(write);
-    }
+    let pricing = pricing(model);
     let mut spec = json!({
         "name": model.display_name(),
         "privacy": "private",
@@ -168,6 +206,27 @@ fn model_json(model: &ModelConfig, brand: &str, web_search: bool) -> Value {
             "supportsE2EE": false,
             "supportsXSearch": model.native_search.is_some(),
         });
+    }
+    match model.model_type.as_str() {
+        "image" | "inpaint" => {
+            spec["constraints"] = json!({
+                "promptCharacterLimit": model.prompt_character_limit.unwrap_or(7500),
+                "steps": {"default": 8, "max": 150},
+                "widthHeightDivisor": 1,
+            });
+            if let Some(first) = model.usd_per_image_resolution.keys().next() {
+                spec["constraints"]["resolutions"] =
+                    json!(model.usd_per_image_resolution.keys().collect::<Vec<_>>());
+                spec["constraints"]["defaultResolution"] = json!(first);
+            }
+        }
+        "tts" => {
+            let formats = model.audio_formats();
+            spec["voices"] = json!(model.voices);
+            spec["default_format"] = json!(formats.first());
+            spec["supported_formats"] = json!(formats);
+        }
+        _ => {}
     }
     if let Some(description) = &model.description {
         spec["description"] = json!(description);

@@ -62,6 +62,13 @@ impl Router for RouterGrpc {
     ) -> Result<Response<pb::EmbedResponse>, Status> {
         Ok(Response::new(self.0.embed(request.into_inner()).await?))
     }
+
+    async fn media(
+        &self,
+        request: Request<pb::MediaRequest>,
+    ) -> Result<Response<pb::MediaResponse>, Status> {
+        Ok(Response::new(self.0.media(request.into_inner()).await?))
+    }
 }
 
 /// The router in another process, reached over gRPC.
@@ -95,5 +102,9 @@ impl RouterService for RemoteRouter {
 
     async fn embed(&self, request: pb::EmbedRequest) -> Result<pb::EmbedResponse> {
         Ok(self.0.clone().embed(request).await?.into_inner())
+    }
+
+    async fn media(&self, request: pb::MediaRequest) -> Result<pb::MediaResponse> {
+        Ok(self.0.clone().media(request).await?.into_inner())
     }
 }

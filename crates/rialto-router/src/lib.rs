@@ -81,6 +81,9 @@ pub trait RouterService: Send + Sync + 'static {
     async fn chat_stream(&self, chat: Chat) -> Result<ChatStream>;
     /// Embeddings, routed over the model's backends like a chat.
     async fn embed(&self, request: pb::EmbedRequest) -> Result<pb::EmbedResponse>;
+    /// An image or audio call, routed over the model's backends like a
+    /// chat; the answer's bytes are passed on as the backend sent them.
+    async fn media(&self, request: pb::MediaRequest) -> Result<pb::MediaResponse>;
 }
 
 /// A cloneable handle on the router, local or remote.

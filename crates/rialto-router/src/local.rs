@@ -88,6 +88,8 @@ enum Transport {
         /// Parsed once: reqwest would parse a string on every request.
         chat_url: reqwest::Url,
         embeddings_url: reqwest::Url,
+        /// The base URL (`http://host:port/v1`), before a media call's path.
+        base: String,
         /// The configured extra headers and the bearer token, marked
         /// sensitive (never printed).
         headers: HeaderMap,
@@ -98,16 +100,26 @@ enum Transport {
 
 /// What a request asks of a backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Call {
+enum Call<'a> {
     Chat,
     ChatStream,
     Embed,
+    Media(&'a Media),
+}
+
+/// A media call's path and files (its members are the body).
+#[derive(Debug, PartialEq, Eq)]
+struct Media {
+    path: String,
+    files: Vec<pb::MediaFile>,
 }
 
 /// What a backend answered.
 enum Answer {
     /// A whole `chat.completion`.
     Whole(Vec<u8>),
+    /// A media call's answer and its content type.
+    Media(bytes::Bytes, String),
     /// `chat.completion.chunk`s, the last one with usage.
     Chunks(ChunkStream),
 }
@@ -197,6 +209,7 @@ impl Backend {
             let transport = Transport::Http {
                 chat_url: url("/chat/completions")?,
                 embeddings_url: url("/embeddings")?,
+                base: base.to_owned(),
                 headers: backend_headers(model_id, &name, config)?,
             };
             (backend_host(base), transport, Health::new(threshold))
@@ -512,7 +525,7 @@ impl LocalRouter {
         route: &'a ModelRoute,
         mut body: Map<String, Value>,
         request_id: &str,
-        call: Call,
+        call: Call<'_>,
     ) -> Result<Served<'a>> {
         // Requests with one `prompt_cache_key` start at the same backend,
         // so its prefix cache hits.
@@ -597,19 +610,24 @@ impl LocalRouter {
         backend: &Backend,
         permit: Permit<'_>,
         body: &Map<String, Value>,
-        call: Call,
+        call: Call<'_>,
         request_id: &str,
     ) -> Result<(Answer, InFlight), Failure> {
         let in_flight = backend.health.start();
         let result = match &backend.transport {
+            Transport::Http { base, headers, .. } if let Call::Media(media) = call => {
+                self.send_media(backend, base, headers, body, media, request_id)
+                    .await
+            }
             Transport::Http {
                 chat_url,
                 embeddings_url,
                 headers,
+                ..
             } => {
                 let url = match call {
                     Call::Embed => embeddings_url,
-                    Call::Chat | Call::ChatStream => chat_url,
+                    Call::Chat | Call::ChatStream | Call::Media(_) => chat_url,
                 };
                 self.send_http(
                     backend,
@@ -697,37 +715,143 @@ impl LocalRouter {
             })?;
             return Ok(Answer::Whole(body.to_vec()));
         }
-        let code = status.as_u16();
-        let detail = upstream_message(response).await;
-        tracing::info!(
-            request_id,
-            backend = backend.name,
-            host = backend.host,
-            status = code,
-            detail,
-            "upstream error"
-        );
-        let failed = || {
-            Error::new(
-                ErrorCode::UpstreamFailed,
-                format!("The model's backend failed (status {code})"),
-            )
+        Err(refusal(backend, response, request_id).await)
+    }
+
+    /// A media call: the members as JSON, or with files as a multipart
+    /// form; the answer's bytes and content type, whatever they are.
+    async fn send_media(
+        &self,
+        backend: &Backend,
+        base: &str,
+        headers: &HeaderMap,
+        body: &Map<String, Value>,
+        media: &Media,
+        request_id: &str,
+    ) -> Result<Answer, Failure> {
+        let url = format!("{base}{}", media.path);
+        let mut builder = self
+            .http
+            .get()
+            .post(url)
+            .header("x-request-id", request_id)
+            .timeout(backend.timeout);
+        for (name, value) in headers {
+            builder = builder.header(name.clone(), value.clone());
+        }
+        builder = if media.files.is_empty() {
+            let bytes = serde_json::to_vec(body).map_err(|e| Failure::Final(Error::internal(e)))?;
+            builder.header(CONTENT_TYPE, "application/json").body(bytes)
+        } else {
+            builder.multipart(media_form(body, &media.files)?)
         };
-        Err(match code {
-            429 => Failure::Busy(Error::new(
-                ErrorCode::RateLimited,
-                "The model is currently overloaded. Please try again later.",
-            )),
-            500 | 502 | 503 | 504 => Failure::Retry(failed()),
-            // The backend's own credentials or address are wrong (the
-            // operator's fault, and another backend may be fine), or it
-            // fails in a way a retry will not cure. The detail (which may
-            // quote a key) stays in the log.
-            401 | 403 | 404 | 408 | 500..=599 => Failure::Skip(failed()),
-            // Any other 4xx blames the request: another backend would refuse
-            // it too. Its message helps the caller fix it.
-            _ => Failure::Final(Error::invalid(truncated(detail, 500))),
-        })
+        let response = builder.send().await.map_err(|e| {
+            if e.is_timeout() {
+                timed_out()
+            } else {
+                Failure::Retry(Error::new(
+                    ErrorCode::Unavailable,
+                    "No backend of the model is reachable",
+                ))
+            }
+        })?;
+        if !response.status().is_success() {
+            return Err(refusal(backend, response, request_id).await);
+        }
+        let content_type = response
+            .headers()
+            .get(CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("application/octet-stream")
+            .to_owned();
+        let bytes = response.bytes().await.map_err(|e| {
+            if e.is_timeout() {
+                timed_out()
+            } else {
+                Failure::Retry(broken_off())
+            }
+        })?;
+        Ok(Answer::Media(bytes, content_type))
+    }
+}
+
+/// A multipart form of a media call: each member a text field (an array
+/// repeats its field), then the files.
+fn media_form(
+    body: &Map<String, Value>,
+    files: &[pb::MediaFile],
+) -> Result<reqwest::multipart::Form, Failure> {
+    let mut form = reqwest::multipart::Form::new();
+    for (name, value) in body {
+        let values = match value {
+            Value::Array(items) => items.iter().collect(),
+            Value::Null => Vec::new(),
+            other => vec![other],
+        };
+        for value in values {
+            let text = match value {
+                Value::String(text) => text.clone(),
+                other => other.to_string(),
+            };
+            form = form.text(name.clone(), text);
+        }
+    }
+    for file in files {
+        let part = reqwest::multipart::Part::bytes(file.data.clone())
+            .file_name(file.filename.clone())
+            .mime_str(&file.content_type)
+            .map_err(|_| Failure::Final(Error::invalid("an uploaded file's type is not valid")))?;
+        form = form.part(file.field.clone(), part);
+    }
+    Ok(form)
+}
+
+/// Why a backend refused a call, and what may follow (see [`Failure`]).
+async fn refusal(backend: &Backend, response: reqwest::Response, request_id: &str) -> Failure {
+    let code = response.status().as_u16();
+    let (detail, kind) = upstream_error(response).await;
+    tracing::info!(
+        request_id,
+        backend = backend.name,
+        host = backend.host,
+        status = code,
+        detail,
+        "upstream error"
+    );
+    let failed = || {
+        Error::new(
+            ErrorCode::UpstreamFailed,
+            format!("The model's backend failed (status {code})"),
+        )
+    };
+    match code {
+        429 => Failure::Busy(Error::new(
+            ErrorCode::RateLimited,
+            "The model is currently overloaded. Please try again later.",
+        )),
+        500 | 502 | 503 | 504 => Failure::Retry(failed()),
+        // The backend's own credentials or address are wrong (the
+        // operator's fault, and another backend may be fine), or it
+        // fails in a way a retry will not cure. The detail (which may
+        // quote a key) stays in the log.
+        401 | 403 | 404 | 408 | 500..=599 => Failure::Skip(failed()),
+        // The backend's content policy (OpenAI's image and moderation
+        // codes): the request's fault, and the caller is told which kind.
+        400 if kind.as_deref().is_some_and(|kind| {
+            matches!(
+                kind,
+                "moderation_blocked" | "content_policy_violation" | "content_filter"
+            )
+        }) =>
+        {
+            Failure::Final(Error::new(
+                ErrorCode::ContentViolation,
+                truncated(detail, 500),
+            ))
+        }
+        // Any other 4xx blames the request: another backend would refuse
+        // it too. Its message helps the caller fix it.
+        _ => Failure::Final(Error::invalid(truncated(detail, 500))),
     }
 }
 
@@ -735,9 +859,15 @@ async fn send_in_process(
     model: &dyn InProcessModel,
     timeout: Duration,
     body: &Map<String, Value>,
-    call: Call,
+    call: Call<'_>,
 ) -> Result<Answer, Failure> {
     let answer = match call {
+        Call::Media(media) => {
+            return Err(Failure::Final(Error::invalid(format!(
+                "This model does not serve {}",
+                media.path
+            ))));
+        }
         Call::ChatStream => tokio::time::timeout(timeout, model.chat_stream(body))
             .await
             .map_err(|_| timed_out())?
@@ -823,10 +953,15 @@ fn truncated(mut text: String, max: usize) -> String {
     text
 }
 
-/// The message of an upstream error body, in any of the usual shapes.
-async fn upstream_message(response: reqwest::Response) -> String {
+/// The message of an upstream error body, in any of the usual shapes, and
+/// its `code` when it has one.
+async fn upstream_error(response: reqwest::Response) -> (String, Option<String>) {
     let status = response.status().as_u16();
     let body: Value = response.json().await.unwrap_or(Value::Null);
+    let code = body
+        .pointer("/error/code")
+        .and_then(Value::as_str)
+        .map(str::to_owned);
     let message = match &body["error"] {
         Value::String(message) => Some(message.clone()),
         Value::Object(error) => error
@@ -838,7 +973,9 @@ async fn upstream_message(response: reqwest::Response) -> String {
             .and_then(Value::as_str)
             .map(str::to_owned),
     };
-    message.unwrap_or_else(|| format!("The model's backend refused the request (status {status})"))
+    let message = message
+        .unwrap_or_else(|| format!("The model's backend refused the request (status {status})"));
+    (message, code)
 }
 
 #[async_trait]
@@ -898,6 +1035,28 @@ impl RouterService for LocalRouter {
             std::future::ready(keep)
         });
         Ok(Box::pin(first.chain(events)))
+    }
+
+    async fn media(&self, request: pb::MediaRequest) -> Result<pb::MediaResponse> {
+        let route = self.route(&request.model_id)?;
+        let body: Map<String, Value> = serde_json::from_slice(&request.body_json)
+            .map_err(|e| Error::invalid(format!("request body is not a JSON object: {e}")))?;
+        let media = Media {
+            path: request.path,
+            files: request.files,
+        };
+        let served = self
+            .dispatch(route, body, &request.request_id, Call::Media(&media))
+            .await?;
+        let Answer::Media(body, content_type) = served.answer else {
+            return Err(Error::internal("a backend answered a media call as a chat"));
+        };
+        Ok(pb::MediaResponse {
+            body: body.to_vec(),
+            content_type,
+            backend: served.backend.name.clone(),
+            retry_count: served.retries,
+        })
     }
 
     async fn embed(&self, request: pb::EmbedRequest) -> Result<pb::EmbedResponse> {

@@ -178,10 +178,16 @@ async fn membership(
     Ok(Membership::track(service, names.to_vec(), me, timing, bus).await?)
 }
 
-/// Largest gRPC message: a chat body of the largest accepted size, with room
-/// for the answer's framing.
+/// Largest gRPC message: a chat body or an uploaded file of the largest
+/// accepted size, with room for the framing, and at least 64 MiB for the
+/// media a backend answers (four large images, minutes of audio).
 fn max_message_bytes(config: &Config) -> usize {
-    config.gateway.max_body_bytes.saturating_mul(2).max(4 << 20)
+    config
+        .gateway
+        .max_body_bytes
+        .max(config.media.max_upload_bytes)
+        .saturating_mul(2)
+        .max(64 << 20)
 }
 
 async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<()> {

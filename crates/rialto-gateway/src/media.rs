@@ -1,0 +1,323 @@
+//! What the image and audio endpoints share: finding a model of the right
+//! type, a hold of the most a request can cost in the model's unit (images,
+//! characters, seconds), the call through the router, and the charge of
+//! the units the backend delivered.
+//!
+//! A media model's tokens cost nothing: its price is the hold's and the
+//! settlement's extra, so the ledger, the key caps and the wallet headers
+//! work as for a chat.
+
+use actix_web::{HttpRequest, HttpResponse, HttpResponseBuilder};
+use rialto_core::ErrorCode;
+use rialto_proto::auth::v1 as auth_pb;
+use rialto_proto::router::v1 as router_pb;
+use rust_decimal::Decimal;
+use serde_json::{Map, Value};
+
+use crate::chat::{
+    Admitted, Priced, Reservation, Settlement, Usage, admit, balance_remaining, model_headers,
+};
+use crate::headers::RequestId;
+use crate::{ApiError, Details, Gateway, ModelEntry};
+
+/// The model a request names, which must be one of `types`; with
+/// `fallback`, a missing or unknown name (an OpenAI model's) is the
+/// default model of the first type, as the hosted OpenAI-shaped routes do.
+pub(crate) fn model_of<'g>(
+    gateway: &'g Gateway,
+    requested: Option<&str>,
+    types: &[&str],
+    fallback: bool,
+) -> Result<&'g ModelEntry, ApiError> {
+    let found = requested.and_then(|id| gateway.model(id));
+    let of_type = |m: &&ModelEntry| types.contains(&m.config.model_type.as_str());
+    match (found, requested) {
+        (Some(model), _) if of_type(&model) => Ok(model),
+        (Some(model), _) if !fallback => {
+            let mut details = Details::new();
+            details.push(
+                &["model"],
+                format!(
+                    "{} is not a model of type {}",
+                    model.config.id,
+                    types.join(" or ")
+                ),
+            );
+            Err(ApiError::validation(details))
+        }
+        (None, Some(_)) if !fallback => Err(ApiError::new(
+            ErrorCode::ModelNotFound,
+            "Specified model not found",
+        )),
+        _ => default_model(gateway, types[0]).ok_or_else(|| {
+            ApiError::new(
+                ErrorCode::ModelNotFound,
+                format!("No {} model is configured on this server", types[0]),
+            )
+        }),
+    }
+}
+
+/// The model of `model_type` with the `default` trait, else the first.
+pub(crate) fn default_model<'g>(gateway: &'g Gateway, model_type: &str) -> Option<&'g ModelEntry> {
+    let mut of_type = gateway
+        .models
+        .iter()
+        .filter(|m| m.config.model_type == model_type);
+    let first = of_type.clone().next();
+    of_type
+        .find(|m| m.config.traits.iter().any(|t| t == "default"))
+        .or(first)
+}
+
+/// USD nano-units of `units` at `usd_per_unit`, rounded up to the nano.
+pub(crate) fn nanos(usd_per_unit: f64, units: Decimal) -> u64 {
+    let price = rialto_core::config::price_decimal(usd_per_unit);
+    price
+        .checked_mul(units)
+        .and_then(|usd| rialto_billing::to_nanos(usd).ok())
+        .and_then(|nanos| u64::try_from(nanos).ok())
+        .unwrap_or(u64::MAX)
+}
+
+/// A media request the limiter admitted and the ledger holds its most for.
+pub(crate) struct Metered<'g> {
+    pub(crate) model: &'g ModelEntry,
+    settlement: Settlement,
+    wallet_usd_before: Option<Decimal>,
+    request_id: String,
+}
+
+/// A backend's answer to a media call.
+pub(crate) struct Delivered {
+    pub(crate) body: Vec<u8>,
+    backend: String,
+    retry_count: u32,
+}
+
+/// Admits a request to `model` in its class's window and holds
+/// `most_nanos` (429 and 402 as for a chat).
+pub(crate) async fn meter<'g>(
+    gateway: &Gateway,
+    request: &HttpRequest,
+    principal: &auth_pb::Principal,
+    model: &'g ModelEntry,
+    most_nanos: u64,
+) -> Result<Metered<'g>, ApiError> {
+    let request_id = RequestId::of(request);
+    let Admitted {
+        settlement,
+        wallet_usd_before,
+    } = admit(
+        gateway,
+        request,
+        principal,
+        Priced::model(model),
+        &request_id,
+        Reservation {
+            prompt_tokens: 0,
+            total_tokens: 0,
+            durable: false,
+            extra_usd_nanos: most_nanos,
+            limiter_extra_tokens: 0,
+        },
+        None,
+    )
+    .await?;
+    Ok(Metered {
+        model,
+        settlement,
+        wallet_usd_before,
+        request_id,
+    })
+}
+
+impl Metered<'_> {
+    /// Sends the call to the model's backends (`body` as JSON, or with
+    /// `files` as a form); a failure releases the hold.
+    pub(crate) async fn call(
+        &mut self,
+        gateway: &Gateway,
+        path: &str,
+        body: &Map<String, Value>,
+        files: Vec<router_pb::MediaFile>,
+    ) -> Result<Delivered, ApiError> {
+        let request = router_pb::MediaRequest {
+            request_id: self.request_id.clone(),
+            model_id: self.model.config.id.clone(),
+            path: path.to_owned(),
+            body_json: serde_json::to_vec(body).map_err(rialto_core::Error::internal)?,
+            files,
+        };
+        match gateway.services.router.media(request).await {
+            Ok(answer) => Ok(Delivered {
+                body: answer.body,
+                backend: answer.backend,
+                retry_count: answer.retry_count,
+            }),
+            Err(error) => {
+                self.settlement.release();
+                let mut error = ApiError::from(error);
+                if error.code() == ErrorCode::ContentViolation {
+                    error = error.with_header(
+                        gateway.brand.header_is_content_violation.clone(),
+                        "true".to_owned(),
+                    );
+                }
+                Err(error)
+            }
+        }
+    }
+
+    /// The backend answered what cannot be passed on: nothing delivered,
+    /// nothing charged.
+    pub(crate) fn unusable(mut self, why: &str) -> ApiError {
+        tracing::warn!(model = self.model.config.id, why, "unusable media answer");
+        self.settlement.release();
+        crate::chat::invalid_answer()
+    }
+
+    /// Charges `used_nanos` (what was delivered) and starts the response
+    /// with the model's headers and a wallet's remaining balance.
+    pub(crate) async fn charge(
+        mut self,
+        gateway: &Gateway,
+        delivered: &Delivered,
+        used_nanos: u64,
+    ) -> Result<HttpResponseBuilder, ApiError> {
+        self.settlement.extra_usd_nanos = used_nanos;
+        let cost = self.settlement.bill(&Usage::none()).await?;
+        let mut response = HttpResponse::Ok();
+        model_headers(
+            &mut response,
+            gateway,
+            self.model,
+            &delivered.backend,
+            delivered.retry_count,
+        );
+        balance_remaining(&mut response, self.wallet_usd_before, &cost);
+        Ok(response)
+    }
+}
+
+/// The `Content-Type` of an audio or image format name.
+pub(crate) fn content_type_of(format: &str) -> &'static str {
+    match format {
+        "png" => "image/png",
+        "jpeg" => "image/jpeg",
+        "webp" => "image/webp",
+        "mp3" => "audio/mpeg",
+        "opus" => "audio/opus",
+        "aac" => "audio/aac",
+        "flac" => "audio/flac",
+        "wav" => "audio/wav",
+        "pcm" => "audio/pcm",
+        _ => "application/octet-stream",
+    }
+}
+
+/// Members of a body outside `known`, as the hosted API's strict schemas
+/// refuse them.
+pub(crate) fn unknown_members(body: &Map<String, Value>, known: &[&str], details: &mut Details) {
+    let unknown: Vec<String> = body
+        .keys()
+        .filter(|k| !known.contains(&k.as_str()))
+        .map(|k| format!("'{k}'"))
+        .collect();
+    if !unknown.is_empty() {
+        details.push(
+            &[],
+            format!("Unrecognized key(s) in object: {}", unknown.join(", ")),
+        );
+    }
+}
+
+/// Checks of optional members, each failure a per-field message.
+pub(crate) struct Members<'a> {
+    pub(crate) body: &'a Map<String, Value>,
+    pub(crate) details: &'a mut Details,
+}
+
+impl Members<'_> {
+    fn present(&self, name: &str) -> Option<&Value> {
+        self.body.get(name).filter(|v| !v.is_null())
+    }
+
+    /// Whether the member is there and not null.
+    pub(crate) fn present_member(&self, name: &str) -> bool {
+        self.present(name).is_some()
+    }
+
+    /// A string of `min..=max` characters.
+    pub(crate) fn text(&mut self, name: &str, min: usize, max: usize) -> Option<String> {
+        let value = self.present(name)?;
+        match value.as_str() {
+            Some(text) if (min..=max).contains(&text.chars().count()) => Some(text.to_owned()),
+            Some(_) => {
+                self.details.push(
+                    &[name],
+                    format!("String must contain {min} to {max} character(s)"),
+                );
+                None
+            }
+            None => {
+                self.details.push(&[name], "Expected string");
+                None
+            }
+        }
+    }
+
+    /// One of `choices`.
+    pub(crate) fn choice(&mut self, name: &str, choices: &[&str]) -> Option<String> {
+        let value = self.present(name)?;
+        match value.as_str() {
+            Some(text) if choices.contains(&text) => Some(text.to_owned()),
+            _ => {
+                let expected: Vec<String> = choices.iter().map(|c| format!("'{c}'")).collect();
+                self.details.push(
+                    &[name],
+                    format!("Invalid enum value. Expected {}", expected.join(" | ")),
+                );
+                None
+            }
+        }
+    }
+
+    /// An integer in `min..=max`.
+    pub(crate) fn integer(&mut self, name: &str, min: i64, max: i64) -> Option<i64> {
+        let value = self.present(name)?;
+        match value.as_i64() {
+            Some(n) if (min..=max).contains(&n) => Some(n),
+            _ => {
+                self.details
+                    .push(&[name], format!("Expected an integer from {min} to {max}"));
+                None
+            }
+        }
+    }
+
+    /// A number in `min..=max` (`min` itself excluded when `open`).
+    pub(crate) fn number(&mut self, name: &str, min: f64, max: f64, open: bool) -> Option<f64> {
+        let value = self.present(name)?;
+        match value.as_f64() {
+            Some(n) if n <= max && (n > min || (!open && n == min)) => Some(n),
+            _ => {
+                let from = if open { "above" } else { "from" };
+                self.details
+                    .push(&[name], format!("Expected a number {from} {min} to {max}"));
+                None
+            }
+        }
+    }
+
+    pub(crate) fn boolean(&mut self, name: &str) -> Option<bool> {
+        let value = self.present(name)?;
+        match value.as_bool() {
+            Some(flag) => Some(flag),
+            None => {
+                self.details.push(&[name], "Expected boolean");
+                None
+            }
+        }
+    }
+}
