@@ -17,7 +17,7 @@ gateway's `RateLimiter`); `bench-ledger` the prepaid ledger's holds and
 settlements per second and the latency of each, on SQLite and on
 PostgreSQL. The one-process scenario is measured again at concurrency 1 on
 three models, taking turns: `bench-fast` (rate window, priced), one with no
-rate window (`type = "unlimited"`, a limit class no tier table lists, so the
+rate window (`type = "music"`, a limit class no tier table lists, so the
 limiter is skipped) and one with all prices 0 (its hold is 0: no ledger
 write). The differences from `bench-fast` are the limiter's and billing's
 shares of the added latency.
@@ -570,15 +570,22 @@ class Suite:
         writes nothing."""
         priced = "input_usd_per_mtok = 0.5\noutput_usd_per_mtok = 1.5\n"
         models = [(f"bench-{name}", url, priced) for name, url in self.upstreams.items()]
-        models.append(("bench-fast-unlimited", self.upstreams["fast"], f'type = "unlimited"\n{priced}'))
+        # `music`: a model type the chat route does not check and no tier
+        # table limits (the configuration refuses types it does not know).
+        models.append(("bench-fast-unlimited", self.upstreams["fast"], f'type = "music"\n{priced}'))
         models.append(("bench-fast-free", self.upstreams["fast"],
                        "input_usd_per_mtok = 0\noutput_usd_per_mtok = 0\n"))
+        # Issue 19's media, priced per unit (`--only media`).
+        models.append(("bench-image", self.upstreams["fast"], 'type = "image"\nusd_per_image = 0.01\n'))
+        models.append(("bench-tts", self.upstreams["fast"],
+                       'type = "tts"\nusd_per_thousand_characters = 0.015\naudio_formats = ["wav"]\n'))
         models = "".join(
             f'\n[[models]]\nid = "{model}"\n{extra}'
             f'backends = [{{ kind = "openai", url = "{url}", model = "bench-model" }}]\n'
             for model, url, extra in models)
         limits = ('[limits.tiers.standard]\n'
-                  'XS = { rpm = 1000000000000, tpm = 1000000000000000000 }\n')
+                  'XS = { rpm = 1000000000000, tpm = 1000000000000000000 }\n'
+                  'image = { rpm = 1000000000000 }\naudio = { rpm = 1000000000000 }\n')
         token = secrets.token_hex(16)
         with open(path, "w") as f:
             f.write(f'[gateway]\nlisten = "127.0.0.1:0"\n[grpc]\nlisten = "127.0.0.1:0"\n'
@@ -587,26 +594,32 @@ class Suite:
                     f'[operator]\ntoken = "{token}"\n[log]\nlevel = "info"\n{limits}{models}')
         return token
 
-    def rialto(self, split):
+    def start_rialto(self, split, procs):
+        """Starts Rialto (one process, or its five services apart) on the
+        bench configuration: its base URL and an inference key."""
         name = "split" if split else "one-process"
-        procs = Processes(self.workdir)
         config = os.path.join(self.workdir, f"{name}.toml")
         operator = self.rialto_config(config)
         rialto = [self.binary("rialto"), "--config", config, "serve"]
+        env = {}
+        if split:
+            for service in ("auth", "limiter", "billing", "router"):
+                addr = procs.start(service, [*rialto, "--services", service],
+                                   announce=r"grpc listening on (\S+)")
+                env[f"RIALTO_REMOTE__{service.upper()}"] = f"http://{addr}"
+            addr = procs.start("gateway", [*rialto, "--services", "gateway"], env=env,
+                               announce=r"gateway listening on http://(\S+)")
+        else:
+            addr = procs.start("gateway", rialto, announce=r"gateway listening on http://(\S+)")
+        base = f"http://{addr}"
+        wait_http(f"{base}/healthz", 30)
+        return base, inference_key(base, operator)
+
+    def rialto(self, split):
+        name = "split" if split else "one-process"
+        procs = Processes(self.workdir)
         try:
-            env = {}
-            if split:
-                for service in ("auth", "limiter", "billing", "router"):
-                    addr = procs.start(service, [*rialto, "--services", service],
-                                       announce=r"grpc listening on (\S+)")
-                    env[f"RIALTO_REMOTE__{service.upper()}"] = f"http://{addr}"
-                addr = procs.start("gateway", [*rialto, "--services", "gateway"], env=env,
-                                   announce=r"gateway listening on http://(\S+)")
-            else:
-                addr = procs.start("gateway", rialto, announce=r"gateway listening on http://(\S+)")
-            base = f"http://{addr}"
-            wait_http(f"{base}/healthz", 30)
-            key = inference_key(base, operator)
+            base, key = self.start_rialto(split, procs)
             watched = None if split else ["gateway"]
             result = self.measure(name, lambda m: (f"{base}/api/v1/chat/completions", f"bench-{m}"),
                                   {"Authorization": f"Bearer {key}"}, procs, watched)
@@ -861,12 +874,51 @@ class Suite:
                   f"{fault['last_refused_sent_after_ms']} ms after it", flush=True)
         return result
 
+    # Issue 19: one image (256x256 PNG, base64) and one second of speech.
+    MEDIA = {"image": ("images/generations", {"prompt": "a lighthouse at dusk", "size": "256x256"}),
+             "speech": ("audio/speech", {"input": "Hello from the benchmark.", "voice": "af_sky",
+                                         "response_format": "wav"})}
+
+    def media(self):
+        """Issue 19's figures: an image generation and a speech request at
+        concurrency 1, straight at the instant upstream (the floor) and
+        through Rialto in both topologies (priced per image and per
+        character: hold, call, checks of the bytes, settlement)."""
+        self.start_upstreams()
+        procs = None
+        try:
+            result = {"floor": {}}
+            upstream = self.upstreams["fast"]
+            for kind, (path, body) in self.MEDIA.items():
+                result["floor"][kind] = self.load("closed", f"{upstream}/{path}", {},
+                                                  {"model": "bench-model", **body}, concurrency=1)
+            for split in (False, True):
+                name = "split" if split else "one-process"
+                procs = Processes(self.workdir)
+                base, key = self.start_rialto(split, procs)
+                headers = {"Authorization": f"Bearer {key}"}
+                result[name] = {}
+                for kind, (path, body) in self.MEDIA.items():
+                    model = "bench-image" if kind == "image" else "bench-tts"
+                    result[name][kind] = self.load("closed", f"{base}/api/v1/{path}", headers,
+                                                   {"model": model, **body}, concurrency=1)
+                    print(f"   {name} {kind}: p50 {result[name][kind]['latency_us']['p50']} us, "
+                          f"errors {result[name][kind]['errors']}", flush=True)
+                procs.stop()
+                procs = None
+            return result
+        finally:
+            if procs:
+                procs.stop()
+            self.upstream.stop()
+
     def run_only(self, step):
         """One step alone (`--only`): its results section."""
         started = time.time()
         results = {"local-model": lambda: {"local_model": self.local_model()},
                    "soak": lambda: {"soak": self.soak()},
-                   "failover": lambda: {"failover": self.failover()}}[step]()
+                   "failover": lambda: {"failover": self.failover()},
+                   "media": lambda: {"media": self.media()}}[step]()
         elapsed = round(time.time() - started)
         shutil.rmtree(self.workdir, ignore_errors=True)
         return results, elapsed
@@ -884,6 +936,7 @@ class Suite:
                        "ledger": ledger, "local_model": local_model}
         finally:
             self.upstream.stop()
+        results["media"] = self.media()
         # make test runs the soak on its own (make test-soak); a smoke does not repeat it.
         if not self.smoke:
             results["soak"] = self.soak()
@@ -1023,6 +1076,7 @@ def report(results, meta):
     lines += local_model_report(results, meta)
     lines += soak_report(results, meta)
     lines += failover_report(results, meta)
+    lines += media_report(results, meta)
 
     lines += targets_report(results, meta)
     notes = os.path.join(ROOT, "bench", "NOTES.md")
@@ -1250,7 +1304,7 @@ def limiter_report(results, floor):
         rounds = len(share["rounds"]["limited"])
         lines += ["", "## Limiter: its share of the added latency (one-process, concurrency 1, instant upstream)", "",
                   f"The same process and key, alternating a model under a rate window (`bench-fast`, XS) and one "
-                  f"whose limit class no tier table lists (`type = \"unlimited\"`: no window applies, no actor "
+                  f"whose limit class no tier table lists (`type = \"music\"`: no window applies, no actor "
                   f"is asked, nothing is committed), {rounds} rounds of each"
                   + (" (taking turns with billing's free model, below, in an order that rotates each round)"
                      if results["one-process"].get("billing_share") else "")
@@ -1689,7 +1743,7 @@ def main():
     parser.add_argument("--litellm-venv", default=os.path.join(ROOT, "bench", ".venv"))
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
     parser.add_argument("--command", help="recorded in the report (default: make bench, or this command line)")
-    parser.add_argument("--only", choices=["local-model", "soak", "failover"],
+    parser.add_argument("--only", choices=["local-model", "soak", "failover", "media"],
                         help="run this step alone into bench/results/<time>-<step>.json (BENCHMARKS.md untouched: "
                              "add it to a full run's with --from-results)")
     parser.add_argument("--llama-bench-also", metavar="LABEL=PATH", action="append", default=[],
@@ -1751,12 +1805,16 @@ def main():
                 assert run["decisions"] > 0 and run["refused"] == 0 and run["errors"] == 0, ("limiter", key, run)
             for key in ("window", "window_with_state"):
                 assert limiter[key]["decisions"] > 0 and limiter[key]["refused"] == 0, ("limiter", key, limiter[key])
-        local = results["local_model"]
-        for run in local["rialto"]["rounds"]:
-            assert run["prompt_tokens_evaluated"] > 0 and run["prompt_tokens_per_second"] > 0 \
-                and run["generation_tokens_per_second"] > 0, ("local model", run)
-        for run in local["http"]["runs"]:
-            assert run["completion_tokens"] > 0 and run["content_chunks"] > 0, ("local model over HTTP", run)
+        for name, runs in results.get("media", {}).items():
+            for kind, run in runs.items():
+                assert run["requests"] > 0 and run["errors"] == 0, ("media", name, kind, run)
+        if "local_model" in results:
+            local = results["local_model"]
+            for run in local["rialto"]["rounds"]:
+                assert run["prompt_tokens_evaluated"] > 0 and run["prompt_tokens_per_second"] > 0 \
+                    and run["generation_tokens_per_second"] > 0, ("local model", run)
+            for run in local["http"]["runs"]:
+                assert run["completion_tokens"] > 0 and run["content_chunks"] > 0, ("local model over HTTP", run)
         print(f"bench-smoke ok: {args.only or f'{len(SCENARIOS)} scenarios and the built-in model'} in {elapsed} s")
         return
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -1775,6 +1833,31 @@ def main():
     with open(os.path.join(ROOT, "BENCHMARKS.md"), "w") as f:
         f.write(report(results, meta))
     print(f"wrote BENCHMARKS.md and {results_file} in {elapsed} s")
+
+
+def media_report(results, meta):
+    """Issue 19's section: the added latency of an image and a speech
+    request; empty for results of runs before it."""
+    media = results.get("media")
+    if not media:
+        return []
+    lines = ["", "## Images and speech: added latency (issue 19)", "",
+             measured_on_its_own(media, meta) + "Concurrency 1, the instant upstream (`bench-upstream`: one 256x256 "
+             "PNG in base64, 83 KB of JSON; one second of WAV, 48 KB). Through Rialto: `POST /images/generations` "
+             "on `bench-image` ($0.01 an image) and `POST /audio/speech` on `bench-tts` ($0.015 a thousand "
+             "characters): key auth, validation, the image class's or audio class's window, the hold, the router's "
+             "call, the image decoded (its PNG checked) or the audio's header checked, the settlement.", "",
+             "| request | scenario | p50 ms | p99 ms | added p50 µs | added p99 µs | req/s | errors |",
+             "|---|---|---|---|---|---|---|---|"]
+    for kind in ("image", "speech"):
+        floor = media["floor"][kind]["latency_us"]
+        for name in ("floor", "one-process", "split"):
+            run = media[name][kind]
+            lat = run["latency_us"]
+            added = ("–", "–") if name == "floor" else (lat["p50"] - floor["p50"], lat["p99"] - floor["p99"])
+            lines.append(f"| {kind} | {name} | {ms(lat['p50'])} | {ms(lat['p99'])} | {added[0]} | {added[1]} | "
+                         f"{run['rps']:.0f} | {run['errors']} |")
+    return lines
 
 
 if __name__ == "__main__":

@@ -129,7 +129,12 @@ async fn openai_sdk(world: &World) {
         ],
     )
     .await;
-    for check in ["images ok", "speech ok", "transcriptions ok"] {
+    for check in [
+        "images ok",
+        "speech ok",
+        "speech stream ok",
+        "transcriptions ok",
+    ] {
         assert!(stdout.contains(check), "{stdout}");
     }
 }
@@ -576,6 +581,31 @@ async fn speech_and_its_transcription(world: &World) {
         before - world.balance_nanos().await,
         chars * 15 * NANOS_PER_USD / 1000 / 1000
     );
+    // Streamed: relayed as the backend sends it (chunked, no length),
+    // the same audio, charged the same once it has ended.
+    let before = world.balance_nanos().await;
+    let response = world
+        .post(
+            "/audio/speech",
+            &json!({"model": "mock-tts", "input": input, "voice": "am_adam",
+                "response_format": "wav", "streaming": true}),
+        )
+        .await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["content-type"], "audio/wav");
+    assert!(response.headers().get("content-length").is_none());
+    let streamed = response.bytes().await.unwrap();
+    assert_eq!(streamed.as_ref(), wav.as_slice());
+    let price = chars * 15 * NANOS_PER_USD / 1000 / 1000;
+    let mut spent = 0;
+    for _ in 0..50 {
+        spent = before - world.balance_nanos().await;
+        if spent != 0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(spent, price, "charged once the stream ended");
     // The model's default format; formats and voices it lacks.
     let response = world
         .post(

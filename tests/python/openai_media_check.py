@@ -44,6 +44,15 @@ except openai.BadRequestError as error:
     assert error.response.json()["details"]["response_format"], error.response.text
 print("speech ok")
 
+# Streamed speech (the hosted `streaming` member): relayed as it is made.
+with client.audio.speech.with_streaming_response.create(
+    model="mock-tts", voice="af_sky", input="Hello from python", response_format="wav", extra_body={"streaming": True}
+) as streamed:
+    assert streamed.headers.get("content-length") is None, streamed.headers
+    relayed = b"".join(streamed.iter_bytes())
+assert relayed == audio, len(relayed)
+print("speech stream ok")
+
 # audio.transcriptions.create: the speech read back, plain and verbose.
 transcript = client.audio.transcriptions.create(model="mock-asr", file=("speech.wav", audio, "audio/wav"))
 assert transcript.text == "Hello from python", transcript

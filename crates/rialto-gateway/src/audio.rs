@@ -3,7 +3,8 @@
 //! the hosted API's members.
 //!
 //! Speech costs the model's `usd_per_thousand_characters` for the input's
-//! characters, all known before the call. A transcription costs
+//! characters, all known before the call; with `streaming` the audio is
+//! relayed as the backend sends it. A transcription costs
 //! `usd_per_audio_second` for each started second of the audio: the hold is
 //! for what the file can hold (a WAV's own length, else a bound from its
 //! size), the charge for the duration the backend reports (the call asks
@@ -58,7 +59,7 @@ pub async fn speech(
     let voice = members.text("voice", 1, 512);
     let format = members.choice("response_format", config_formats());
     let speed = members.number("speed", 0.25, 4.0, false);
-    members.boolean("streaming");
+    let streaming = members.boolean("streaming").unwrap_or(false);
     members.choice("stream_format", &["audio", "sse"]);
     let language = members.text("language", 2, 32);
     let style = members.text("prompt", 0, 500);
@@ -130,6 +131,12 @@ pub async fn speech(
         Decimal::from(chars) / Decimal::from(1000),
     );
     let mut metered = media::meter(&gateway, &request, &principal, model, price).await?;
+    if streaming {
+        let content_type = content_type_of(&format);
+        return metered
+            .relay(&gateway, "/audio/speech", &upstream, content_type, price)
+            .await;
+    }
     let delivered = metered
         .call(&gateway, "/audio/speech", &upstream, Vec::new())
         .await?;

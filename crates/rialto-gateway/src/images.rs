@@ -1,12 +1,14 @@
-//! Image generation: `POST /image/generate` (the hosted shape),
-//! `POST /images/generations` (OpenAI's) and `GET /image/styles`.
+//! Images: `POST /image/generate` (the hosted shape), `POST
+//! /images/generations` (OpenAI's), `GET /image/styles`, and the edits,
+//! `POST /image/edit` and `/image/multi-edit`.
 //!
-//! Both routes become one OpenAI `/images/generations` call to the model's
-//! backends, asking for base64 images in the wanted format. What comes
-//! back is checked to be an image; one in another format than asked is
-//! re-encoded (a backend that only makes PNGs still answers `webp`). Each
-//! image delivered costs the model's `usd_per_image` (or its resolution
-//! tier's price); the hold is for every image asked.
+//! Generation becomes one OpenAI `/images/generations` call to the model's
+//! backends, an edit one `/images/edits` form, asking for base64 images in
+//! the wanted format. What comes back is checked to be an image (its
+//! header); one in another format than asked is decoded and re-encoded (a
+//! backend that only makes PNGs still answers `webp`). Each image
+//! delivered costs the model's `usd_per_image` (or its resolution tier's
+//! price); the hold is for every image asked.
 
 use actix_web::{HttpRequest, HttpResponse, web};
 use base64::Engine as _;
@@ -40,6 +42,11 @@ const MAX_SIDE: i64 = 1280;
 
 /// Most images one request may ask for.
 const MAX_IMAGES: i64 = 4;
+
+/// Largest side of an image a backend sends back (8K), and the most memory
+/// its decoding may take.
+const MAX_DECODED_SIDE: u32 = 8192;
+const MAX_DECODED_BYTES: u64 = 256 * 1024 * 1024;
 
 /// What a route asks of the backends.
 struct Generation<'g> {
@@ -685,8 +692,8 @@ async fn run(
 }
 
 /// One image of a backend's answer (`b64_json`, or a `data:` URL) as bytes
-/// of `format`, decoded to prove it is one and re-encoded when it is in
-/// another format.
+/// of `format`: in that format, its header is read to prove it is one; in
+/// another, it is decoded and re-encoded.
 fn image_of(item: &Value, format: &str) -> Result<Vec<u8>, String> {
     let b64 = match (item.get("b64_json"), item.get("url")) {
         (Some(Value::String(b64)), _) => b64.as_str(),
@@ -706,11 +713,23 @@ fn image_of(item: &Value, format: &str) -> Result<Vec<u8>, String> {
         _ => image::ImageFormat::Png,
     };
     let found = image::guess_format(&bytes).map_err(|_| "bytes that are not an image")?;
-    let decoded = image::load_from_memory_with_format(&bytes, found)
-        .map_err(|e| format!("an image that does not decode: {e}"))?;
+    // A few bytes can claim a huge picture: decoding is bounded.
+    let mut limits = image::Limits::default();
+    limits.max_image_width = Some(MAX_DECODED_SIDE);
+    limits.max_image_height = Some(MAX_DECODED_SIDE);
+    limits.max_alloc = Some(MAX_DECODED_BYTES);
+    let mut reader = image::ImageReader::with_format(std::io::Cursor::new(&bytes), found);
+    reader.limits(limits);
     if found == wanted {
+        // Its header read is proof enough; the pixels pass untouched.
+        reader
+            .into_dimensions()
+            .map_err(|e| format!("an image whose header does not decode: {e}"))?;
         return Ok(bytes);
     }
+    let decoded = reader
+        .decode()
+        .map_err(|e| format!("an image that does not decode: {e}"))?;
     let decoded = match wanted {
         // JPEG has no alpha channel.
         image::ImageFormat::Jpeg => image::DynamicImage::ImageRgb8(decoded.to_rgb8()),
@@ -753,6 +772,16 @@ mod tests {
             let decoded = image::load_from_memory(&bytes).unwrap();
             assert_eq!((decoded.width(), decoded.height()), (8, 4));
         }
+    }
+
+    #[test]
+    fn a_picture_larger_than_its_bound_is_refused_not_decoded() {
+        let huge = image::GrayImage::new(MAX_DECODED_SIDE + 1, 1);
+        let mut out = std::io::Cursor::new(Vec::new());
+        huge.write_to(&mut out, image::ImageFormat::Png).unwrap();
+        let item = json!({"b64_json": BASE64.encode(out.into_inner())});
+        let why = image_of(&item, "jpeg").unwrap_err();
+        assert!(why.contains("does not decode"), "{why}");
     }
 
     #[test]

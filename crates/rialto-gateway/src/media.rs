@@ -8,6 +8,7 @@
 //! work as for a chat.
 
 use actix_web::{HttpRequest, HttpResponse, HttpResponseBuilder};
+use futures_util::StreamExt;
 use rialto_core::ErrorCode;
 use rialto_proto::auth::v1 as auth_pb;
 use rialto_proto::router::v1 as router_pb;
@@ -167,6 +168,95 @@ impl Metered<'_> {
                 Err(error)
             }
         }
+    }
+
+    /// Relays a streamed media call (speech sent as it is made): the
+    /// response starts once a backend accepted the call, and its bytes pass
+    /// as they arrive. `price_nanos` is charged when the stream ends whole or
+    /// the client leaves it (the backend made it); nothing when the backend
+    /// breaks it off, and the client's connection is then broken too.
+    pub(crate) async fn relay(
+        mut self,
+        gateway: &Gateway,
+        path: &str,
+        body: &Map<String, Value>,
+        content_type: &'static str,
+        price_nanos: u64,
+    ) -> Result<HttpResponse, ApiError> {
+        use router_pb::media_stream_event::Event;
+        let request = router_pb::MediaRequest {
+            request_id: self.request_id.clone(),
+            model_id: self.model.config.id.clone(),
+            path: path.to_owned(),
+            body_json: serde_json::to_vec(body).map_err(rialto_core::Error::internal)?,
+            files: Vec::new(),
+        };
+        let started = match gateway.services.router.media_stream(request).await {
+            Ok(mut events) => match events.next().await {
+                Some(Ok(router_pb::MediaStreamEvent {
+                    event: Some(Event::Start(start)),
+                })) => Ok((start, events)),
+                Some(Err(error)) => Err(ApiError::from(error)),
+                _ => Err(crate::chat::invalid_answer()),
+            },
+            Err(error) => Err(error.into()),
+        };
+        let (start, mut events) = match started {
+            Ok(started) => started,
+            Err(error) => {
+                self.settlement.release();
+                return Err(error);
+            }
+        };
+        let mut response = HttpResponse::Ok();
+        model_headers(
+            &mut response,
+            gateway,
+            self.model,
+            &start.backend,
+            start.retry_count,
+        );
+        // The price is known before the stream: the balance after it too.
+        let price = rialto_billing::from_nanos(i64::try_from(price_nanos).unwrap_or(i64::MAX));
+        balance_remaining(
+            &mut response,
+            self.wallet_usd_before,
+            &serde_json::json!({"usd": serde_json::from_str::<Value>(&price).unwrap_or_default()}),
+        );
+        let (sender, receiver) =
+            tokio::sync::mpsc::channel::<Result<bytes::Bytes, std::io::Error>>(16);
+        let mut settlement = self.settlement;
+        tokio::spawn(async move {
+            let mut broken = false;
+            while let Some(event) = events.next().await {
+                let data = match event {
+                    Ok(router_pb::MediaStreamEvent {
+                        event: Some(Event::Data(data)),
+                    }) => data,
+                    Ok(_) => continue,
+                    Err(error) => {
+                        broken = true;
+                        let error = std::io::Error::other(error.message);
+                        let _ = sender.send(Err(error)).await;
+                        break;
+                    }
+                };
+                if sender.send(Ok(bytes::Bytes::from(data))).await.is_err() {
+                    // The client left; the backend made what it asked.
+                    break;
+                }
+            }
+            if broken {
+                settlement.release();
+            } else {
+                settlement.extra_usd_nanos = price_nanos;
+                settlement.bill_later(&Usage::none());
+            }
+        });
+        let body = futures_util::stream::unfold(receiver, |mut receiver| async move {
+            receiver.recv().await.map(|item| (item, receiver))
+        });
+        Ok(response.content_type(content_type).streaming(body))
     }
 
     /// The backend answered what cannot be passed on: nothing delivered,

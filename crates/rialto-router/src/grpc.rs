@@ -14,7 +14,7 @@ use tonic::service::interceptor::InterceptedService;
 use tonic::transport::Channel;
 use tonic::{Request, Response, Status};
 
-use crate::{Chat, ChatStream, RouterClient, RouterService};
+use crate::{Chat, ChatStream, MediaStream, RouterClient, RouterService};
 
 /// Serves a [`RouterClient`] over gRPC, behind the shared token. Chat bodies
 /// can be large (images, documents): messages up to `max_message_bytes` pass.
@@ -32,10 +32,12 @@ pub fn server(
 pub struct RouterGrpc(RouterClient);
 
 type StatusStream = Pin<Box<dyn Stream<Item = Result<pb::ChatStreamEvent, Status>> + Send>>;
+type MediaStatusStream = Pin<Box<dyn Stream<Item = Result<pb::MediaStreamEvent, Status>> + Send>>;
 
 #[async_trait]
 impl Router for RouterGrpc {
     type ChatStreamStream = StatusStream;
+    type MediaStreamStream = MediaStatusStream;
 
     async fn chat(
         &self,
@@ -68,6 +70,16 @@ impl Router for RouterGrpc {
         request: Request<pb::MediaRequest>,
     ) -> Result<Response<pb::MediaResponse>, Status> {
         Ok(Response::new(self.0.media(request.into_inner()).await?))
+    }
+
+    async fn media_stream(
+        &self,
+        request: Request<pb::MediaRequest>,
+    ) -> Result<Response<Self::MediaStreamStream>, Status> {
+        let stream = self.0.media_stream(request.into_inner()).await?;
+        Ok(Response::new(Box::pin(
+            stream.map(|event| event.map_err(Status::from)),
+        )))
     }
 }
 
@@ -106,5 +118,10 @@ impl RouterService for RemoteRouter {
 
     async fn media(&self, request: pb::MediaRequest) -> Result<pb::MediaResponse> {
         Ok(self.0.clone().media(request).await?.into_inner())
+    }
+
+    async fn media_stream(&self, request: pb::MediaRequest) -> Result<MediaStream> {
+        let stream = self.0.clone().media_stream(request).await?.into_inner();
+        Ok(Box::pin(stream.map(|event| event.map_err(Error::from))))
     }
 }

@@ -35,6 +35,10 @@ pub use local::LocalRouter;
 /// Events of a streamed chat: the backend's name first, then upstream chunks.
 pub type ChatStream = Pin<Box<dyn Stream<Item = Result<pb::ChatStreamEvent>> + Send>>;
 
+/// Events of a streamed media call: its start (backend, content type),
+/// then the bytes.
+pub type MediaStream = Pin<Box<dyn Stream<Item = Result<pb::MediaStreamEvent>> + Send>>;
+
 /// A chat on its way to a backend, its body already parsed and validated by
 /// the gateway. In one process it reaches the router as it is, so the body
 /// is parsed once; only a hop over gRPC turns it into bytes and back.
@@ -84,6 +88,9 @@ pub trait RouterService: Send + Sync + 'static {
     /// An image or audio call, routed over the model's backends like a
     /// chat; the answer's bytes are passed on as the backend sent them.
     async fn media(&self, request: pb::MediaRequest) -> Result<pb::MediaResponse>;
+    /// A media call relayed as it arrives; errors before a backend
+    /// accepted it are returned here, later ones end the stream.
+    async fn media_stream(&self, request: pb::MediaRequest) -> Result<MediaStream>;
 }
 
 /// A cloneable handle on the router, local or remote.

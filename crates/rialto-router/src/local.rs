@@ -32,7 +32,7 @@ use crate::clients::Clients;
 use crate::health::{self, BackendHealth, Breaker, Health, InFlight, Permit, Probe};
 use crate::inprocess::{ChunkStream, InProcessModel};
 use crate::thinking::ThinkStripper;
-use crate::{Chat, ChatStream, RouterService};
+use crate::{Chat, ChatStream, MediaStream, RouterService};
 
 pub struct LocalRouter {
     models: HashMap<String, ModelRoute>,
@@ -112,7 +112,13 @@ enum Call<'a> {
 struct Media {
     path: String,
     files: Vec<pb::MediaFile>,
+    /// Relay the answer as it arrives.
+    stream: bool,
 }
+
+/// A media answer's bytes as they arrive; a broken answer ends with one
+/// error.
+type ByteStream = std::pin::Pin<Box<dyn futures_util::Stream<Item = Result<bytes::Bytes>> + Send>>;
 
 /// What a backend answered.
 enum Answer {
@@ -120,6 +126,8 @@ enum Answer {
     Whole(Vec<u8>),
     /// A media call's answer and its content type.
     Media(bytes::Bytes, String),
+    /// A streamed media call's content type and bytes.
+    MediaChunks(String, ByteStream),
     /// `chat.completion.chunk`s, the last one with usage.
     Chunks(ChunkStream),
 }
@@ -730,12 +738,12 @@ impl LocalRouter {
         request_id: &str,
     ) -> Result<Answer, Failure> {
         let url = format!("{base}{}", media.path);
-        let mut builder = self
-            .http
-            .get()
-            .post(url)
-            .header("x-request-id", request_id)
-            .timeout(backend.timeout);
+        let mut builder = self.http.get().post(url).header("x-request-id", request_id);
+        if !media.stream {
+            // The whole answer, body included; a stream's wait for its
+            // headers is bounded below.
+            builder = builder.timeout(backend.timeout);
+        }
         for (name, value) in headers {
             builder = builder.header(name.clone(), value.clone());
         }
@@ -745,16 +753,19 @@ impl LocalRouter {
         } else {
             builder.multipart(media_form(body, &media.files)?)
         };
-        let response = builder.send().await.map_err(|e| {
-            if e.is_timeout() {
-                timed_out()
-            } else {
-                Failure::Retry(Error::new(
-                    ErrorCode::Unavailable,
-                    "No backend of the model is reachable",
-                ))
-            }
-        })?;
+        let response = tokio::time::timeout(backend.timeout, builder.send())
+            .await
+            .map_err(|_| timed_out())?
+            .map_err(|e| {
+                if e.is_timeout() {
+                    timed_out()
+                } else {
+                    Failure::Retry(Error::new(
+                        ErrorCode::Unavailable,
+                        "No backend of the model is reachable",
+                    ))
+                }
+            })?;
         if !response.status().is_success() {
             return Err(refusal(backend, response, request_id).await);
         }
@@ -764,6 +775,16 @@ impl LocalRouter {
             .and_then(|v| v.to_str().ok())
             .unwrap_or("application/octet-stream")
             .to_owned();
+        if media.stream {
+            let request_id = Arc::<str>::from(request_id);
+            let chunks = response.bytes_stream().map(move |chunk| {
+                chunk.map_err(|error| {
+                    tracing::warn!(request_id = %request_id, %error, "upstream media stream broke");
+                    broken_off()
+                })
+            });
+            return Ok(Answer::MediaChunks(content_type, Box::pin(chunks)));
+        }
         let bytes = response.bytes().await.map_err(|e| {
             if e.is_timeout() {
                 timed_out()
@@ -1027,14 +1048,7 @@ impl RouterService for LocalRouter {
                 retry_count: 0,
             })
         });
-        // Nothing follows a broken upstream: end after the first error.
-        let mut failed = false;
-        let events = events.take_while(move |event| {
-            let keep = !failed;
-            failed |= event.is_err();
-            std::future::ready(keep)
-        });
-        Ok(Box::pin(first.chain(events)))
+        Ok(Box::pin(first.chain(until_broken(events))))
     }
 
     async fn media(&self, request: pb::MediaRequest) -> Result<pb::MediaResponse> {
@@ -1044,6 +1058,7 @@ impl RouterService for LocalRouter {
         let media = Media {
             path: request.path,
             files: request.files,
+            stream: false,
         };
         let served = self
             .dispatch(route, body, &request.request_id, Call::Media(&media))
@@ -1057,6 +1072,40 @@ impl RouterService for LocalRouter {
             backend: served.backend.name.clone(),
             retry_count: served.retries,
         })
+    }
+
+    async fn media_stream(&self, request: pb::MediaRequest) -> Result<MediaStream> {
+        use pb::media_stream_event::Event as MediaEvent;
+        let route = self.route(&request.model_id)?;
+        let body: Map<String, Value> = serde_json::from_slice(&request.body_json)
+            .map_err(|e| Error::invalid(format!("request body is not a JSON object: {e}")))?;
+        let media = Media {
+            path: request.path,
+            files: request.files,
+            stream: true,
+        };
+        let served = self
+            .dispatch(route, body, &request.request_id, Call::Media(&media))
+            .await?;
+        let Answer::MediaChunks(content_type, chunks) = served.answer else {
+            return Err(Error::internal("a backend answered a media stream whole"));
+        };
+        let first = futures_util::stream::once(std::future::ready(Ok(pb::MediaStreamEvent {
+            event: Some(MediaEvent::Start(pb::MediaStart {
+                backend: served.backend.name.clone(),
+                content_type,
+                retry_count: served.retries,
+            })),
+        })));
+        let in_flight = served.in_flight;
+        let events = chunks.map(move |chunk| {
+            // The stream counts on its backend until it is dropped.
+            let _in_flight = &in_flight;
+            Ok(pb::MediaStreamEvent {
+                event: Some(MediaEvent::Data(chunk?.to_vec())),
+            })
+        });
+        Ok(Box::pin(first.chain(until_broken(events))))
     }
 
     async fn embed(&self, request: pb::EmbedRequest) -> Result<pb::EmbedResponse> {
@@ -1075,6 +1124,19 @@ impl RouterService for LocalRouter {
             retry_count: served.retries,
         })
     }
+}
+
+/// `events` up to its first error, included: nothing follows a broken
+/// upstream.
+fn until_broken<T>(
+    events: impl futures_util::Stream<Item = Result<T>>,
+) -> impl futures_util::Stream<Item = Result<T>> {
+    let mut failed = false;
+    events.take_while(move |event| {
+        let keep = !failed;
+        failed |= event.is_err();
+        std::future::ready(keep)
+    })
 }
 
 /// Whether the answer loses its think blocks.

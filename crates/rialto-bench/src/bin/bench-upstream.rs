@@ -3,6 +3,8 @@
 //! Every chat completion gets the same precomputed answer of `--words` words
 //! after `--latency-ms`; a request with `"stream": true` gets `--chunks`
 //! content chunks `--chunk-delay-ms` apart, a usage chunk and `[DONE]`.
+//! `/images/generations` answers one 256x256 PNG (base64 in JSON) and
+//! `/audio/speech` one second of WAV, both made once at start.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -44,6 +46,10 @@ struct Args {
 /// Everything sent is computed once.
 struct Answers {
     completion: Bytes,
+    /// `{created, data: [{b64_json}]}` of a 256x256 PNG.
+    image: Bytes,
+    /// One second of 24 kHz 16-bit mono WAV.
+    speech: Bytes,
     chunks: Vec<Bytes>,
     tail: Bytes,
     latency: Duration,
@@ -101,11 +107,43 @@ fn answers(args: &Args) -> anyhow::Result<Answers> {
     tail.extend_from_slice(b"data: [DONE]\n\n");
     Ok(Answers {
         completion: Bytes::from(completion),
+        image: Bytes::from(image_answer()?),
+        speech: Bytes::from(speech_answer()?),
         chunks,
         tail: Bytes::from(tail),
         latency: Duration::from_millis(args.latency_ms),
         chunk_delay: Duration::from_millis(args.chunk_delay_ms),
     })
+}
+
+/// An image generation's answer: one 256x256 PNG of a gradient.
+fn image_answer() -> anyhow::Result<Vec<u8>> {
+    use base64::Engine as _;
+    let image = image::RgbImage::from_fn(256, 256, |x, y| image::Rgb([x as u8, y as u8, 128]));
+    let mut png = std::io::Cursor::new(Vec::new());
+    image.write_to(&mut png, image::ImageFormat::Png)?;
+    let b64 = base64::engine::general_purpose::STANDARD.encode(png.into_inner());
+    Ok(serde_json::to_vec(
+        &json!({"created": 1_800_000_000u64, "data": [{"b64_json": b64}]}),
+    )?)
+}
+
+/// A speech answer: one second of a 440 Hz tone.
+fn speech_answer() -> anyhow::Result<Vec<u8>> {
+    let spec = hound::WavSpec {
+        channels: 1,
+        sample_rate: 24_000,
+        bits_per_sample: 16,
+        sample_format: hound::SampleFormat::Int,
+    };
+    let mut wav = std::io::Cursor::new(Vec::new());
+    let mut writer = hound::WavWriter::new(&mut wav, spec)?;
+    for n in 0..24_000u32 {
+        let phase = n as f32 * 440.0 * std::f32::consts::TAU / 24_000.0;
+        writer.write_sample((phase.sin() * 8_000.0) as i16)?;
+    }
+    writer.finalize()?;
+    Ok(wav.into_inner())
 }
 
 fn sse(value: &serde_json::Value) -> anyhow::Result<Bytes> {
@@ -128,6 +166,12 @@ async fn handle(
         .await
         .map(|b| b.to_bytes())
         .unwrap_or_default();
+    if path.ends_with("/images/generations") {
+        return Ok(typed_response("application/json", answers.image.clone()));
+    }
+    if path.ends_with("/audio/speech") {
+        return Ok(typed_response("audio/wav", answers.speech.clone()));
+    }
     if !path.ends_with("/chat/completions") {
         let models = r#"{"object":"list","data":[{"id":"bench-model","object":"model","created":0,"owned_by":"bench"}]}"#;
         return Ok(json_response(Bytes::from_static(models.as_bytes())));
@@ -162,8 +206,12 @@ fn empty() -> Body {
 }
 
 fn json_response(body: Bytes) -> Response<Body> {
+    typed_response("application/json", body)
+}
+
+fn typed_response(content_type: &str, body: Bytes) -> Response<Body> {
     Response::builder()
-        .header("content-type", "application/json")
+        .header("content-type", content_type)
         .body(BodyExt::boxed(Full::new(body)))
         .unwrap_or_else(|_| Response::new(empty()))
 }
