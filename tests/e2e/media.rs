@@ -539,6 +539,12 @@ async fn image_edits(world: &World) {
             json!({"model": "mock-edit", "prompt": "x", "images": []}),
             "images",
         ),
+        // Counted before anything is decoded or fetched.
+        (
+            "/image/multi-edit",
+            json!({"model": "mock-edit", "prompt": "x", "images": vec!["http://192.0.2.1/x.png"; 17]}),
+            "images",
+        ),
         (
             "/image/edit",
             json!({"model": "mock-image", "prompt": "x", "image": blue}),

@@ -7,8 +7,9 @@
 //! relayed as the backend sends it. A transcription costs
 //! `usd_per_audio_second` for each started second of the audio: the hold is
 //! for what the file can hold (a WAV's own length, else a bound from its
-//! size), the charge for the duration the backend reports (the call asks
-//! for `verbose_json`, whatever the caller wants back) or a WAV's length.
+//! size: a second per 500 bytes), the charge for the duration the backend
+//! reports (the call asks for `verbose_json`, whatever the caller wants
+//! back) or a WAV's length, and never more than the hold.
 
 use actix_web::{HttpRequest, HttpResponse, web};
 use rialto_core::ErrorCode;
@@ -57,10 +58,13 @@ pub async fn speech(
     };
     let model_id = members.text("model", 1, 256);
     let voice = members.text("voice", 1, 512);
-    let format = members.choice("response_format", config_formats());
+    // Any of OpenAI's here; the model's own formats are checked below.
+    let format = members.choice("response_format", rialto_core::config::AUDIO_FORMATS);
     let speed = members.number("speed", 0.25, 4.0, false);
     let streaming = members.boolean("streaming").unwrap_or(false);
-    members.choice("stream_format", &["audio", "sse"]);
+    // OpenAI's `sse` (events of base64 deltas) is not offered: the audio
+    // streams as bytes with `streaming`.
+    members.choice("stream_format", &["audio"]);
     let language = members.text("language", 2, 32);
     let style = members.text("prompt", 0, 500);
     let instructions = members.text("instructions", 0, 4096);
@@ -130,28 +134,36 @@ pub async fn speech(
         config.usd_per_thousand_characters,
         Decimal::from(chars) / Decimal::from(1000),
     );
-    let mut metered = media::meter(&gateway, &request, &principal, model, price).await?;
+    let mut metered = media::meter(&gateway, &request, &principal, model, price, streaming).await?;
+    let content_type = content_type_of(&format);
     if streaming {
-        let content_type = content_type_of(&format);
         return metered
-            .relay(&gateway, "/audio/speech", &upstream, content_type, price)
+            .relay(
+                &gateway,
+                model,
+                "/audio/speech",
+                &upstream,
+                content_type,
+                price,
+            )
             .await;
     }
-    let delivered = metered
-        .call(&gateway, "/audio/speech", &upstream, Vec::new())
-        .await?;
-    if !is_audio(&format, &delivered.body) {
-        return Err(metered.unusable("not audio of the asked format"));
-    }
-    let mut response = metered.charge(&gateway, &delivered, price).await?;
-    Ok(response
-        .content_type(content_type_of(&format))
-        .body(delivered.body))
-}
-
-/// `response_format` values any model may list (each model checks its own).
-fn config_formats() -> &'static [&'static str] {
-    rialto_core::config::AUDIO_FORMATS
+    let task_gateway = gateway.clone();
+    let (audio, charged) = media::detached(async move {
+        let delivered = metered
+            .call(&task_gateway, "/audio/speech", &upstream, Vec::new())
+            .await?;
+        if !is_audio(&format, &delivered.body) {
+            return Err(metered.unusable("not audio of the asked format"));
+        }
+        let charged = metered.bill(&delivered, price).await?;
+        Ok((delivered.body, charged))
+    })
+    .await?;
+    Ok(charged
+        .response(&gateway, model)
+        .content_type(content_type)
+        .body(audio))
 }
 
 /// Whether `bytes` start as audio of `format` does (raw PCM has no mark).
@@ -188,9 +200,10 @@ enum Transcript {
     Vtt,
 }
 
-/// The smallest bit rate the size bound of a non-WAV file assumes (8 kbit/s
-/// speech), in bytes per second.
-const MIN_BYTES_PER_SECOND: u64 = 1000;
+/// The smallest bit rate the size bound of a non-WAV file assumes (4 kbit/s,
+/// below the lowest speech codecs' rates), in bytes per second. The ledger
+/// never charges more than a hold, so the bound must not be short.
+const MIN_BYTES_PER_SECOND: u64 = 500;
 
 /// `POST /audio/transcriptions`: a multipart form with `file`.
 pub async fn transcriptions(
@@ -278,7 +291,8 @@ pub async fn transcriptions(
     let measured = wav_seconds(&file.bytes);
     let bound = measured
         .unwrap_or_else(|| Decimal::from((file.bytes.len() as u64).div_ceil(MIN_BYTES_PER_SECOND)));
-    let most = media::nanos(per_second, bound.ceil());
+    // At least a second: a hold of nothing would settle nothing.
+    let most = media::nanos(per_second, bound.ceil().max(Decimal::ONE));
     let mut upstream = Map::new();
     upstream.insert("response_format".into(), json!("verbose_json"));
     let mut asked = vec![json!("segment")];
@@ -308,31 +322,46 @@ pub async fn transcriptions(
             .unwrap_or_else(|| "application/octet-stream".to_owned()),
         data: file.bytes,
     };
-    let mut metered = media::meter(&gateway, &request, &principal, model, most).await?;
-    let delivered = metered
-        .call(&gateway, "/audio/transcriptions", &upstream, vec![upload])
-        .await?;
-    let Some(answer) = serde_json::from_slice::<Value>(&delivered.body)
-        .ok()
-        .filter(|a| a.get("text").is_some_and(Value::is_string))
-    else {
-        return Err(metered.unusable("no text"));
-    };
-    let reported = answer
-        .get("duration")
-        .and_then(Value::as_f64)
-        .and_then(Decimal::from_f64_retain)
-        .or_else(|| {
-            answer
-                .pointer("/usage/seconds")
-                .and_then(Value::as_u64)
-                .map(Decimal::from)
-        });
-    let Some(seconds) = reported.or(measured) else {
-        return Err(metered.unusable("no duration for a file of unknown length"));
-    };
-    let used = media::nanos(per_second, seconds.ceil());
-    let mut response = metered.charge(&gateway, &delivered, used).await?;
+    let mut metered = media::meter(&gateway, &request, &principal, model, most, false).await?;
+    let task_gateway = gateway.clone();
+    let (answer, seconds, charged) = media::detached(async move {
+        let delivered = metered
+            .call(
+                &task_gateway,
+                "/audio/transcriptions",
+                &upstream,
+                vec![upload],
+            )
+            .await?;
+        let Some(answer) = serde_json::from_slice::<Value>(&delivered.body)
+            .ok()
+            .filter(|a| a.get("text").is_some_and(Value::is_string))
+        else {
+            return Err(metered.unusable("no text"));
+        };
+        // A length the backend reports must be one: finite and not negative
+        // (some send -1 for unknown); float noise is cut to the millisecond.
+        let reported = answer
+            .get("duration")
+            .and_then(Value::as_f64)
+            .filter(|d| d.is_finite() && *d >= 0.0)
+            .and_then(Decimal::from_f64_retain)
+            .map(|d| d.round_dp(3))
+            .or_else(|| {
+                answer
+                    .pointer("/usage/seconds")
+                    .and_then(Value::as_u64)
+                    .map(Decimal::from)
+            });
+        let Some(seconds) = reported.or(measured) else {
+            return Err(metered.unusable("no duration for a file of unknown length"));
+        };
+        let used = media::nanos(per_second, seconds.ceil());
+        let charged = metered.bill(&delivered, used).await?;
+        Ok((answer, seconds, charged))
+    })
+    .await?;
+    let mut response = charged.response(&gateway, model);
     let text = answer["text"]
         .as_str()
         .unwrap_or_default()
@@ -423,11 +452,26 @@ fn subtitles(segments: &[Span], vtt: bool) -> String {
     out
 }
 
-/// The length of a WAV file, from its header.
+/// The length of a WAV file: its header's, but never more than the bytes
+/// sent can hold (a streamed recording declares 0, or the largest length,
+/// and a backend reads to the end of the file).
 fn wav_seconds(bytes: &[u8]) -> Option<Decimal> {
     let reader = hound::WavReader::new(std::io::Cursor::new(bytes)).ok()?;
-    let rate = reader.spec().sample_rate;
-    (rate > 0).then(|| Decimal::from(reader.duration()) / Decimal::from(rate))
+    let spec = reader.spec();
+    let frame_bytes = u64::from(spec.channels) * u64::from(spec.bits_per_sample).div_ceil(8);
+    if spec.sample_rate == 0 || frame_bytes == 0 {
+        return None;
+    }
+    let declared = u64::from(reader.duration());
+    // The reader stands at the first sample: what follows is the data.
+    let data_offset = reader.into_inner().position();
+    let present = (bytes.len() as u64).saturating_sub(data_offset) / frame_bytes;
+    let frames = if declared == 0 || declared > present {
+        present
+    } else {
+        declared
+    };
+    Some(Decimal::from(frames) / Decimal::from(spec.sample_rate))
 }
 
 #[derive(Deserialize)]
@@ -482,6 +526,22 @@ mod tests {
     fn a_wav_measures_its_own_length() {
         assert_eq!(wav_seconds(&wav(3, 8000)), Some(Decimal::from(3)));
         assert_eq!(wav_seconds(b"ID3 not a wav"), None);
+    }
+
+    #[test]
+    fn a_wav_is_as_long_as_its_bytes_whatever_its_header_declares() {
+        // The data chunk's length (bytes 40..44 of this canonical header).
+        let mut streamed = wav(3, 8000);
+        streamed[40..44].copy_from_slice(&0u32.to_le_bytes());
+        assert_eq!(wav_seconds(&streamed), Some(Decimal::from(3)));
+        // A length past the file: refused by the reader (then the size
+        // bound holds), never taken at its word.
+        let mut inflated = wav(3, 8000);
+        inflated[40..44].copy_from_slice(&(u32::MAX - 1).to_le_bytes());
+        assert!(wav_seconds(&inflated).is_none_or(|s| s <= Decimal::from(3)));
+        // Cut short: only what was sent counts.
+        let whole = wav(4, 8000);
+        assert_eq!(wav_seconds(&whole[..44 + 2 * 8000]), Some(Decimal::from(1)));
     }
 
     #[test]

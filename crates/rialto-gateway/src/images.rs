@@ -55,7 +55,8 @@ struct Generation<'g> {
     path: &'static str,
     /// The upstream body (an edit's form fields).
     upstream: Map<String, Value>,
-    files: Vec<rialto_proto::router::v1::MediaFile>,
+    /// An edit's images, each with its form field (`image`, `image[]`).
+    sources: Vec<(&'static str, ImageSource)>,
     count: usize,
     format: &'static str,
     /// Price of one image, in USD.
@@ -227,7 +228,7 @@ fn hosted_generation<'g>(
             format!("String must contain 1 to {limit} character(s)"),
         ));
     }
-    let usd_per_image = price_of(model, resolution.as_deref())?;
+    let (resolution, usd_per_image) = tier_of(model, resolution.as_deref())?;
     let prompt = match &style {
         Some(style) => format!("{prompt}, {style} style"),
         None => prompt,
@@ -253,7 +254,7 @@ fn hosted_generation<'g>(
             model,
             path: GENERATIONS,
             upstream,
-            files: Vec::new(),
+            sources: Vec::new(),
             count: variants as usize,
             format,
             usd_per_image,
@@ -332,15 +333,20 @@ fn openai_generation<'g>(
         Some(size) => parse_size(size).unwrap_or((1024, 1024)),
     };
     let format = format_name(format.as_deref().unwrap_or("png"));
+    let (resolution, usd_per_image) = tier_of(model, None)?;
+    let mut upstream = base_request(prompt, count, width, height, format, safe);
+    if let Some(tier) = resolution {
+        upstream.insert("resolution".into(), Value::String(tier));
+    }
     Ok((
         Generation {
             model,
             path: GENERATIONS,
-            upstream: base_request(prompt, count, width, height, format, safe),
-            files: Vec::new(),
+            upstream,
+            sources: Vec::new(),
             count: count as usize,
             format,
-            usd_per_image: price_of(model, None)?,
+            usd_per_image,
         },
         data_urls,
     ))
@@ -389,22 +395,31 @@ fn prompt_limit(model: &ModelEntry, default: usize) -> usize {
         .map_or(default, |limit| limit as usize)
 }
 
-/// The price of one image: the requested resolution tier's (the first
-/// tier by default) when the model prices tiers, else `usd_per_image`.
-fn price_of(model: &ModelEntry, resolution: Option<&str>) -> Result<f64, ApiError> {
+/// The resolution to ask the backend for, and the price of one image:
+/// for a model that prices tiers, the requested tier (else its first in
+/// sort order, "1K" before "2K"), always sent so that what is made is what
+/// is paid; else the request's resolution as given and `usd_per_image`.
+fn tier_of(
+    model: &ModelEntry,
+    resolution: Option<&str>,
+) -> Result<(Option<String>, f64), ApiError> {
     let tiers = &model.config.usd_per_image_resolution;
     if tiers.is_empty() {
-        return Ok(model.config.usd_per_image);
+        return Ok((resolution.map(str::to_owned), model.config.usd_per_image));
     }
-    match resolution {
-        None => Ok(tiers.values().next().copied().unwrap_or_default()),
-        Some(tier) => tiers.get(tier).copied().ok_or_else(|| {
+    let chosen = match resolution {
+        None => tiers.iter().next(),
+        Some(tier) => tiers.get_key_value(tier),
+    };
+    match chosen {
+        Some((tier, usd)) => Ok((Some(tier.clone()), *usd)),
+        None => {
             let known: Vec<&str> = tiers.keys().map(String::as_str).collect();
-            invalid_at(
+            Err(invalid_at(
                 &["resolution"],
                 format!("This model's resolutions are {}", known.join(", ")),
-            )
-        }),
+            ))
+        }
     }
 }
 
@@ -445,6 +460,13 @@ const EDIT_MEMBERS: &[&str] = &[
     "disable_prompt_optimization_thinking",
 ];
 
+/// The boolean members of an edit.
+const EDIT_FLAGS: &[&str] = &[
+    "safe_mode",
+    "enhance_prompt",
+    "disable_prompt_optimization_thinking",
+];
+
 const ASPECT_RATIOS: &[&str] = &[
     "auto", "1:1", "3:2", "16:9", "21:9", "9:16", "2:3", "3:4", "4:5",
 ];
@@ -471,11 +493,12 @@ async fn edit_route(
             match part.name.as_str() {
                 "image" | "images" | "images[]" => uploads.push(part.bytes),
                 name => {
-                    // `safe_mode=false` in a form is the boolean.
+                    // A flag's `true`/`false` in a form is the boolean.
                     let text = part.text();
+                    let flag = EDIT_FLAGS.contains(&name);
                     let value = match text.as_str() {
-                        "true" => Value::Bool(true),
-                        "false" => Value::Bool(false),
+                        "true" if flag => Value::Bool(true),
+                        "false" if flag => Value::Bool(false),
                         _ => Value::String(text),
                     };
                     body.insert(name.to_owned(), value);
@@ -500,7 +523,11 @@ async fn edit_route(
     let model_id = members
         .text("model", 1, 256)
         .or_else(|| members.text("modelId", 1, 256));
-    let format = members.choice("output_format", FORMATS);
+    let format = match body.get("output_format") {
+        // The hosted API's other name of JPEG.
+        Some(Value::String(jpg)) if jpg == "jpg" => Some("jpeg".to_owned()),
+        _ => members.choice("output_format", FORMATS),
+    };
     let safe = members.boolean("safe_mode").unwrap_or(true);
     let aspect_ratio = members.choice("aspect_ratio", ASPECT_RATIOS);
     let resolution = members.text("resolution", 1, 10);
@@ -530,19 +557,38 @@ async fn edit_route(
         ),
     }
     details.into_result()?;
-    for image in &sent {
-        uploads.push(
-            image_bytes(&gateway, image)
-                .await
-                .map_err(|why| invalid_at(&[list], why))?,
-        );
-    }
-    if uploads.is_empty() || uploads.len() > MAX_EDIT_IMAGES || (!multi && uploads.len() > 1) {
-        let most = if multi { MAX_EDIT_IMAGES } else { 1 };
+    // Counted before anything is decoded or fetched.
+    let most = if multi { MAX_EDIT_IMAGES } else { 1 };
+    let count = uploads.len() + sent.len();
+    if count == 0 || count > most {
         return Err(invalid_at(
             &[list],
             format!("Required: 1 to {most} image(s)"),
         ));
+    }
+    let field = if multi { "image[]" } else { "image" };
+    let mut sources: Vec<(&'static str, ImageSource)> = uploads
+        .drain(..)
+        .map(|bytes| (field, ImageSource::Bytes(bytes)))
+        .collect();
+    for image in sent {
+        let image = image.trim();
+        let source = if image.starts_with("http://") || image.starts_with("https://") {
+            ImageSource::Url(image.to_owned())
+        } else {
+            ImageSource::Bytes(base64_image(image).map_err(|why| invalid_at(&[list], why))?)
+        };
+        sources.push((field, source));
+    }
+    for (index, (_, source)) in sources.iter().enumerate() {
+        if let ImageSource::Bytes(bytes) = source
+            && image::guess_format(bytes).is_err()
+        {
+            return Err(invalid_at(
+                &[list],
+                format!("Image {} is not an image", index + 1),
+            ));
+        }
     }
     let model = media::model_of(&gateway, model_id.as_deref(), &["inpaint"], false)?;
     let limit = prompt_limit(model, MAX_EDIT_PROMPT_CHARS);
@@ -553,21 +599,8 @@ async fn edit_route(
             format!("String must contain 1 to {limit} character(s)"),
         ));
     }
-    let usd_per_image = price_of(model, resolution.as_deref())?;
+    let (resolution, usd_per_image) = tier_of(model, resolution.as_deref())?;
     let format = format_name(format.as_deref().unwrap_or("png"));
-    let mut files = Vec::with_capacity(uploads.len());
-    let field = if multi { "image[]" } else { "image" };
-    for (index, bytes) in uploads.into_iter().enumerate() {
-        let kind = image::guess_format(&bytes)
-            .map_err(|_| invalid_at(&[list], format!("Image {} is not an image", index + 1)))?;
-        let extension = kind.extensions_str().first().copied().unwrap_or("png");
-        files.push(rialto_proto::router::v1::MediaFile {
-            field: field.to_owned(),
-            filename: format!("image-{}.{extension}", index + 1),
-            content_type: kind.to_mime_type().to_owned(),
-            data: bytes,
-        });
-    }
     let mut upstream = Map::new();
     upstream.insert("prompt".into(), Value::String(prompt));
     upstream.insert("n".into(), json!(1));
@@ -590,7 +623,7 @@ async fn edit_route(
         model,
         path: "/images/edits",
         upstream,
-        files,
+        sources,
         count: 1,
         format,
         usd_per_image,
@@ -600,19 +633,8 @@ async fn edit_route(
     Ok(response.content_type(content_type_of(format)).body(image))
 }
 
-/// An image sent in JSON: an http(s) URL (fetched under the `file_url`
-/// rules), a `data:` URL or base64.
-async fn image_bytes(gateway: &Gateway, image: &str) -> Result<Vec<u8>, String> {
-    let image = image.trim();
-    if image.starts_with("http://") || image.starts_with("https://") {
-        let (_, bytes) = crate::files::fetch(
-            image,
-            gateway.file_urls_allow_private,
-            gateway.max_upload_bytes,
-        )
-        .await?;
-        return Ok(bytes);
-    }
+/// An image sent in JSON as a `data:` URL or base64.
+fn base64_image(image: &str) -> Result<Vec<u8>, String> {
     let b64 = match image.strip_prefix("data:") {
         Some(rest) => rest
             .split_once(";base64,")
@@ -636,7 +658,7 @@ struct Images {
 /// Holds the price of every image asked, calls the backends, checks and
 /// converts what they made, and charges the images delivered.
 async fn run(
-    gateway: &Gateway,
+    gateway: &web::Data<Gateway>,
     request: &HttpRequest,
     principal: &rialto_proto::auth::v1::Principal,
     generation: Generation<'_>,
@@ -645,50 +667,114 @@ async fn run(
         model,
         path,
         upstream,
-        files,
+        sources,
         count,
         format,
         usd_per_image,
     } = generation;
     let most = media::nanos(usd_per_image, Decimal::from(count));
-    let mut metered = media::meter(gateway, request, principal, model, most).await?;
-    let started = std::time::Instant::now();
-    let delivered = metered.call(gateway, path, &upstream, files).await?;
-    let backend_ms = started.elapsed().as_millis() as u64;
-    let answer: Value = match serde_json::from_slice(&delivered.body) {
-        Ok(answer) => answer,
-        Err(_) => return Err(metered.unusable("not JSON")),
-    };
-    let items: Vec<Value> = match answer.get("data") {
-        Some(Value::Array(items)) => items.iter().take(count).cloned().collect(),
-        _ => return Err(metered.unusable("no data")),
-    };
-    let converted = tokio::task::spawn_blocking(move || {
-        items
-            .iter()
-            .map(|item| image_of(item, format))
-            .collect::<Result<Vec<_>, String>>()
+    let mut metered = media::meter(gateway, request, principal, model, most, false).await?;
+    let task_gateway = gateway.clone();
+    let (images, charged) = media::detached(async move {
+        let gateway = task_gateway;
+        // Images to edit named by URL are fetched only now, admitted and
+        // held for.
+        let files = match edit_files(&gateway, sources).await {
+            Ok(files) => files,
+            Err(error) => {
+                metered.release();
+                return Err(error);
+            }
+        };
+        let started = std::time::Instant::now();
+        let delivered = metered.call(&gateway, path, &upstream, files).await?;
+        let backend_ms = started.elapsed().as_millis() as u64;
+        let answer: Value = match serde_json::from_slice(&delivered.body) {
+            Ok(answer) => answer,
+            Err(_) => return Err(metered.unusable("not JSON")),
+        };
+        let items: Vec<Value> = match answer.get("data") {
+            Some(Value::Array(items)) => items.iter().take(count).cloned().collect(),
+            _ => return Err(metered.unusable("no data")),
+        };
+        let converted = tokio::task::spawn_blocking(move || {
+            items
+                .iter()
+                .map(|item| image_of(item, format))
+                .collect::<Result<Vec<_>, String>>()
+        })
+        .await;
+        let encoded = match converted {
+            Ok(Ok(encoded)) if !encoded.is_empty() => encoded,
+            Ok(Err(why)) => return Err(metered.unusable(&why)),
+            _ => return Err(metered.unusable("no image")),
+        };
+        let used = media::nanos(usd_per_image, Decimal::from(encoded.len()));
+        let charged = metered.bill(&delivered, used).await?;
+        let images = Images {
+            encoded,
+            format,
+            backend_ms,
+        };
+        Ok((images, charged))
     })
-    .await;
-    let encoded = match converted {
-        Ok(Ok(encoded)) if !encoded.is_empty() => encoded,
-        Ok(Err(why)) => return Err(metered.unusable(&why)),
-        _ => return Err(metered.unusable("no image")),
-    };
-    let used = media::nanos(usd_per_image, Decimal::from(encoded.len()));
-    let mut response = metered.charge(gateway, &delivered, used).await?;
+    .await?;
+    let mut response = charged.response(gateway, model);
     // Safe mode is the backend's moderation: what it refuses is a content
     // violation (a 400 with the header); nothing here is blurred.
     response.insert_header((gateway.brand.header_is_blurred.as_str(), "false"));
     response.insert_header((gateway.brand.header_is_content_violation.as_str(), "false"));
-    Ok((
-        Images {
-            encoded,
-            format,
-            backend_ms,
-        },
-        response,
-    ))
+    Ok((images, response))
+}
+
+/// An image to edit: its bytes, or where to fetch them once the request
+/// is admitted.
+enum ImageSource {
+    Bytes(Vec<u8>),
+    Url(String),
+}
+
+/// The images of an edit as form files, in order (the first is the base):
+/// each must be an image; those named by URL are fetched within the upload
+/// budget the others leave.
+async fn edit_files(
+    gateway: &Gateway,
+    sources: Vec<(&'static str, ImageSource)>,
+) -> Result<Vec<rialto_proto::router::v1::MediaFile>, ApiError> {
+    let mut budget = gateway.max_upload_bytes.saturating_sub(
+        sources
+            .iter()
+            .map(|(_, source)| match source {
+                ImageSource::Bytes(bytes) => bytes.len(),
+                ImageSource::Url(_) => 0,
+            })
+            .sum(),
+    );
+    let multi = sources.len() > 1 || sources.first().is_some_and(|(f, _)| *f == "image[]");
+    let list = if multi { "images" } else { "image" };
+    let mut files = Vec::with_capacity(sources.len());
+    for (index, (field, source)) in sources.into_iter().enumerate() {
+        let bytes = match source {
+            ImageSource::Bytes(bytes) => bytes,
+            ImageSource::Url(url) => {
+                let (_, bytes) = crate::files::fetch(&url, gateway.file_urls_allow_private, budget)
+                    .await
+                    .map_err(|why| invalid_at(&[list], why))?;
+                budget -= bytes.len();
+                bytes
+            }
+        };
+        let kind = image::guess_format(&bytes)
+            .map_err(|_| invalid_at(&[list], format!("Image {} is not an image", index + 1)))?;
+        let extension = kind.extensions_str().first().copied().unwrap_or("png");
+        files.push(rialto_proto::router::v1::MediaFile {
+            field: field.to_owned(),
+            filename: format!("image-{}.{extension}", index + 1),
+            content_type: kind.to_mime_type().to_owned(),
+            data: bytes,
+        });
+    }
+    Ok(files)
 }
 
 /// One image of a backend's answer (`b64_json`, or a `data:` URL) as bytes

@@ -71,19 +71,26 @@ pub(crate) fn default_model<'g>(gateway: &'g Gateway, model_type: &str) -> Optio
         .or(first)
 }
 
-/// USD nano-units of `units` at `usd_per_unit`, rounded up to the nano.
+/// USD nano-units of `units` at `usd_per_unit`, rounded up to the nano;
+/// no units (or fewer) cost nothing, and an amount past the ledger's range
+/// is its largest (refused by the hold as more than any balance).
 pub(crate) fn nanos(usd_per_unit: f64, units: Decimal) -> u64 {
+    if units <= Decimal::ZERO {
+        return 0;
+    }
     let price = rialto_core::config::price_decimal(usd_per_unit);
     price
         .checked_mul(units)
         .and_then(|usd| rialto_billing::to_nanos(usd).ok())
         .and_then(|nanos| u64::try_from(nanos).ok())
-        .unwrap_or(u64::MAX)
+        .unwrap_or(i64::MAX as u64)
 }
 
 /// A media request the limiter admitted and the ledger holds its most for.
-pub(crate) struct Metered<'g> {
-    pub(crate) model: &'g ModelEntry,
+/// It owns what it needs (no borrow of the gateway), so its exchange can
+/// run in a task of its own ([`detached`]).
+pub(crate) struct Metered {
+    model_id: String,
     settlement: Settlement,
     wallet_usd_before: Option<Decimal>,
     request_id: String,
@@ -96,15 +103,41 @@ pub(crate) struct Delivered {
     retry_count: u32,
 }
 
+/// A media request charged: what its response's headers say.
+pub(crate) struct Charged {
+    cost: Value,
+    backend: String,
+    retry_count: u32,
+    wallet_usd_before: Option<Decimal>,
+}
+
+impl Charged {
+    /// A 200 with the model's headers and a wallet's balance after the
+    /// charge.
+    pub(crate) fn response(&self, gateway: &Gateway, model: &ModelEntry) -> HttpResponseBuilder {
+        let mut response = HttpResponse::Ok();
+        model_headers(
+            &mut response,
+            gateway,
+            model,
+            &self.backend,
+            self.retry_count,
+        );
+        balance_remaining(&mut response, self.wallet_usd_before, &self.cost);
+        response
+    }
+}
+
 /// Admits a request to `model` in its class's window and holds
-/// `most_nanos` (429 and 402 as for a chat).
-pub(crate) async fn meter<'g>(
+/// `most_nanos` (429 and 402 as for a chat); `durable` as a stream's hold.
+pub(crate) async fn meter(
     gateway: &Gateway,
     request: &HttpRequest,
     principal: &auth_pb::Principal,
-    model: &'g ModelEntry,
+    model: &ModelEntry,
     most_nanos: u64,
-) -> Result<Metered<'g>, ApiError> {
+    durable: bool,
+) -> Result<Metered, ApiError> {
     let request_id = RequestId::of(request);
     let Admitted {
         settlement,
@@ -118,7 +151,7 @@ pub(crate) async fn meter<'g>(
         Reservation {
             prompt_tokens: 0,
             total_tokens: 0,
-            durable: false,
+            durable,
             extra_usd_nanos: most_nanos,
             limiter_extra_tokens: 0,
         },
@@ -126,14 +159,57 @@ pub(crate) async fn meter<'g>(
     )
     .await?;
     Ok(Metered {
-        model,
+        model_id: model.config.id.clone(),
         settlement,
         wallet_usd_before,
         request_id,
     })
 }
 
-impl Metered<'_> {
+/// Runs a metered exchange (the backend's call, the checks, the charge) in
+/// a task of its own, as a chat's: a client that leaves cancels neither the
+/// backend's work nor its charge, and no hold is left to expire.
+pub(crate) async fn detached<T: Send + 'static>(
+    work: impl std::future::Future<Output = Result<T, ApiError>> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::spawn(work).await.map_err(|e| {
+        ApiError::from(rialto_core::Error::internal(format!(
+            "a media exchange's task failed: {e}"
+        )))
+    })?
+}
+
+/// A backend's refusal, with `x-<brand>-is-content-violation` when its
+/// content policy refused.
+fn refused(gateway: &Gateway, error: rialto_core::Error) -> ApiError {
+    let error = ApiError::from(error);
+    if error.code() == ErrorCode::ContentViolation {
+        return error.with_header(
+            gateway.brand.header_is_content_violation.clone(),
+            "true".to_owned(),
+        );
+    }
+    error
+}
+
+impl Metered {
+    fn request(&self, path: &str, body: &Map<String, Value>) -> router_pb::MediaRequest {
+        router_pb::MediaRequest {
+            request_id: self.request_id.clone(),
+            model_id: self.model_id.clone(),
+            path: path.to_owned(),
+            // Serializing a map of JSON values cannot fail.
+            body_json: serde_json::to_vec(body).unwrap_or_default(),
+            files: Vec::new(),
+        }
+    }
+
+    /// Nothing was asked of a backend after all (an image to fetch could
+    /// not be): the hold is released.
+    pub(crate) fn release(mut self) {
+        self.settlement.release();
+    }
+
     /// Sends the call to the model's backends (`body` as JSON, or with
     /// `files` as a form); a failure releases the hold.
     pub(crate) async fn call(
@@ -144,11 +220,8 @@ impl Metered<'_> {
         files: Vec<router_pb::MediaFile>,
     ) -> Result<Delivered, ApiError> {
         let request = router_pb::MediaRequest {
-            request_id: self.request_id.clone(),
-            model_id: self.model.config.id.clone(),
-            path: path.to_owned(),
-            body_json: serde_json::to_vec(body).map_err(rialto_core::Error::internal)?,
             files,
+            ..self.request(path, body)
         };
         match gateway.services.router.media(request).await {
             Ok(answer) => Ok(Delivered {
@@ -158,76 +231,89 @@ impl Metered<'_> {
             }),
             Err(error) => {
                 self.settlement.release();
-                let mut error = ApiError::from(error);
-                if error.code() == ErrorCode::ContentViolation {
-                    error = error.with_header(
-                        gateway.brand.header_is_content_violation.clone(),
-                        "true".to_owned(),
-                    );
-                }
-                Err(error)
+                Err(refused(gateway, error))
             }
         }
     }
 
-    /// Relays a streamed media call (speech sent as it is made): the
-    /// response starts once a backend accepted the call, and its bytes pass
-    /// as they arrive. `price_nanos` is charged when the stream ends whole or
-    /// the client leaves it (the backend made it); nothing when the backend
-    /// breaks it off, and the client's connection is then broken too.
-    pub(crate) async fn relay(
+    /// The backend answered what cannot be passed on: nothing delivered,
+    /// nothing charged.
+    pub(crate) fn unusable(mut self, why: &str) -> ApiError {
+        tracing::warn!(model = self.model_id, why, "unusable media answer");
+        self.settlement.release();
+        crate::chat::invalid_answer()
+    }
+
+    /// Charges `used_nanos` (what was delivered).
+    pub(crate) async fn bill(
         mut self,
-        gateway: &Gateway,
+        delivered: &Delivered,
+        used_nanos: u64,
+    ) -> Result<Charged, ApiError> {
+        self.settlement.extra_usd_nanos = used_nanos;
+        let cost = self.settlement.bill(&Usage::none()).await?;
+        Ok(Charged {
+            cost,
+            backend: delivered.backend.clone(),
+            retry_count: delivered.retry_count,
+            wallet_usd_before: self.wallet_usd_before,
+        })
+    }
+
+    /// Relays a streamed media call (speech sent as it is made), in a task
+    /// of its own: the response starts once a backend accepted the call,
+    /// and its bytes pass as they arrive. `price_nanos` is charged once the
+    /// stream ends whole, or once the client leaves it (or stops reading
+    /// for `reader_patience`) after some of it reached the client; nothing
+    /// when nothing did, or when the backend breaks it off (the client's
+    /// connection is then broken too: its audio is not whole).
+    pub(crate) async fn relay(
+        self,
+        gateway: &actix_web::web::Data<Gateway>,
+        model: &ModelEntry,
         path: &str,
         body: &Map<String, Value>,
         content_type: &'static str,
         price_nanos: u64,
     ) -> Result<HttpResponse, ApiError> {
         use router_pb::media_stream_event::Event;
-        let request = router_pb::MediaRequest {
-            request_id: self.request_id.clone(),
-            model_id: self.model.config.id.clone(),
-            path: path.to_owned(),
-            body_json: serde_json::to_vec(body).map_err(rialto_core::Error::internal)?,
-            files: Vec::new(),
-        };
-        let started = match gateway.services.router.media_stream(request).await {
-            Ok(mut events) => match events.next().await {
-                Some(Ok(router_pb::MediaStreamEvent {
-                    event: Some(Event::Start(start)),
-                })) => Ok((start, events)),
-                Some(Err(error)) => Err(ApiError::from(error)),
-                _ => Err(crate::chat::invalid_answer()),
-            },
-            Err(error) => Err(error.into()),
-        };
-        let (start, mut events) = match started {
-            Ok(started) => started,
-            Err(error) => {
-                self.settlement.release();
-                return Err(error);
-            }
-        };
-        let mut response = HttpResponse::Ok();
-        model_headers(
-            &mut response,
-            gateway,
-            self.model,
-            &start.backend,
-            start.retry_count,
-        );
-        // The price is known before the stream: the balance after it too.
-        let price = rialto_billing::from_nanos(i64::try_from(price_nanos).unwrap_or(i64::MAX));
-        balance_remaining(
-            &mut response,
-            self.wallet_usd_before,
-            &serde_json::json!({"usd": serde_json::from_str::<Value>(&price).unwrap_or_default()}),
-        );
-        let (sender, receiver) =
-            tokio::sync::mpsc::channel::<Result<bytes::Bytes, std::io::Error>>(16);
-        let mut settlement = self.settlement;
+        type Chunks = tokio::sync::mpsc::Receiver<Result<bytes::Bytes, std::io::Error>>;
+        let request = self.request(path, body);
+        let (started_sender, started) =
+            tokio::sync::oneshot::channel::<Result<(router_pb::MediaStart, Chunks), ApiError>>();
+        let task_gateway = gateway.clone();
+        let Metered {
+            mut settlement,
+            wallet_usd_before,
+            ..
+        } = self;
         tokio::spawn(async move {
-            let mut broken = false;
+            let gateway = task_gateway;
+            let opened = match gateway.services.router.media_stream(request).await {
+                Ok(mut events) => match events.next().await {
+                    Some(Ok(router_pb::MediaStreamEvent {
+                        event: Some(Event::Start(start)),
+                    })) => Ok((start, events)),
+                    Some(Err(error)) => Err(refused(&gateway, error)),
+                    _ => Err(crate::chat::invalid_answer()),
+                },
+                Err(error) => Err(refused(&gateway, error)),
+            };
+            let (start, mut events) = match opened {
+                Ok(opened) => opened,
+                Err(error) => {
+                    settlement.release();
+                    let _ = started_sender.send(Err(error));
+                    return;
+                }
+            };
+            let (sender, receiver) = tokio::sync::mpsc::channel(16);
+            if started_sender.send(Ok((start, receiver))).is_err() {
+                // The client left before the first byte.
+                settlement.release();
+                return;
+            }
+            let (mut sent, mut broken) = (0usize, false);
             while let Some(event) = events.next().await {
                 let data = match event {
                     Ok(router_pb::MediaStreamEvent {
@@ -236,57 +322,45 @@ impl Metered<'_> {
                     Ok(_) => continue,
                     Err(error) => {
                         broken = true;
-                        let error = std::io::Error::other(error.message);
-                        let _ = sender.send(Err(error)).await;
+                        let _ = sender.try_send(Err(std::io::Error::other(error.message)));
                         break;
                     }
                 };
-                if sender.send(Ok(bytes::Bytes::from(data))).await.is_err() {
-                    // The client left; the backend made what it asked.
-                    break;
+                let length = data.len();
+                let delivery = sender.send(Ok(bytes::Bytes::from(data)));
+                match tokio::time::timeout(gateway.reader_patience, delivery).await {
+                    Ok(Ok(())) => sent += length,
+                    // The client left, or stopped reading.
+                    _ => break,
                 }
             }
-            if broken {
+            if broken || sent == 0 {
                 settlement.release();
             } else {
                 settlement.extra_usd_nanos = price_nanos;
                 settlement.bill_later(&Usage::none());
             }
         });
-        let body = futures_util::stream::unfold(receiver, |mut receiver| async move {
-            receiver.recv().await.map(|item| (item, receiver))
-        });
-        Ok(response.content_type(content_type).streaming(body))
-    }
-
-    /// The backend answered what cannot be passed on: nothing delivered,
-    /// nothing charged.
-    pub(crate) fn unusable(mut self, why: &str) -> ApiError {
-        tracing::warn!(model = self.model.config.id, why, "unusable media answer");
-        self.settlement.release();
-        crate::chat::invalid_answer()
-    }
-
-    /// Charges `used_nanos` (what was delivered) and starts the response
-    /// with the model's headers and a wallet's remaining balance.
-    pub(crate) async fn charge(
-        mut self,
-        gateway: &Gateway,
-        delivered: &Delivered,
-        used_nanos: u64,
-    ) -> Result<HttpResponseBuilder, ApiError> {
-        self.settlement.extra_usd_nanos = used_nanos;
-        let cost = self.settlement.bill(&Usage::none()).await?;
+        let (start, receiver) = started.await.map_err(|_| crate::chat::invalid_answer())??;
         let mut response = HttpResponse::Ok();
         model_headers(
             &mut response,
             gateway,
-            self.model,
-            &delivered.backend,
-            delivered.retry_count,
+            model,
+            &start.backend,
+            start.retry_count,
         );
-        balance_remaining(&mut response, self.wallet_usd_before, &cost);
-        Ok(response)
+        // The price is known before the stream: the balance after it too.
+        let price = rialto_billing::from_nanos(i64::try_from(price_nanos).unwrap_or(i64::MAX));
+        balance_remaining(
+            &mut response,
+            wallet_usd_before,
+            &serde_json::json!({"usd": serde_json::from_str::<Value>(&price).unwrap_or_default()}),
+        );
+        let body = futures_util::stream::unfold(receiver, |mut receiver| async move {
+            receiver.recv().await.map(|item| (item, receiver))
+        });
+        Ok(response.content_type(content_type).streaming(body))
     }
 }
 

@@ -137,7 +137,10 @@ fn pricing(model: &ModelConfig) -> Value {
         }
         "image" => json!({"generation": price(model.usd_per_image)}),
         "inpaint" if !model.usd_per_image_resolution.is_empty() => {
-            json!({"inpaint": price(model.usd_per_image), "resolutions": tier_prices(model)})
+            // The default tier's price (what an edit without `resolution`
+            // costs), then each tier's.
+            let first = model.usd_per_image_resolution.values().next().copied();
+            json!({"inpaint": price(first.unwrap_or_default()), "resolutions": tier_prices(model)})
         }
         "inpaint" => json!({"inpaint": price(model.usd_per_image)}),
         // Per million characters, as the hosted API publishes it.
@@ -209,8 +212,14 @@ fn model_json(model: &ModelConfig, brand: &str, web_search: bool) -> Value {
     }
     match model.model_type.as_str() {
         "image" | "inpaint" => {
+            // The routes' own limits when the model sets none.
+            let prompt_limit = if model.model_type == "inpaint" {
+                32_768
+            } else {
+                7_500
+            };
             spec["constraints"] = json!({
-                "promptCharacterLimit": model.prompt_character_limit.unwrap_or(7500),
+                "promptCharacterLimit": model.prompt_character_limit.unwrap_or(prompt_limit),
                 "steps": {"default": 8, "max": 150},
                 "widthHeightDivisor": 1,
             });

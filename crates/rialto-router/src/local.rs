@@ -77,6 +77,11 @@ struct Backend {
     outcomes: [Counter; OUTCOMES.len()],
 }
 
+/// Largest whole media answer read from a backend (four large images,
+/// minutes of audio): the gRPC messages between processes carry at least
+/// this much.
+const MAX_MEDIA_ANSWER_BYTES: usize = 64 << 20;
+
 /// Outcomes of an attempt, as metric labels, in [`Backend::outcomes`] order.
 const OUTCOMES: [&str; 6] = ["ok", "retry", "busy", "failover", "skip", "final"];
 
@@ -785,14 +790,37 @@ impl LocalRouter {
             });
             return Ok(Answer::MediaChunks(content_type, Box::pin(chunks)));
         }
-        let bytes = response.bytes().await.map_err(|e| {
-            if e.is_timeout() {
-                timed_out()
-            } else {
-                Failure::Retry(broken_off())
+        // Read under a cap: an answer past it could not cross to another
+        // process anyway.
+        let too_large = || {
+            Failure::Skip(Error::new(
+                ErrorCode::UpstreamFailed,
+                format!("The model's backend answered more than {MAX_MEDIA_ANSWER_BYTES} bytes"),
+            ))
+        };
+        if response
+            .content_length()
+            .is_some_and(|length| length > MAX_MEDIA_ANSWER_BYTES as u64)
+        {
+            return Err(too_large());
+        }
+        let mut response = response;
+        let mut body = bytes::BytesMut::new();
+        loop {
+            let chunk = response.chunk().await.map_err(|e| {
+                if e.is_timeout() {
+                    timed_out()
+                } else {
+                    Failure::Retry(broken_off())
+                }
+            })?;
+            let Some(chunk) = chunk else { break };
+            if body.len() + chunk.len() > MAX_MEDIA_ANSWER_BYTES {
+                return Err(too_large());
             }
-        })?;
-        Ok(Answer::Media(bytes, content_type))
+            body.extend_from_slice(&chunk);
+        }
+        Ok(Answer::Media(body.freeze(), content_type))
     }
 }
 
