@@ -43,11 +43,15 @@ their p99 alone and under abuse, and the process's peak RSS (`make test` runs
 the same soak on the debug build for its assertions: no 5xx, every valid
 request served, memory under its bound, every charge reconciled).
 
+And images and speech (issue 19): an image generation and a speech request at
+concurrency 1, straight at the instant upstream and through both topologies
+(`--only media`; a full run measures it too).
+
 And failover (issue 17), only as `--only failover`: `make test-cluster` with
 its figures written out (each fault's refused requests and how long its
 principals went unserved; over-admissions), for the "Failover" section.
 
-`--only local-model` (or `--only soak`, `--only failover`) runs that step alone
+`--only local-model` (or `--only soak`, `--only failover`, `--only media`) runs that step alone
 into its own results file; `--from-results FULL.json PART.json` rewrites BENCHMARKS.md from a full
 run with the later files' sections added or replaced.
 """
@@ -1304,7 +1308,7 @@ def limiter_report(results, floor):
         rounds = len(share["rounds"]["limited"])
         lines += ["", "## Limiter: its share of the added latency (one-process, concurrency 1, instant upstream)", "",
                   f"The same process and key, alternating a model under a rate window (`bench-fast`, XS) and one "
-                  f"whose limit class no tier table lists (`type = \"music\"`: no window applies, no actor "
+                  f"whose limit class no tier table lists (no window applies, no actor "
                   f"is asked, nothing is committed), {rounds} rounds of each"
                   + (" (taking turns with billing's free model, below, in an order that rotates each round)"
                      if results["one-process"].get("billing_share") else "")
@@ -1843,10 +1847,13 @@ def media_report(results, meta):
         return []
     lines = ["", "## Images and speech: added latency (issue 19)", "",
              measured_on_its_own(media, meta) + "Concurrency 1, the instant upstream (`bench-upstream`: one 256x256 "
-             "PNG in base64, 83 KB of JSON; one second of WAV, 48 KB). Through Rialto: `POST /images/generations` "
+             "PNG in base64 in JSON; one second of 24 kHz WAV, 48 KB). Through Rialto: `POST /images/generations` "
              "on `bench-image` ($0.01 an image) and `POST /audio/speech` on `bench-tts` ($0.015 a thousand "
              "characters): key auth, validation, the image class's or audio class's window, the hold, the router's "
-             "call, the image decoded (its PNG checked) or the audio's header checked, the settlement.", "",
+             "call, the image's base64 decoded and its PNG header read (no pixel decode) or the audio's header "
+             "checked, the settlement, in the exchange's own task. The split topology adds the gRPC hops (auth, "
+             "limiter, billing's hold and settlement, the router) and the answer's bytes crossing from the router "
+             "to the gateway.", "",
              "| request | scenario | p50 ms | p99 ms | added p50 µs | added p99 µs | req/s | errors |",
              "|---|---|---|---|---|---|---|---|"]
     for kind in ("image", "speech"):
