@@ -134,7 +134,7 @@ pub async fn speech(
         config.usd_per_thousand_characters,
         Decimal::from(chars) / Decimal::from(1000),
     );
-    let mut metered = media::meter(&gateway, &request, &principal, model, price, streaming).await?;
+    let mut metered = media::meter(&gateway, &request, &principal, model, price).await?;
     let content_type = content_type_of(&format);
     if streaming {
         return metered
@@ -322,7 +322,7 @@ pub async fn transcriptions(
             .unwrap_or_else(|| "application/octet-stream".to_owned()),
         data: file.bytes,
     };
-    let mut metered = media::meter(&gateway, &request, &principal, model, most, false).await?;
+    let mut metered = media::meter(&gateway, &request, &principal, model, most).await?;
     let task_gateway = gateway.clone();
     let (answer, seconds, charged) = media::detached(async move {
         let delivered = metered

@@ -673,7 +673,7 @@ async fn run(
         usd_per_image,
     } = generation;
     let most = media::nanos(usd_per_image, Decimal::from(count));
-    let mut metered = media::meter(gateway, request, principal, model, most, false).await?;
+    let mut metered = media::meter(gateway, request, principal, model, most).await?;
     let task_gateway = gateway.clone();
     let (images, charged) = media::detached(async move {
         let gateway = task_gateway;
@@ -701,14 +701,30 @@ async fn run(
             items
                 .iter()
                 .map(|item| image_of(item, format))
-                .collect::<Result<Vec<_>, String>>()
+                .collect::<Vec<Result<Vec<u8>, String>>>()
         })
-        .await;
-        let encoded = match converted {
-            Ok(Ok(encoded)) if !encoded.is_empty() => encoded,
-            Ok(Err(why)) => return Err(metered.unusable(&why)),
-            _ => return Err(metered.unusable("no image")),
-        };
+        .await
+        .unwrap_or_default();
+        // The images that are images are delivered (and charged); one that
+        // is not is logged and left out.
+        let mut encoded = Vec::with_capacity(converted.len());
+        let mut why = None;
+        for image in converted {
+            match image {
+                Ok(image) => encoded.push(image),
+                Err(error) => why = Some(error),
+            }
+        }
+        if let Some(why) = &why {
+            tracing::warn!(
+                why,
+                delivered = encoded.len(),
+                "a backend's image was left out"
+            );
+        }
+        if encoded.is_empty() {
+            return Err(metered.unusable(why.as_deref().unwrap_or("no image")));
+        }
         let used = media::nanos(usd_per_image, Decimal::from(encoded.len()));
         let charged = metered.bill(&delivered, used).await?;
         let images = Images {

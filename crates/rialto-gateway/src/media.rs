@@ -129,14 +129,16 @@ impl Charged {
 }
 
 /// Admits a request to `model` in its class's window and holds
-/// `most_nanos` (429 and 402 as for a chat); `durable` as a stream's hold.
+/// `most_nanos` (429 and 402 as for a chat). Not a stream's durable hold,
+/// which lives on checkpoints for a cost that grows: a media request's
+/// most is known, and a gateway that dies in the middle leaves its hold to
+/// expire (`billing.hold_ttl_secs`).
 pub(crate) async fn meter(
     gateway: &Gateway,
     request: &HttpRequest,
     principal: &auth_pb::Principal,
     model: &ModelEntry,
     most_nanos: u64,
-    durable: bool,
 ) -> Result<Metered, ApiError> {
     let request_id = RequestId::of(request);
     let Admitted {
@@ -151,7 +153,7 @@ pub(crate) async fn meter(
         Reservation {
             prompt_tokens: 0,
             total_tokens: 0,
-            durable,
+            durable: false,
             extra_usd_nanos: most_nanos,
             limiter_extra_tokens: 0,
         },
