@@ -119,17 +119,16 @@ pub async fn speech(
     upstream.insert("voice".into(), Value::String(voice));
     upstream.insert("response_format".into(), Value::String(format.clone()));
     // OpenAI's `instructions` is the hosted `prompt` (the delivery).
-    for (name, value) in [
-        ("speed", speed.map(Value::from)),
-        ("language", language.map(Value::from)),
-        ("instructions", instructions.or(style).map(Value::from)),
-        ("temperature", temperature.map(Value::from)),
-        ("top_p", top_p.map(Value::from)),
-    ] {
-        if let Some(value) = value {
-            upstream.insert(name.into(), value);
-        }
-    }
+    media::insert_present(
+        &mut upstream,
+        [
+            ("speed", speed.map(Value::from)),
+            ("language", language.map(Value::from)),
+            ("instructions", instructions.or(style).map(Value::from)),
+            ("temperature", temperature.map(Value::from)),
+            ("top_p", top_p.map(Value::from)),
+        ],
+    );
     let price = media::nanos(
         config.usd_per_thousand_characters,
         Decimal::from(chars) / Decimal::from(1000),
@@ -300,15 +299,14 @@ pub async fn transcriptions(
         asked.push(json!("word"));
     }
     upstream.insert("timestamp_granularities[]".into(), Value::Array(asked));
-    for (name, value) in [
-        ("language", language),
-        ("prompt", prompt),
-        ("temperature", temperature.flatten().map(|t| t.to_string())),
-    ] {
-        if let Some(value) = value {
-            upstream.insert(name.into(), Value::String(value));
-        }
-    }
+    media::insert_present(
+        &mut upstream,
+        [
+            ("language", language),
+            ("prompt", prompt),
+            ("temperature", temperature.flatten().map(|t| t.to_string())),
+        ],
+    );
     let upload = router_pb::MediaFile {
         field: "file".to_owned(),
         filename: file

@@ -220,14 +220,7 @@ fn hosted_generation<'g>(
     let prompt = crate::augment::string_member(body, "prompt", &mut details).map(str::to_owned);
     details.into_result()?;
     let model = media::model_of(gateway, model_id.as_deref(), &["image"], false)?;
-    let limit = prompt_limit(model, MAX_PROMPT_CHARS);
-    let prompt = prompt.unwrap_or_default();
-    if prompt.trim().is_empty() || prompt.chars().count() > limit {
-        return Err(invalid_at(
-            &["prompt"],
-            format!("String must contain 1 to {limit} character(s)"),
-        ));
-    }
+    let prompt = media::checked_prompt(prompt, prompt_limit(model, MAX_PROMPT_CHARS))?;
     let (resolution, usd_per_image) = tier_of(model, resolution.as_deref())?;
     let prompt = match &style {
         Some(style) => format!("{prompt}, {style} style"),
@@ -235,20 +228,19 @@ fn hosted_generation<'g>(
     };
     let format = format_name(format.as_deref().unwrap_or("webp"));
     let mut upstream = base_request(prompt, variants, width, height, format, safe);
-    for (name, value) in [
-        ("negative_prompt", negative.map(Value::from)),
-        ("seed", seed.map(Value::from)),
-        ("cfg_scale", cfg_scale.map(Value::from)),
-        ("steps", steps.map(Value::from)),
-        ("aspect_ratio", aspect_ratio.map(Value::from)),
-        ("resolution", resolution.map(Value::from)),
-        ("quality", quality.map(Value::from)),
-        ("lora_strength", lora.map(Value::from)),
-    ] {
-        if let Some(value) = value {
-            upstream.insert(name.into(), value);
-        }
-    }
+    media::insert_present(
+        &mut upstream,
+        [
+            ("negative_prompt", negative.map(Value::from)),
+            ("seed", seed.map(Value::from)),
+            ("cfg_scale", cfg_scale.map(Value::from)),
+            ("steps", steps.map(Value::from)),
+            ("aspect_ratio", aspect_ratio.map(Value::from)),
+            ("resolution", resolution.map(Value::from)),
+            ("quality", quality.map(Value::from)),
+            ("lora_strength", lora.map(Value::from)),
+        ],
+    );
     Ok((
         Generation {
             model,
@@ -319,13 +311,7 @@ fn openai_generation<'g>(
     members.choice("style", &["vivid", "natural"]);
     members.text("user", 0, 512);
     details.into_result()?;
-    let prompt = prompt.unwrap_or_default();
-    if prompt.trim().is_empty() || prompt.chars().count() > MAX_OPENAI_PROMPT_CHARS {
-        return Err(invalid_at(
-            &["prompt"],
-            format!("String must contain 1 to {MAX_OPENAI_PROMPT_CHARS} character(s)"),
-        ));
-    }
+    let prompt = media::checked_prompt(prompt, MAX_OPENAI_PROMPT_CHARS)?;
     // An unknown model (an OpenAI name) is the default image model.
     let model = media::model_of(gateway, model_id.as_deref(), &["image"], true)?;
     let (width, height) = match size.as_deref() {
@@ -380,12 +366,13 @@ fn base_request(
     upstream.insert("size".into(), json!(format!("{width}x{height}")));
     upstream.insert("response_format".into(), json!("b64_json"));
     upstream.insert("output_format".into(), json!(format));
-    // OpenAI's moderation levels: `auto` filters, `low` less so.
-    upstream.insert(
-        "moderation".into(),
-        json!(if safe { "auto" } else { "low" }),
-    );
+    upstream.insert("moderation".into(), moderation(safe));
     upstream
+}
+
+/// OpenAI's moderation level of safe mode: `auto` filters, `low` less so.
+fn moderation(safe: bool) -> Value {
+    json!(if safe { "auto" } else { "low" })
 }
 
 fn prompt_limit(model: &ModelEntry, default: usize) -> usize {
@@ -591,14 +578,7 @@ async fn edit_route(
         }
     }
     let model = media::model_of(&gateway, model_id.as_deref(), &["inpaint"], false)?;
-    let limit = prompt_limit(model, MAX_EDIT_PROMPT_CHARS);
-    let prompt = prompt.unwrap_or_default();
-    if prompt.trim().is_empty() || prompt.chars().count() > limit {
-        return Err(invalid_at(
-            &["prompt"],
-            format!("String must contain 1 to {limit} character(s)"),
-        ));
-    }
+    let prompt = media::checked_prompt(prompt, prompt_limit(model, MAX_EDIT_PROMPT_CHARS))?;
     let (resolution, usd_per_image) = tier_of(model, resolution.as_deref())?;
     let format = format_name(format.as_deref().unwrap_or("png"));
     let mut upstream = Map::new();
@@ -606,19 +586,15 @@ async fn edit_route(
     upstream.insert("n".into(), json!(1));
     upstream.insert("response_format".into(), json!("b64_json"));
     upstream.insert("output_format".into(), json!(format));
-    upstream.insert(
-        "moderation".into(),
-        json!(if safe { "auto" } else { "low" }),
+    upstream.insert("moderation".into(), moderation(safe));
+    media::insert_present(
+        &mut upstream,
+        [
+            ("aspect_ratio", aspect_ratio),
+            ("resolution", resolution),
+            ("quality", quality),
+        ],
     );
-    for (name, value) in [
-        ("aspect_ratio", aspect_ratio),
-        ("resolution", resolution),
-        ("quality", quality),
-    ] {
-        if let Some(value) = value {
-            upstream.insert(name.into(), Value::String(value));
-        }
-    }
     let generation = Generation {
         model,
         path: "/images/edits",

@@ -382,6 +382,30 @@ pub(crate) fn content_type_of(format: &str) -> &'static str {
     }
 }
 
+/// Puts the members that are present (optional request members passed on)
+/// into an upstream body.
+pub(crate) fn insert_present<V: Into<Value>>(
+    upstream: &mut Map<String, Value>,
+    members: impl IntoIterator<Item = (&'static str, Option<V>)>,
+) {
+    for (name, value) in members {
+        if let Some(value) = value {
+            upstream.insert(name.into(), value.into());
+        }
+    }
+}
+
+/// A prompt of 1 to `limit` characters (not only white space), or a 400.
+pub(crate) fn checked_prompt(prompt: Option<String>, limit: usize) -> Result<String, ApiError> {
+    match prompt {
+        Some(prompt) if !prompt.trim().is_empty() && prompt.chars().count() <= limit => Ok(prompt),
+        _ => Err(crate::augment::invalid_at(
+            &["prompt"],
+            format!("String must contain 1 to {limit} character(s)"),
+        )),
+    }
+}
+
 /// Members of a body outside `known`, as the hosted API's strict schemas
 /// refuse them.
 pub(crate) fn unknown_members(body: &Map<String, Value>, known: &[&str], details: &mut Details) {

@@ -469,8 +469,7 @@ pub(crate) async fn image_generations(
         Ok(body) => body,
         Err(refusal) => return refusal.into_response(),
     };
-    state.record(&req, body.clone());
-    if let Some(failure) = state.take_failure() {
+    if let Some(failure) = state.record_or_fail(&req, body.clone()) {
         return failure;
     }
     generate(&body).await.unwrap_or_else(Refusal::into_response)
@@ -546,8 +545,7 @@ pub(crate) async fn image_edits(
         Ok(form) => form,
         Err(refusal) => return refusal.into_response(),
     };
-    state.record(&req, form.to_json());
-    if let Some(failure) = state.take_failure() {
+    if let Some(failure) = state.record_or_fail(&req, form.to_json()) {
         return failure;
     }
     edit(&form).await.unwrap_or_else(Refusal::into_response)
@@ -707,8 +705,7 @@ pub(crate) async fn speech(
         Ok(body) => body,
         Err(refusal) => return refusal.into_response(),
     };
-    state.record(&req, body.clone());
-    if let Some(failure) = state.take_failure() {
+    if let Some(failure) = state.record_or_fail(&req, body.clone()) {
         return failure;
     }
     speak(&body).await.unwrap_or_else(Refusal::into_response)
@@ -837,8 +834,7 @@ pub(crate) async fn transcriptions(
         Ok(form) => form,
         Err(refusal) => return refusal.into_response(),
     };
-    state.record(&req, form.to_json());
-    if let Some(failure) = state.take_failure() {
+    if let Some(failure) = state.record_or_fail(&req, form.to_json()) {
         return failure;
     }
     transcribe(&form).unwrap_or_else(Refusal::into_response)

@@ -54,7 +54,7 @@ impl State {
     }
 
     /// Records `body` as what `req` sent.
-    pub(crate) fn record(&self, req: &HttpRequest, body: Value) {
+    fn record(&self, req: &HttpRequest, body: Value) {
         self.log().push(Recorded {
             body,
             path: req.path().to_owned(),
@@ -62,8 +62,16 @@ impl State {
         });
     }
 
+    /// Records `body` as what `req` sent, then the failure
+    /// [`MockUpstream::fail_next`] still owes, if any (the request is
+    /// recorded either way).
+    pub(crate) fn record_or_fail(&self, req: &HttpRequest, body: Value) -> Option<HttpResponse> {
+        self.record(req, body);
+        self.take_failure()
+    }
+
     /// The failure [`MockUpstream::fail_next`] still owes, if any, counting it as given.
-    pub(crate) fn take_failure(&self) -> Option<HttpResponse> {
+    fn take_failure(&self) -> Option<HttpResponse> {
         let code = {
             let mut failing = self.failing.lock().unwrap_or_else(|e| e.into_inner());
             (failing.0 > 0).then(|| {
@@ -309,8 +317,7 @@ async fn chat(req: HttpRequest, raw: web::Bytes, state: web::Data<State>) -> Htt
             );
         }
     };
-    state.record(&req, body.clone());
-    if let Some(failure) = state.take_failure() {
+    if let Some(failure) = state.record_or_fail(&req, body.clone()) {
         return failure;
     }
 
