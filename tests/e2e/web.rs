@@ -407,9 +407,21 @@ async fn scraping(world: &World) {
         "scraping bypasses search"
     );
     let block = world.last_sources_block();
+    // A page that could not be read says why in the log (CI once saw an
+    // empty block here, with both pages served).
+    let why = || {
+        world
+            .sandbox
+            .logs()
+            .lines()
+            .filter(|line| line.contains("scrape") || line.contains("convert"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
     assert!(
         block.contains("Fact of alpha: the answer is 42."),
-        "{block}"
+        "sources {block:?}; answer {answer}; log:\n{}",
+        why()
     );
     assert!(block.contains(&format!("URL: {alpha}")), "{block}");
     assert!(!block.contains(&missing), "{block}");
