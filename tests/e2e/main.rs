@@ -15,6 +15,7 @@ mod keys;
 mod limits;
 mod local_models;
 mod media;
+mod media_jobs;
 mod metrics;
 mod python;
 mod router;

@@ -147,6 +147,14 @@ type = "asr"
 usd_per_audio_second = 0.001
 backends = [{{ kind = "openai", url = "{0}" }}]
 
+[[models]]
+id = "conformance-video"
+type = "video"
+usd_per_video_second = 0.01
+video_durations = [1]
+video_resolutions = ["144p"]
+backends = [{{ kind = "openai", url = "{0}" }}]
+
 [web_search]
 provider = "searxng"
 url = "{1}"

@@ -318,6 +318,43 @@ assert heard["text"] == words and heard["duration"] == 1 and heard["timestamps"]
 spent += Decimal("0.001")
 voices = check(session.get(f"{api}/audio/voices", headers=inference), 200).json()
 assert [v["id"] for v in voices["data"]] == ["af_sky"], voices
+
+
+def job_done(path, model, queue_id):
+    """Polls a job's retrieve until it answers its media."""
+    for _ in range(600):
+        retrieved = check(session.post(f"{api}/{path}/retrieve", headers=inference,
+                                       json={"model": model, "queue_id": queue_id}), 200)
+        if not retrieved.headers["content-type"].startswith("application/json"):
+            return retrieved
+        time.sleep(0.05)
+    raise AssertionError(f"{path} job {queue_id} never finished")
+
+
+assert check(session.post(f"{api}/video/quote", json={"model": "conformance-video", "duration": "1s"}),
+             200).json() == {"quote": 0.01}
+video = check(session.post(f"{api}/video/queue", headers=inference, json={
+    "model": "conformance-video", "prompt": "a dot", "duration": "1s"}), 200).json()
+made = job_done("video", "conformance-video", video["queue_id"])
+assert made.headers["content-type"] == "video/mp4" and made.content[4:8] == b"ftyp", made.headers
+assert check(session.post(f"{api}/video/complete", headers=inference, json={
+    "model": "conformance-video", "queue_id": video["queue_id"]}), 200).json() == {"success": True}
+check(session.post(f"{api}/video/retrieve", headers=inference, json={
+    "model": "conformance-video", "queue_id": video["queue_id"]}), 404)
+check(session.post(f"{api}/video/transcriptions", headers=inference, json={"url": "https://example.com"}), 410,
+      valid_request=False)
+spent += Decimal("0.01")
+assert check(session.post(f"{api}/audio/quote", json={"model": "conformance-tts", "character_count": 1000}),
+             200).json() == {"quote": 0.01}
+queued = check(session.post(f"{api}/audio/queue", headers=inference, json={
+    "model": "conformance-tts", "prompt": words}), 200).json()
+assert queued["status"] == "QUEUED", queued
+spoken = job_done("audio", "conformance-tts", queued["queue_id"])
+assert spoken.content[:4] == b"RIFF", spoken.headers
+check(session.post(f"{api}/audio/complete", headers=inference, json={
+    "model": "conformance-tts", "queue_id": queued["queue_id"]}), 200)
+spent += Decimal(len(words)) * Decimal("0.01") / 1000
+time.sleep(0.5)  # the jobs' charges land as their workers report
 assert balance(admin)["balances"] == {"diem": 0, "usd": 100 - spent}, spent
 check(session.post(f"{api}/chat/completions", json={"model": model, "messages": []}, headers=inference), 400,
       valid_request=False)

@@ -17,8 +17,15 @@ pub fn server(
     client: BillingClient,
     token: ServerToken,
 ) -> InterceptedService<BillingServer<BillingGrpc>, ServerToken> {
-    InterceptedService::new(BillingServer::new(BillingGrpc(client)), token)
+    let server = BillingServer::new(BillingGrpc(client))
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES);
+    InterceptedService::new(server, token)
 }
+
+/// The largest message either way: a finished job's media crosses in one
+/// (a video of a minute is tens of megabytes); tonic's default is 4 MiB.
+pub const MAX_MESSAGE_BYTES: usize = 96 * 1024 * 1024;
 
 pub struct BillingGrpc(BillingClient);
 
@@ -108,6 +115,49 @@ impl Billing for BillingGrpc {
             self.0.transactions(request.into_inner()).await?,
         ))
     }
+
+    async fn submit_job(
+        &self,
+        request: Request<pb::SubmitJobRequest>,
+    ) -> Result<Response<pb::Job>, Status> {
+        Ok(Response::new(
+            self.0.submit_job(request.into_inner()).await?,
+        ))
+    }
+
+    async fn claim_jobs(
+        &self,
+        request: Request<pb::ClaimJobsRequest>,
+    ) -> Result<Response<pb::ClaimJobsResponse>, Status> {
+        Ok(Response::new(
+            self.0.claim_jobs(request.into_inner()).await?,
+        ))
+    }
+
+    async fn update_job(
+        &self,
+        request: Request<pb::UpdateJobRequest>,
+    ) -> Result<Response<pb::Job>, Status> {
+        Ok(Response::new(
+            self.0.update_job(request.into_inner()).await?,
+        ))
+    }
+
+    async fn get_job(
+        &self,
+        request: Request<pb::GetJobRequest>,
+    ) -> Result<Response<pb::Job>, Status> {
+        Ok(Response::new(self.0.get_job(request.into_inner()).await?))
+    }
+
+    async fn complete_job(
+        &self,
+        request: Request<pb::CompleteJobRequest>,
+    ) -> Result<Response<pb::Job>, Status> {
+        Ok(Response::new(
+            self.0.complete_job(request.into_inner()).await?,
+        ))
+    }
 }
 
 /// Billing in another process, reached over gRPC.
@@ -115,7 +165,11 @@ pub struct RemoteBilling(GrpcClient<InterceptedService<Channel, ClientToken>>);
 
 impl RemoteBilling {
     pub fn new(channel: Channel, token: ClientToken) -> Self {
-        Self(GrpcClient::with_interceptor(channel, token))
+        Self(
+            GrpcClient::with_interceptor(channel, token)
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES),
+        )
     }
 }
 
@@ -169,5 +223,25 @@ impl BillingService for RemoteBilling {
         request: pb::TransactionsRequest,
     ) -> Result<pb::TransactionsResponse> {
         Ok(self.0.clone().transactions(request).await?.into_inner())
+    }
+
+    async fn submit_job(&self, request: pb::SubmitJobRequest) -> Result<pb::Job> {
+        Ok(self.0.clone().submit_job(request).await?.into_inner())
+    }
+
+    async fn claim_jobs(&self, request: pb::ClaimJobsRequest) -> Result<pb::ClaimJobsResponse> {
+        Ok(self.0.clone().claim_jobs(request).await?.into_inner())
+    }
+
+    async fn update_job(&self, request: pb::UpdateJobRequest) -> Result<pb::Job> {
+        Ok(self.0.clone().update_job(request).await?.into_inner())
+    }
+
+    async fn get_job(&self, request: pb::GetJobRequest) -> Result<pb::Job> {
+        Ok(self.0.clone().get_job(request).await?.into_inner())
+    }
+
+    async fn complete_job(&self, request: pb::CompleteJobRequest) -> Result<pb::Job> {
+        Ok(self.0.clone().complete_job(request).await?.into_inner())
     }
 }

@@ -20,6 +20,7 @@ use rust_decimal::Decimal;
 
 pub mod book;
 pub mod grpc;
+pub mod jobs;
 pub mod ledger;
 pub mod recovery;
 pub mod replicas;
@@ -58,6 +59,18 @@ pub trait BillingService: Send + Sync + 'static {
         &self,
         request: pb::TransactionsRequest,
     ) -> Result<pb::TransactionsResponse>;
+    /// Stores a queued media job (its hold placed already).
+    async fn submit_job(&self, request: pb::SubmitJobRequest) -> Result<pb::Job>;
+    /// Leases jobs to a worker: open ones, and finished ones whose charge
+    /// is not recorded yet.
+    async fn claim_jobs(&self, request: pb::ClaimJobsRequest) -> Result<pb::ClaimJobsResponse>;
+    /// A worker's report; a final state charges the job (once).
+    async fn update_job(&self, request: pb::UpdateJobRequest) -> Result<pb::Job>;
+    /// The owner's job (and its media).
+    async fn get_job(&self, request: pb::GetJobRequest) -> Result<pb::Job>;
+    /// The owner is done with the job: its media is deleted, and a job
+    /// still open is cancelled.
+    async fn complete_job(&self, request: pb::CompleteJobRequest) -> Result<pb::Job>;
 }
 
 /// A cloneable handle on billing, local or remote.
@@ -260,6 +273,8 @@ pub struct LocalBilling {
     x402: x402::X402,
     /// Where top-ups are announced (`<prefix>.billing.topups`).
     events: Option<rialto_core::bus::Bus>,
+    /// Asynchronous media jobs.
+    jobs: jobs::JobStore,
 }
 
 /// Subject of top-up events, after the bus prefix: one JSON object per
@@ -290,6 +305,7 @@ impl LocalBilling {
                 .map(|m| (m.id.clone(), Prices::from_model(m)))
                 .collect(),
             x402: x402::X402::new(&config.x402, db.clone()),
+            jobs: jobs::JobStore::new(db.clone(), config.media.retention_hours),
             book: start(
                 db.clone(),
                 (config.billing.stream_lease_secs as i64).saturating_mul(1000),
@@ -700,6 +716,50 @@ impl BillingService for LocalBilling {
             entries,
             total: u64::try_from(total).unwrap_or(0),
         })
+    }
+
+    async fn submit_job(&self, request: pb::SubmitJobRequest) -> Result<pb::Job> {
+        let job = request
+            .job
+            .ok_or_else(|| Error::invalid("a job to submit is missing"))?;
+        self.jobs.submit(job).await
+    }
+
+    async fn claim_jobs(&self, request: pb::ClaimJobsRequest) -> Result<pb::ClaimJobsResponse> {
+        let claimed = self
+            .jobs
+            .claim(&request.worker, request.limit, request.lease_secs)
+            .await?;
+        Ok(pb::ClaimJobsResponse { jobs: claimed })
+    }
+
+    async fn update_job(&self, request: pb::UpdateJobRequest) -> Result<pb::Job> {
+        let finished = self.jobs.update(&request).await?;
+        self.settle_job(finished).await
+    }
+
+    async fn get_job(&self, request: pb::GetJobRequest) -> Result<pb::Job> {
+        self.jobs.get(&request).await
+    }
+
+    async fn complete_job(&self, request: pb::CompleteJobRequest) -> Result<pb::Job> {
+        let finished = self.jobs.complete(&request.id, &request.owner).await?;
+        self.settle_job(finished).await
+    }
+}
+
+impl LocalBilling {
+    /// Sends a finished job's settlement to the ledger when it owes one,
+    /// then records that it did; a job whose settlement failed is claimed
+    /// again and sent again (the ledger applies it once).
+    async fn settle_job(&self, finished: jobs::Finished) -> Result<pb::Job> {
+        let jobs::Finished { mut job, settle } = finished;
+        if settle {
+            self.settle(jobs::settlement_of(&job)).await?;
+            self.jobs.mark_settled(&job.id).await?;
+            job.settled = true;
+        }
+        Ok(job)
     }
 }
 

@@ -174,4 +174,48 @@ impl BillingService for ReplicatedBilling {
             None => Err(Error::invalid("no billing replica configured")),
         }
     }
+
+    async fn submit_job(&self, request: pb::SubmitJobRequest) -> Result<pb::Job> {
+        let owner = request.job.as_ref().map(|job| job.owner.clone());
+        let owner = owner.unwrap_or_default();
+        self.routed(&owner, request, |billing, request| async move {
+            billing.submit_job(request).await
+        })
+        .await
+    }
+
+    async fn claim_jobs(&self, request: pb::ClaimJobsRequest) -> Result<pb::ClaimJobsResponse> {
+        // Any replica can lease jobs (the table is shared); a worker asks
+        // the same one each time.
+        let worker = request.worker.clone();
+        self.routed(&worker, request, |billing, request| async move {
+            billing.claim_jobs(request).await
+        })
+        .await
+    }
+
+    async fn update_job(&self, request: pb::UpdateJobRequest) -> Result<pb::Job> {
+        // The owner's replica: a final state is a settlement of its hold.
+        let owner = request.owner.clone();
+        self.routed(&owner, request, |billing, request| async move {
+            billing.update_job(request).await
+        })
+        .await
+    }
+
+    async fn get_job(&self, request: pb::GetJobRequest) -> Result<pb::Job> {
+        let owner = request.owner.clone();
+        self.routed(&owner, request, |billing, request| async move {
+            billing.get_job(request).await
+        })
+        .await
+    }
+
+    async fn complete_job(&self, request: pb::CompleteJobRequest) -> Result<pb::Job> {
+        let owner = request.owner.clone();
+        self.routed(&owner, request, |billing, request| async move {
+            billing.complete_job(request).await
+        })
+        .await
+    }
 }

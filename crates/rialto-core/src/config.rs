@@ -62,6 +62,20 @@ pub struct MediaConfig {
     /// Largest uploaded file (audio to transcribe, an image to edit), in
     /// bytes; OpenAI's limit is 25 MB.
     pub max_upload_bytes: usize,
+    /// How long the media of a finished asynchronous job (`/video/queue`,
+    /// `/audio/queue`) is kept for `retrieve` when nobody completes it.
+    pub retention_hours: u64,
+    /// Jobs one gateway runs at once (each mostly waits on its backend).
+    pub job_workers: usize,
+    /// How long a worker's claim on a job holds without a renewal: a job
+    /// whose process died is taken up again by another (or the restarted
+    /// one) after this.
+    pub job_lease_secs: u32,
+    /// How often an idle gateway looks for queued jobs (a job queued
+    /// through any gateway wakes them at once when the bus is shared), and
+    /// the first wait between two polls of a backend's job (doubling to
+    /// ten times this).
+    pub job_poll_ms: u64,
 }
 
 impl Default for MediaConfig {
@@ -85,6 +99,10 @@ impl Default for MediaConfig {
             .map(str::to_owned)
             .to_vec(),
             max_upload_bytes: 25 * 1024 * 1024,
+            retention_hours: 24,
+            job_workers: 4,
+            job_lease_secs: 30,
+            job_poll_ms: 1000,
         }
     }
 }
@@ -711,6 +729,21 @@ pub struct ModelConfig {
     /// `asr`: price of one second of transcribed audio (USD).
     #[serde(default)]
     pub usd_per_audio_second: f64,
+    /// `video`: price of one second of generated video (USD).
+    #[serde(default)]
+    pub usd_per_video_second: f64,
+    /// `video`: the durations it makes, in seconds (the first is the
+    /// default); 5 and 10 when empty.
+    #[serde(default)]
+    pub video_durations: Vec<u32>,
+    /// `video`: its resolutions (`720p`, the first is the default); 720p
+    /// when empty.
+    #[serde(default)]
+    pub video_resolutions: Vec<String>,
+    /// `video`: its aspect ratios (`16:9`, the first is the default); 16:9,
+    /// 9:16 and 1:1 when empty.
+    #[serde(default)]
+    pub aspect_ratios: Vec<String>,
     #[serde(default)]
     pub backends: Vec<BackendConfig>,
 }
@@ -762,6 +795,19 @@ pub struct BackendConfig {
     /// `local`: context window in tokens; the model's own when absent.
     #[serde(default)]
     pub context_size: Option<u32>,
+}
+
+/// The height of a video resolution (`720p` -> 720).
+pub fn video_height(resolution: &str) -> Option<u32> {
+    let height: u32 = resolution.strip_suffix('p')?.parse().ok()?;
+    (16..=4320).contains(&height).then_some(height)
+}
+
+/// An aspect ratio's two sides (`16:9` -> (16, 9)).
+pub fn aspect_ratio(ratio: &str) -> Option<(u32, u32)> {
+    let (width, height) = ratio.split_once(':')?;
+    let (width, height): (u32, u32) = (width.parse().ok()?, height.parse().ok()?);
+    ((1..=64).contains(&width) && (1..=64).contains(&height)).then_some((width, height))
 }
 
 fn default_weight() -> u32 {
@@ -1015,6 +1061,33 @@ impl ModelConfig {
         }
     }
 
+    /// A `video` model's durations in seconds, the default first.
+    pub fn video_durations(&self) -> Vec<u32> {
+        if self.video_durations.is_empty() {
+            vec![5, 10]
+        } else {
+            self.video_durations.clone()
+        }
+    }
+
+    /// A `video` model's resolutions, the default first.
+    pub fn video_resolutions(&self) -> Vec<&str> {
+        if self.video_resolutions.is_empty() {
+            vec!["720p"]
+        } else {
+            self.video_resolutions.iter().map(String::as_str).collect()
+        }
+    }
+
+    /// A `video` model's aspect ratios, the default first.
+    pub fn aspect_ratios(&self) -> Vec<&str> {
+        if self.aspect_ratios.is_empty() {
+            vec!["16:9", "9:16", "1:1"]
+        } else {
+            self.aspect_ratios.iter().map(String::as_str).collect()
+        }
+    }
+
     /// A `tts` model's formats, the default first.
     pub fn audio_formats(&self) -> Vec<&str> {
         if self.audio_formats.is_empty() {
@@ -1254,6 +1327,14 @@ impl Config {
             ));
         }
         self.validate_augment()?;
+        let media = &self.media;
+        if media.job_workers == 0 || media.job_lease_secs < 2 || media.job_poll_ms < 10 {
+            return invalid(
+                "media: job_workers must be at least 1, job_lease_secs at least 2 and \
+                 job_poll_ms at least 10"
+                    .into(),
+            );
+        }
         let billing = &self.billing;
         if billing.stream_lease_secs == 0
             || billing.checkpoint_ms.saturating_mul(2)
@@ -1314,6 +1395,32 @@ impl Config {
                     MODEL_TYPES.join(", ")
                 ));
             }
+            if let Some(bad) = model
+                .video_resolutions
+                .iter()
+                .find(|r| video_height(r).is_none())
+            {
+                return invalid(format!(
+                    "model {}: video resolution {bad:?} is not <height>p (480p, 720p, 1080p)",
+                    model.id
+                ));
+            }
+            if let Some(bad) = model
+                .aspect_ratios
+                .iter()
+                .find(|r| aspect_ratio(r).is_none())
+            {
+                return invalid(format!(
+                    "model {}: aspect ratio {bad:?} is not <width>:<height> (16:9)",
+                    model.id
+                ));
+            }
+            if model.video_durations.iter().any(|&d| d == 0 || d > 600) {
+                return invalid(format!(
+                    "model {}: video durations are 1 to 600 seconds",
+                    model.id
+                ));
+            }
             if let Some(format) = model
                 .audio_formats
                 .iter()
@@ -1331,6 +1438,7 @@ impl Config {
                 model.usd_per_image,
                 model.usd_per_thousand_characters,
                 model.usd_per_audio_second,
+                model.usd_per_video_second,
             ]
             .into_iter()
             .chain(model.cached_input_usd_per_mtok)

@@ -35,6 +35,8 @@ pub enum ErrorCode {
     PaymentRequired,
     /// The request body is larger than the configured limit.
     PayloadTooLarge,
+    /// An endpoint the hosted API retired (410).
+    Gone,
     /// The request body is not JSON.
     UnsupportedMediaType,
     /// A rate limit refused the request.
@@ -95,6 +97,7 @@ impl ErrorCode {
             "API_KEY_NOT_FOUND",
         ),
         (Self::NotFound, 404, tonic::Code::NotFound, "NOT_FOUND"),
+        (Self::Gone, 410, tonic::Code::Unimplemented, "GONE"),
         (
             Self::PaymentRequired,
             402,
@@ -332,6 +335,7 @@ mod tests {
         ErrorCode::NotFound,
         ErrorCode::PaymentRequired,
         ErrorCode::PayloadTooLarge,
+        ErrorCode::Gone,
         ErrorCode::UnsupportedMediaType,
         ErrorCode::RateLimited,
         ErrorCode::Unavailable,

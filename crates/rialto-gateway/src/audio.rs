@@ -166,7 +166,7 @@ pub async fn speech(
 }
 
 /// Whether `bytes` start as audio of `format` does (raw PCM has no mark).
-fn is_audio(format: &str, bytes: &[u8]) -> bool {
+pub(crate) fn is_audio(format: &str, bytes: &[u8]) -> bool {
     let starts = |mark: &[u8]| bytes.starts_with(mark);
     !bytes.is_empty()
         && match format {

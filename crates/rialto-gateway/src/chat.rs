@@ -255,6 +255,19 @@ impl Settlement {
         }
     }
 
+    /// The settlement a durable job will make (billing sends it when the
+    /// job finishes, whichever process finishes it).
+    pub(crate) fn job_settlement(&self) -> billing_pb::SettleRequest {
+        self.settle_request(&Usage::none())
+    }
+
+    /// The hold now belongs to a stored job: the limiter's slot is
+    /// committed (the job was admitted), and nothing is settled here.
+    pub(crate) fn handed_to_job(&mut self) {
+        self.settle(0);
+        self.held = false;
+    }
+
     /// No backend answered: nothing used, nothing charged (not the
     /// searches either: a request that fails costs nothing), the hold
     /// released.

@@ -42,6 +42,7 @@ mod files;
 mod forms;
 mod headers;
 mod images;
+pub mod jobs;
 mod keys;
 mod limits;
 mod media;
@@ -64,6 +65,8 @@ pub struct Services {
     /// Where settlements billing cannot take now are queued: the bus when a
     /// billing replica reads it (this process's, or NATS), else None.
     pub usage_queue: Option<rialto_core::bus::Bus>,
+    /// The bus, for job wake-ups (`<prefix>.media.jobs`).
+    pub bus: Option<rialto_core::bus::Bus>,
 }
 
 /// Everything a handler needs, built once at start and shared by all workers.
@@ -115,6 +118,8 @@ pub struct Gateway {
     image_styles: Vec<String>,
     /// `media.max_upload_bytes`: the largest audio or image uploaded.
     max_upload_bytes: usize,
+    /// How this gateway's workers run asynchronous jobs.
+    jobs: jobs::JobSettings,
     /// Length of `router.system_prompt`, counted in holds when it is sent.
     system_prompt_chars: usize,
     /// Connections per HTTP worker, and the time a request's head may take.
@@ -197,6 +202,7 @@ impl Gateway {
             text_parser_price_nanos: sources::usd_nanos(config.text_parser.usd_per_file),
             image_styles: config.media.image_styles.clone(),
             max_upload_bytes: config.media.max_upload_bytes,
+            jobs: jobs::JobSettings::new(&config.media),
             system_prompt_chars: config.router.system_prompt.len(),
             max_connections: config.gateway.max_connections,
             client_request_timeout: std::time::Duration::from_millis(
@@ -360,6 +366,18 @@ pub fn configure(gateway: web::Data<Gateway>) -> impl FnOnce(&mut web::ServiceCo
                         web::post().to(audio::transcriptions),
                     )
                     .route("/audio/voices", web::get().to(audio::voices))
+                    .route("/audio/queue", web::post().to(jobs::audio_queue))
+                    .route("/audio/retrieve", web::post().to(jobs::audio_retrieve))
+                    .route("/audio/quote", web::post().to(jobs::audio_quote))
+                    .route("/audio/complete", web::post().to(jobs::audio_complete))
+                    .route("/video/queue", web::post().to(jobs::video_queue))
+                    .route("/video/retrieve", web::post().to(jobs::video_retrieve))
+                    .route("/video/quote", web::post().to(jobs::video_quote))
+                    .route("/video/complete", web::post().to(jobs::video_complete))
+                    .route(
+                        "/video/transcriptions",
+                        web::post().to(jobs::video_transcriptions),
+                    )
                     .route("/augment/search", web::post().to(augment::search))
                     .route("/augment/scrape", web::post().to(augment::scrape))
                     .route("/augment/text-parser", web::post().to(augment::text_parser))

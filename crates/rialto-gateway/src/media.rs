@@ -203,7 +203,27 @@ impl Metered {
             // Serializing a map of JSON values cannot fail.
             body_json: serde_json::to_vec(body).unwrap_or_default(),
             files: Vec::new(),
+            method: String::new(),
+            backend: String::new(),
         }
+    }
+
+    /// The settlement a job made of this request will send when it
+    /// finishes.
+    pub(crate) fn job_settlement(&self) -> rialto_proto::billing::v1::SettleRequest {
+        self.settlement.job_settlement()
+    }
+
+    /// The request is now a stored job, which owns its hold; a wallet's
+    /// balance before it, for `X-Balance-Remaining`.
+    pub(crate) fn handed_to_job(mut self) -> Option<Decimal> {
+        self.settlement.handed_to_job();
+        self.wallet_usd_before
+    }
+
+    /// The request id its hold is under (a job's queue id follows it).
+    pub(crate) fn request_id(&self) -> &str {
+        &self.request_id
     }
 
     /// Nothing was asked of a backend after all (an image to fetch could

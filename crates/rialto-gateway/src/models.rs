@@ -146,6 +146,7 @@ fn pricing(model: &ModelConfig) -> Value {
         // Per million characters, as the hosted API publishes it.
         "tts" => json!({"input": price_scaled(model.usd_per_thousand_characters, 1000)}),
         "asr" => json!({"per_audio_second": price(model.usd_per_audio_second)}),
+        "video" => json!({"per_second": price(model.usd_per_video_second)}),
         _ => {
             let mut pricing = json!({
                 "input": price(model.input_usd_per_mtok),
@@ -228,6 +229,22 @@ fn model_json(model: &ModelConfig, brand: &str, web_search: bool) -> Value {
                     json!(model.usd_per_image_resolution.keys().collect::<Vec<_>>());
                 spec["constraints"]["defaultResolution"] = json!(first);
             }
+        }
+        "video" => {
+            let durations: Vec<String> = model
+                .video_durations()
+                .iter()
+                .map(|seconds| format!("{seconds}s"))
+                .collect();
+            spec["constraints"] = json!({
+                "aspect_ratios": model.aspect_ratios(),
+                "resolutions": model.video_resolutions(),
+                "durations": durations,
+                "model_type": "text-to-video",
+                "audio": false,
+                "audio_configurable": false,
+                "prompt_character_limit": model.prompt_character_limit.unwrap_or(2500),
+            });
         }
         "tts" => {
             let formats = model.audio_formats();

@@ -119,6 +119,10 @@ struct Media {
     files: Vec<pb::MediaFile>,
     /// Relay the answer as it arrives.
     stream: bool,
+    /// `GET` (a job's status or content): no body is sent.
+    get: bool,
+    /// The one backend the call may go to (the one holding a job).
+    backend: Option<String>,
 }
 
 /// A media answer's bytes as they arrive; a broken answer ends with one
@@ -546,8 +550,26 @@ impl LocalRouter {
             Some(Value::String(key)) if route.backends.len() > 1 => Some(key.clone()),
             _ => None,
         };
-        // Backends this request tried, and those it must not try again.
+        // Backends this request tried, and those it must not try again
+        // (all but one when the call is pinned to it).
         let (mut tried, mut excluded) = (0u64, 0u64);
+        if let Call::Media(Media {
+            backend: Some(name),
+            ..
+        }) = call
+        {
+            let index = route
+                .backends
+                .iter()
+                .position(|backend| &backend.name == name)
+                .ok_or_else(|| {
+                    Error::new(
+                        ErrorCode::Unavailable,
+                        format!("backend {name} no longer serves this model"),
+                    )
+                })?;
+            excluded = !bit(index);
+        }
         let (mut attempts, mut retries) = (0u32, 0u32);
         let mut last_error = None;
         loop {
@@ -743,7 +765,13 @@ impl LocalRouter {
         request_id: &str,
     ) -> Result<Answer, Failure> {
         let url = format!("{base}{}", media.path);
-        let mut builder = self.http.get().post(url).header("x-request-id", request_id);
+        let client = self.http.get();
+        let mut builder = if media.get {
+            client.get(url)
+        } else {
+            client.post(url)
+        }
+        .header("x-request-id", request_id);
         if !media.stream {
             // The whole answer, body included; a stream's wait for its
             // headers is bounded below.
@@ -752,7 +780,9 @@ impl LocalRouter {
         for (name, value) in headers {
             builder = builder.header(name.clone(), value.clone());
         }
-        builder = if media.files.is_empty() {
+        builder = if media.get {
+            builder
+        } else if media.files.is_empty() {
             let bytes = serde_json::to_vec(body).map_err(|e| Failure::Final(Error::internal(e)))?;
             builder.header(CONTENT_TYPE, "application/json").body(bytes)
         } else {
@@ -1087,6 +1117,8 @@ impl RouterService for LocalRouter {
             path: request.path,
             files: request.files,
             stream: false,
+            get: request.method.eq_ignore_ascii_case("GET"),
+            backend: Some(request.backend).filter(|name| !name.is_empty()),
         };
         let served = self
             .dispatch(route, body, &request.request_id, Call::Media(&media))
@@ -1111,6 +1143,8 @@ impl RouterService for LocalRouter {
             path: request.path,
             files: request.files,
             stream: true,
+            get: false,
+            backend: None,
         };
         let served = self
             .dispatch(route, body, &request.request_id, Call::Media(&media))

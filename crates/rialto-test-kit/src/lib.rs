@@ -3,7 +3,8 @@
 //! - [`MockUpstream`]: an OpenAI-compatible server (non-stream, stream, `n`,
 //!   failures, delays), steered per request through a `mock` body member that
 //!   the gateway passes through untouched; it also answers OpenAI's image and
-//!   audio calls with real media made at request time ([`mock_media`]).
+//!   audio calls with real media made at request time ([`mock_media`]), and
+//!   its video API with real MP4 files ([`mock_video`]).
 //! - [`Sandbox`]: starts the real `rialto` binary in the one-process or the
 //!   split topology on ephemeral ports, with a fresh SQLite file or a fresh
 //!   PostgreSQL database, and cleans up after itself.
@@ -23,6 +24,7 @@ pub mod documents;
 pub mod facilitator;
 pub mod mock_media;
 pub mod mock_upstream;
+pub mod mock_video;
 pub mod sandbox;
 pub mod searxng;
 

@@ -359,7 +359,7 @@ fn moderation_blocked() -> Refusal {
 
 /// FNV-1a over `parts`, each closed by a separator so `("ab", "c")` and `("a", "bc")` differ:
 /// stable across runs and Rust versions, unlike `DefaultHasher`.
-fn fnv1a(parts: &[&[u8]]) -> u64 {
+pub(crate) fn fnv1a(parts: &[&[u8]]) -> u64 {
     const PRIME: u64 = 0x0100_0000_01b3;
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
     for part in parts {

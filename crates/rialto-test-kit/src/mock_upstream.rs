@@ -28,7 +28,7 @@ use anyhow::Context as _;
 use bytes::Bytes;
 use serde_json::{Value, json};
 
-use crate::mock_media;
+use crate::{mock_media, mock_video};
 
 /// One recorded request: the parsed body (a multipart form as JSON), its path and its headers.
 struct Recorded {
@@ -45,6 +45,8 @@ pub(crate) struct State {
     failing: Mutex<(usize, u16)>,
     /// `GET /v1/models` requests served (health checks).
     model_lists: AtomicU64,
+    /// Video jobs (`/v1/videos`).
+    pub(crate) videos: crate::mock_video::Videos,
 }
 
 impl State {
@@ -137,6 +139,12 @@ impl MockUpstream {
                             .route(
                                 "/v1/audio/transcriptions",
                                 web::post().to(mock_media::transcriptions),
+                            )
+                            .route("/v1/videos", web::post().to(mock_video::create))
+                            .route("/v1/videos/{id}", web::get().to(mock_video::retrieve))
+                            .route(
+                                "/v1/videos/{id}/content",
+                                web::get().to(mock_video::content),
                             )
                     })
                     .workers(workers.max(1))
@@ -236,6 +244,11 @@ impl MockUpstream {
     }
 
     /// How many requests (chat and media) were recorded.
+    /// Video jobs created so far (`POST /v1/videos` accepted).
+    pub fn videos_created(&self) -> usize {
+        self.state.videos.count()
+    }
+
     pub fn request_count(&self) -> usize {
         self.state.log().len()
     }

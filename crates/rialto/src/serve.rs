@@ -357,6 +357,7 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
         billing,
         router,
         usage_queue: (here.contains("billing") || bus.is_shared()).then(|| bus.clone()),
+        bus: Some(bus.clone()),
     };
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
@@ -469,6 +470,8 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
                 .with_converter(rialto_gateway::convert::Converter::subprocess(program)),
         );
         gateway_ready = Some(Arc::clone(&gateway));
+        // Queued video and audio jobs, claimed from the shared job table.
+        rialto_gateway::jobs::spawn_workers(Arc::clone(&gateway), stop_rx.clone());
         let server = rialto_gateway::serve(listener, gateway, config.gateway.workers, drain)?;
         let handle = server.handle();
         println!("rialto: gateway listening on http://{addr}");
