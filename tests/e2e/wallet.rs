@@ -57,6 +57,14 @@ type = "image"
 usd_per_image = 0.25
 backends = [{{ kind = "openai", url = "{0}" }}]
 
+[[models]]
+id = "paid-video"
+type = "video"
+usd_per_video_second = 0.5
+video_durations = [1]
+video_resolutions = ["144p"]
+backends = [{{ kind = "openai", url = "{0}" }}]
+
 [wallet]
 domains = ["127.0.0.1:8080", "localhost:8080"]
 
@@ -629,7 +637,10 @@ async fn top_up_refusals_and_races() {
     let balance = |sandbox: &Sandbox| {
         let request = sandbox
             .http()
-            .get(sandbox.api(&format!("/x402/balance/{}", wallet.address())))
+            .get(sandbox.api(&format!(
+                "/x402/balance/{}",
+                wallet.address().to_checksum(None)
+            )))
             .header(
                 "SIGN-IN-WITH-X",
                 sign_in(wallet, &fresh_nonce(), 0, "127.0.0.1:8080"),
@@ -847,9 +858,10 @@ solana_fee_payer = "{}"
 }
 
 /// A wallet pays for an image as for a chat: refused until it tops up,
-/// then charged the image's price, its balance in `X-Balance-Remaining`.
+/// then charged the image's price, its balance in `X-Balance-Remaining`;
+/// and for a video job, held when queued and charged once when made.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_wallet_pays_for_an_image() {
+async fn a_wallet_pays_for_an_image_and_a_video() {
     let world = world(Topology::OneProcess).await;
     let sandbox = &world.sandbox;
     let wallet = &world.wallet;
@@ -874,4 +886,77 @@ async fn a_wallet_pays_for_an_image() {
     assert_eq!(response.headers()["x-balance-remaining"], "4.75");
     let body: Value = response.json().await.unwrap();
     assert_eq!(body["images"].as_array().unwrap().len(), 1);
+
+    // A video job: held (and shown) when queued, charged when made, and
+    // retrieved by the same wallet.
+    let post = |path: &'static str, body: Value| {
+        sandbox
+            .http()
+            .post(sandbox.api(path))
+            .header(
+                "SIGN-IN-WITH-X",
+                sign_in(wallet, &fresh_nonce(), 0, "127.0.0.1:8080"),
+            )
+            .json(&body)
+            .send()
+    };
+    let queued = post(
+        "/video/queue",
+        json!({"model": "paid-video", "prompt": "a coin spinning", "duration": "1s"}),
+    )
+    .await
+    .unwrap();
+    assert_eq!(queued.status(), 200);
+    assert_eq!(queued.headers()["x-balance-remaining"], "4.25");
+    let queue_id = queued.json::<Value>().await.unwrap()["queue_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let retrieved = post(
+            "/video/retrieve",
+            json!({"model": "paid-video", "queue_id": queue_id}),
+        )
+        .await
+        .unwrap();
+        assert_eq!(retrieved.status(), 200);
+        if retrieved.headers()["content-type"] == "video/mp4" {
+            let (width, height, _, _) =
+                rialto_test_kit::mock_video::mp4_summary(&retrieved.bytes().await.unwrap())
+                    .unwrap();
+            assert_eq!((width, height), (256, 144));
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the job never finished"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    // Charged once: $5 less the image and the second of video.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let balance: Value = sandbox
+            .http()
+            .get(sandbox.api(&format!(
+                "/x402/balance/{}",
+                wallet.address().to_checksum(None)
+            )))
+            .header(
+                "SIGN-IN-WITH-X",
+                sign_in(wallet, &fresh_nonce(), 0, "127.0.0.1:8080"),
+            )
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        if balance["data"]["balanceUsd"] == 4.25 {
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{balance}");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
 }
