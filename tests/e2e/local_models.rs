@@ -1,7 +1,8 @@
 //! The built-in models through the real binary, in both topologies: the
 //! `local` backend kind serving SmolLM2-135M (llama.cpp) and
-//! all-MiniLM-L6-v2 (candle) from ./models/ (`make models`), driven over
-//! HTTP and with the official `openai` Python SDK.
+//! all-MiniLM-L6-v2 (candle) from ./models/ (`make models`), and speech by
+//! Debian's espeak-ng (`make test` installs it), driven over HTTP and with
+//! the official `openai` Python SDK.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -45,6 +46,14 @@ id = "all-minilm-l6-v2"
 type = "embedding"
 aliases = ["text-embedding-3-small"]
 backends = [{{ kind = "local", path = "{embedder}", name = "local-minilm" }}]
+
+[[models]]
+id = "espeak-ng"
+type = "tts"
+usd_per_thousand_characters = 0.01
+voices = ["en-us", "de"]
+audio_formats = ["wav", "pcm"]
+backends = [{{ kind = "local", path = "/usr/bin/espeak-ng", name = "local-espeak" }}]
 
 [web_search]
 provider = "searxng"
@@ -189,8 +198,69 @@ async fn local_models(topology: Topology) {
     assert!(body["error"].is_string(), "{body}");
     drop(busy);
 
+    // Speech made in process: a WAV whose lengths are true, its samples
+    // alone as `pcm`, and as a queued job.
+    let speak = |format: &'static str, voice: &'static str| {
+        http.post(sandbox.api("/audio/speech"))
+            .bearer_auth(&key)
+            .json(
+                &json!({"model": "espeak-ng", "input": "Good morning from Venice.",
+                "voice": voice, "response_format": format}),
+            )
+            .send()
+    };
+    let wav = speak("wav", "en-us").await.unwrap();
+    assert_eq!(wav.status(), 200);
+    assert_eq!(wav.headers()["content-type"], "audio/wav");
+    let wav = wav.bytes().await.unwrap();
+    let reader = hound::WavReader::new(std::io::Cursor::new(wav.to_vec())).unwrap();
+    let seconds = f64::from(reader.duration()) / f64::from(reader.spec().sample_rate);
+    assert!((0.8..5.0).contains(&seconds), "{seconds} s of speech");
+    let loudest = reader
+        .into_samples::<i16>()
+        .map(|s| s.unwrap().unsigned_abs())
+        .max()
+        .unwrap();
+    assert!(loudest > 1000, "speech, not silence: {loudest}");
+    let pcm = speak("pcm", "de").await.unwrap();
+    assert_eq!(pcm.status(), 200);
+    assert!(pcm.bytes().await.unwrap().len() > 10_000);
+    assert_eq!(speak("mp3", "en-us").await.unwrap().status(), 400);
+    let queued: Value = http
+        .post(sandbox.api("/audio/queue"))
+        .bearer_auth(&key)
+        .json(&json!({"model": "espeak-ng", "prompt": "A queued sentence."}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let queue_id = queued["queue_id"].as_str().unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let retrieved = http
+            .post(sandbox.api("/audio/retrieve"))
+            .bearer_auth(&key)
+            .json(&json!({"model": "espeak-ng", "queue_id": queue_id}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(retrieved.status(), 200);
+        if retrieved.headers()["content-type"] == "audio/wav" {
+            let wav = retrieved.bytes().await.unwrap();
+            assert!(hound::WavReader::new(std::io::Cursor::new(wav.to_vec())).is_ok());
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the speech job never finished"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
     // The official SDK: a chat, a stream and embeddings (base64, the SDK's
-    // default encoding).
+    // default encoding), and speech.
     let stdout = run_script(
         "local_models_check.py",
         &[
@@ -199,7 +269,7 @@ async fn local_models(topology: Topology) {
         ],
     )
     .await;
-    for check in ["chat ok", "stream ok", "embeddings ok"] {
+    for check in ["chat ok", "stream ok", "embeddings ok", "speech ok"] {
         assert!(stdout.contains(check), "{stdout}");
     }
 }

@@ -41,6 +41,12 @@ usd_per_image = 0.03
 backends = [{{ kind = "openai", url = "{mock_url}", model = "mock-edit-model" }}]
 
 [[models]]
+id = "mock-upscale"
+type = "upscale"
+usd_per_upscale = {{ "2x" = 0.02, "4x" = 0.08 }}
+backends = [{{ kind = "openai", url = "{mock_url}", model = "mock-upscale-model" }}]
+
+[[models]]
 id = "mock-tts"
 type = "tts"
 usd_per_thousand_characters = 0.015
@@ -109,6 +115,8 @@ async fn scenarios(world: World) {
     image_refusals_cost_nothing(&world).await;
     world.new_key().await;
     image_edits(&world).await;
+    world.new_key().await;
+    upscale_and_background_removal(&world).await;
     world.new_key().await;
     speech_and_its_transcription(&world).await;
     world.new_key().await;
@@ -553,6 +561,119 @@ async fn image_edits(world: &World) {
     ] {
         let response = world.post(path, &body).await;
         assert_eq!(response.status(), 400, "{body}");
+        let error: Value = response.json().await.unwrap();
+        assert!(error["details"].get(field).is_some(), "{field}: {error}");
+    }
+    assert_eq!(world.balance_nanos().await, before);
+}
+
+/// A white picture with a red square in its middle, `side` pixels square.
+fn red_square(side: u32) -> Vec<u8> {
+    let image = image::RgbImage::from_fn(side, side, |x, y| {
+        let inside = (side / 4..side * 3 / 4).contains(&x) && (side / 4..side * 3 / 4).contains(&y);
+        image::Rgb(if inside { [255, 0, 0] } else { [255, 255, 255] })
+    });
+    let mut out = std::io::Cursor::new(Vec::new());
+    image.write_to(&mut out, image::ImageFormat::Png).unwrap();
+    out.into_inner()
+}
+
+/// `/image/upscale` (the hosted call on the backend; the mock resamples)
+/// and `/image/background-remove` (an OpenAI edit with a transparent
+/// background; the mock clears the corner's colour): the PNGs decoded, the
+/// tiers' prices, refusals that cost nothing.
+async fn upscale_and_background_removal(world: &World) {
+    let picture = red_square(256);
+    let before = world.balance_nanos().await;
+    let response = world
+        .post(
+            "/image/upscale",
+            &json!({"image": STANDARD.encode(&picture), "scale": 2}),
+        )
+        .await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["content-type"], "image/png");
+    assert_eq!(response.headers()["x-rialto-model-id"], "mock-upscale");
+    let larger = image::load_from_memory(&response.bytes().await.unwrap()).unwrap();
+    assert_eq!((larger.width(), larger.height()), (512, 512));
+    assert_eq!(larger.to_rgb8().get_pixel(256, 256).0, [255, 0, 0]);
+    let (path, upstream) = world.last_upstream();
+    assert_eq!(path, "/v1/image/upscale");
+    assert_eq!(upstream["model"], "mock-upscale-model");
+    assert_eq!(upstream["scale"], 2.0);
+    assert_eq!(before - world.balance_nanos().await, 20_000_000);
+
+    // A form, 4x: the 4x tier's price.
+    let before = world.balance_nanos().await;
+    let response = world
+        .form(
+            "/image/upscale",
+            &[("scale", "4"), ("model", "mock-upscale")],
+            Some(("image", "square.png", &picture)),
+        )
+        .await;
+    assert_eq!(response.status(), 200);
+    let larger = image::load_from_memory(&response.bytes().await.unwrap()).unwrap();
+    assert_eq!((larger.width(), larger.height()), (1024, 1024));
+    assert_eq!(before - world.balance_nanos().await, 80_000_000);
+
+    // The background goes: an edit of the default edit model.
+    let before = world.balance_nanos().await;
+    let response = world
+        .post(
+            "/image/background-remove",
+            &json!({"image": format!("data:image/png;base64,{}", STANDARD.encode(red_square(64)))}),
+        )
+        .await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.headers()["content-type"], "image/png");
+    let cut = image::load_from_memory(&response.bytes().await.unwrap()).unwrap();
+    assert!(cut.color().has_alpha());
+    let cut = cut.to_rgba8();
+    assert_eq!(cut.get_pixel(0, 0).0[3], 0, "the background is transparent");
+    assert_eq!(
+        cut.get_pixel(32, 32).0,
+        [255, 0, 0, 255],
+        "the subject stays"
+    );
+    let (path, upstream) = world.last_upstream();
+    assert_eq!(path, "/v1/images/edits");
+    assert_eq!(upstream["background"], "transparent");
+    assert_eq!(upstream["model"], "mock-edit-model");
+    assert_eq!(before - world.balance_nanos().await, 30_000_000);
+
+    let before = world.balance_nanos().await;
+    for (path, body, field) in [
+        ("/image/upscale", json!({"scale": 2}), "image"),
+        (
+            "/image/upscale",
+            json!({"image": STANDARD.encode(red_square(64))}),
+            "image",
+        ),
+        (
+            "/image/upscale",
+            json!({"image": STANDARD.encode(&picture), "scale": 5}),
+            "scale",
+        ),
+        (
+            "/image/upscale",
+            json!({"image": STANDARD.encode(b"not an image at all")}),
+            "image",
+        ),
+        ("/image/background-remove", json!({}), "image"),
+        (
+            "/image/background-remove",
+            json!({"image": STANDARD.encode(&picture), "image_url": "https://example.com/a.png"}),
+            "image_url",
+        ),
+        (
+            "/image/background-remove",
+            json!({"image_url": "ftp://example.com/a.png"}),
+            "image_url",
+        ),
+    ] {
+        let response = world.post(path, &body).await;
+        assert_eq!(response.status(), 400, "{path} {body}");
         let error: Value = response.json().await.unwrap();
         assert!(error["details"].get(field).is_some(), "{field}: {error}");
     }

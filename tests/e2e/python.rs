@@ -148,6 +148,12 @@ usd_per_audio_second = 0.001
 backends = [{{ kind = "openai", url = "{0}" }}]
 
 [[models]]
+id = "conformance-upscale"
+type = "upscale"
+usd_per_upscale = {{ "2x" = 0.02, "4x" = 0.04 }}
+backends = [{{ kind = "openai", url = "{0}" }}]
+
+[[models]]
 id = "conformance-video"
 type = "video"
 usd_per_video_second = 0.01

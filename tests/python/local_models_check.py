@@ -4,8 +4,10 @@ Reads RIALTO_E2E_BASE_URL and RIALTO_E2E_API_KEY; prints one line per
 check and exits non-zero on the first failure.
 """
 
+import io
 import math
 import os
+import wave
 
 import openai
 
@@ -53,3 +55,9 @@ def cosine(a, b):
 assert cosine(vectors[0], vectors[1]) > cosine(vectors[0], vectors[2]) + 0.3, result
 assert result.usage.prompt_tokens > 10, result.usage
 print("embeddings ok")
+
+speech = client.audio.speech.create(model="espeak-ng", voice="en-us", input="Hello from Rialto.", response_format="wav")
+with wave.open(io.BytesIO(speech.read())) as reader:
+    seconds = reader.getnframes() / reader.getframerate()
+assert 0.5 < seconds < 5, seconds
+print("speech ok")

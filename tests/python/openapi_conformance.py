@@ -18,6 +18,7 @@ import base64
 import json
 import os
 import secrets
+import struct
 import sys
 import time
 from datetime import datetime, timedelta, timezone
@@ -303,6 +304,20 @@ multi = check(session.post(f"{api}/image/multi-edit", headers=inference, json={
     "model": "conformance-edit", "prompt": "combine", "images": [generated["images"][0]] * 2}), 200)
 assert multi.content[:4] == b"\x89PNG", multi.headers
 spent += Decimal("0.05")
+# A 256x256 PNG to upscale (the smallest accepted) and to cut out.
+square = check(session.post(f"{api}/image/generate", headers=inference, json={
+    "model": "conformance-image", "prompt": "a square", "width": 256, "height": 256, "format": "png",
+    "return_binary": True}), 200).content
+upscaled = check(session.post(f"{api}/image/upscale", headers=inference, json={
+    "image": base64.b64encode(square).decode(), "scale": 2}), 200)
+assert upscaled.headers["content-type"] == "image/png" and upscaled.content[:4] == b"\x89PNG", upscaled.headers
+assert struct.unpack(">II", upscaled.content[16:24]) == (512, 512)
+cut = check(session.post(f"{api}/image/background-remove", headers=inference, json={
+    "image": base64.b64encode(square).decode()}), 200)
+# IHDR's colour type 6: RGBA.
+assert cut.content[:4] == b"\x89PNG" and cut.content[25] == 6, cut.content[:32]
+check(session.post(f"{api}/image/upscale", headers=inference, json={"scale": 2}), 400, valid_request=False)
+spent += Decimal("0.01") + Decimal("0.02") + Decimal("0.01")
 assert "Anime" in check(session.get(f"{api}/image/styles"), 200).json()["data"]
 check(session.post(f"{api}/image/generate", headers=inference,
                    json={"model": "conformance-image", "prompt": "x", "width": 5000}), 400, valid_request=False)

@@ -729,6 +729,10 @@ pub struct ModelConfig {
     /// `asr`: price of one second of transcribed audio (USD).
     #[serde(default)]
     pub usd_per_audio_second: f64,
+    /// `upscale`: price of one upscale by tier, `2x` (a scale up to 2) and
+    /// `4x` (above); a tier left out costs nothing.
+    #[serde(default)]
+    pub usd_per_upscale: BTreeMap<String, f64>,
     /// `video`: price of one second of generated video (USD).
     #[serde(default)]
     pub usd_per_video_second: f64,
@@ -1415,6 +1419,16 @@ impl Config {
                     model.id
                 ));
             }
+            if let Some(tier) = model
+                .usd_per_upscale
+                .keys()
+                .find(|tier| !["2x", "4x"].contains(&tier.as_str()))
+            {
+                return invalid(format!(
+                    "model {}: upscale tier {tier:?} is not 2x or 4x",
+                    model.id
+                ));
+            }
             if model.video_durations.iter().any(|&d| d == 0 || d > 600) {
                 return invalid(format!(
                     "model {}: video durations are 1 to 600 seconds",
@@ -1444,6 +1458,7 @@ impl Config {
             .chain(model.cached_input_usd_per_mtok)
             .chain(model.cache_write_usd_per_mtok)
             .chain(model.usd_per_image_resolution.values().copied())
+            .chain(model.usd_per_upscale.values().copied())
             {
                 if !price.is_finite() || price < 0.0 {
                     return invalid(format!(
@@ -1538,7 +1553,7 @@ mod tests {
     fn the_built_in_catalog_parses_and_a_config_file_replaces_it() {
         let defaults = Config::default();
         let ids: Vec<&str> = defaults.models.iter().map(|m| m.id.as_str()).collect();
-        assert_eq!(ids, ["smollm2-135m", "all-minilm-l6-v2"]);
+        assert_eq!(ids, ["smollm2-135m", "all-minilm-l6-v2", "espeak-ng"]);
         defaults.validate().unwrap();
         assert_eq!(defaults.models[0].backends[0].kind, "local");
         let config = Config::from_toml(

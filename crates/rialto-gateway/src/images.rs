@@ -1,6 +1,7 @@
 //! Images: `POST /image/generate` (the hosted shape), `POST
 //! /images/generations` (OpenAI's), `GET /image/styles`, and the edits,
-//! `POST /image/edit` and `/image/multi-edit`.
+//! `POST /image/edit` and `/image/multi-edit`. Background removal
+//! (`retouch.rs`) is an edit too and goes through [`run`].
 //!
 //! Generation becomes one OpenAI `/images/generations` call to the model's
 //! backends, an edit one `/images/edits` form, asking for base64 images in
@@ -49,18 +50,20 @@ const MAX_DECODED_SIDE: u32 = 8192;
 const MAX_DECODED_BYTES: u64 = 256 * 1024 * 1024;
 
 /// What a route asks of the backends.
-struct Generation<'g> {
-    model: &'g ModelEntry,
+pub(crate) struct Generation<'g> {
+    pub(crate) model: &'g ModelEntry,
     /// `/images/generations`, or `/images/edits` (a form with `files`).
-    path: &'static str,
+    pub(crate) path: &'static str,
     /// The upstream body (an edit's form fields).
-    upstream: Map<String, Value>,
+    pub(crate) upstream: Map<String, Value>,
     /// An edit's images, each with its form field (`image`, `image[]`).
-    sources: Vec<(&'static str, ImageSource)>,
-    count: usize,
-    format: &'static str,
+    pub(crate) sources: Vec<(&'static str, ImageSource)>,
+    pub(crate) count: usize,
+    pub(crate) format: &'static str,
     /// Price of one image, in USD.
-    usd_per_image: f64,
+    pub(crate) usd_per_image: f64,
+    /// Each image must have an alpha channel (a background removed).
+    pub(crate) transparent: bool,
 }
 
 /// `GET /image/styles`.
@@ -250,6 +253,7 @@ fn hosted_generation<'g>(
             count: variants as usize,
             format,
             usd_per_image,
+            transparent: false,
         },
         binary,
     ))
@@ -333,6 +337,7 @@ fn openai_generation<'g>(
             count: count as usize,
             format,
             usd_per_image,
+            transparent: false,
         },
         data_urls,
     ))
@@ -603,6 +608,7 @@ async fn edit_route(
         count: 1,
         format,
         usd_per_image,
+        transparent: false,
     };
     let (images, mut response) = run(&gateway, &request, &principal, generation).await?;
     let image = images.encoded.into_iter().next().unwrap_or_default();
@@ -610,7 +616,7 @@ async fn edit_route(
 }
 
 /// An image sent in JSON as a `data:` URL or base64.
-fn base64_image(image: &str) -> Result<Vec<u8>, String> {
+pub(crate) fn base64_image(image: &str) -> Result<Vec<u8>, String> {
     let b64 = match image.strip_prefix("data:") {
         Some(rest) => rest
             .split_once(";base64,")
@@ -624,8 +630,8 @@ fn base64_image(image: &str) -> Result<Vec<u8>, String> {
 }
 
 /// Images a backend delivered, in the wanted format.
-struct Images {
-    encoded: Vec<Vec<u8>>,
+pub(crate) struct Images {
+    pub(crate) encoded: Vec<Vec<u8>>,
     format: &'static str,
     /// How long the backend took.
     backend_ms: u64,
@@ -633,7 +639,7 @@ struct Images {
 
 /// Holds the price of every image asked, calls the backends, checks and
 /// converts what they made, and charges the images delivered.
-async fn run(
+pub(crate) async fn run(
     gateway: &web::Data<Gateway>,
     request: &HttpRequest,
     principal: &rialto_proto::auth::v1::Principal,
@@ -647,6 +653,7 @@ async fn run(
         count,
         format,
         usd_per_image,
+        transparent,
     } = generation;
     let most = media::nanos(usd_per_image, Decimal::from(count));
     let mut metered = media::meter(gateway, request, principal, model, most).await?;
@@ -676,7 +683,14 @@ async fn run(
         let converted = tokio::task::spawn_blocking(move || {
             items
                 .iter()
-                .map(|item| image_of(item, format))
+                .map(|item| {
+                    image_of(item, format).and_then(|image| {
+                        if transparent && !has_alpha(&image) {
+                            return Err("an image without transparency".to_owned());
+                        }
+                        Ok(image)
+                    })
+                })
                 .collect::<Vec<Result<Vec<u8>, String>>>()
         })
         .await
@@ -721,7 +735,7 @@ async fn run(
 
 /// An image to edit: its bytes, or where to fetch them once the request
 /// is admitted.
-enum ImageSource {
+pub(crate) enum ImageSource {
     Bytes(Vec<u8>),
     Url(String),
 }
@@ -767,6 +781,23 @@ async fn edit_files(
         });
     }
     Ok(files)
+}
+
+/// Whether an image (PNG or WebP, as the backend encoded it) can be
+/// transparent: a PNG of a colour type with alpha or with a `tRNS` chunk,
+/// a WebP whose decoder reports alpha.
+fn has_alpha(bytes: &[u8]) -> bool {
+    match image::guess_format(bytes) {
+        Ok(image::ImageFormat::Png) => {
+            // IHDR's colour type: 4 (grey and alpha) or 6 (RGBA).
+            matches!(bytes.get(25), Some(4 | 6))
+                || bytes.windows(4).take(64 * 1024).any(|w| w == b"tRNS")
+        }
+        Ok(format) => image::ImageReader::with_format(std::io::Cursor::new(bytes), format)
+            .decode()
+            .is_ok_and(|image| image.color().has_alpha()),
+        Err(_) => false,
+    }
 }
 
 /// One image of a backend's answer (`b64_json`, or a `data:` URL) as bytes

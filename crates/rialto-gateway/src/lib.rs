@@ -49,6 +49,7 @@ mod media;
 mod models;
 mod openapi;
 pub mod operator;
+mod retouch;
 mod sources;
 mod usage;
 mod wallet;
@@ -360,6 +361,11 @@ pub fn configure(gateway: web::Data<Gateway>) -> impl FnOnce(&mut web::ServiceCo
                     .route("/image/styles", web::get().to(images::styles))
                     .route("/image/edit", web::post().to(images::edit))
                     .route("/image/multi-edit", web::post().to(images::multi_edit))
+                    .route("/image/upscale", web::post().to(retouch::upscale))
+                    .route(
+                        "/image/background-remove",
+                        web::post().to(retouch::background_remove),
+                    )
                     .route("/audio/speech", web::post().to(audio::speech))
                     .route(
                         "/audio/transcriptions",

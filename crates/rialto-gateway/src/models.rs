@@ -147,6 +147,10 @@ fn pricing(model: &ModelConfig) -> Value {
         "tts" => json!({"input": price_scaled(model.usd_per_thousand_characters, 1000)}),
         "asr" => json!({"per_audio_second": price(model.usd_per_audio_second)}),
         "video" => json!({"per_second": price(model.usd_per_video_second)}),
+        "upscale" => {
+            let tier = |name: &str| price(model.usd_per_upscale.get(name).copied().unwrap_or(0.0));
+            json!({"upscale": {"2x": tier("2x"), "4x": tier("4x")}})
+        }
         _ => {
             let mut pricing = json!({
                 "input": price(model.input_usd_per_mtok),

@@ -49,6 +49,13 @@ pub trait InProcessModel: Send + Sync + 'static {
         let _ = body;
         Err(Error::invalid("This model does not produce embeddings"))
     }
+
+    /// A media call (`/audio/speech`, ...): the answer's bytes and its
+    /// content type.
+    async fn media(&self, path: &str, body: &Map<String, Value>) -> Result<(Vec<u8>, String)> {
+        let _ = body;
+        Err(Error::invalid(format!("This model does not serve {path}")))
+    }
 }
 
 /// Requests waiting for a local model beyond the one it runs, by default.
@@ -66,6 +73,12 @@ pub fn load(model_id: &str, config: &BackendConfig) -> Result<Arc<dyn InProcessM
         )
     };
     let name = config.model.clone().unwrap_or_else(|| model_id.to_owned());
+    if path
+        .file_name()
+        .is_some_and(|name| name == crate::speech::ESPEAK)
+    {
+        return Ok(Arc::new(crate::speech::Espeak::start(model_id, &path)?));
+    }
     if path.is_dir() {
         let model = EmbeddingModel::load(&EmbeddingOptions { path, max_queue }).map_err(failed)?;
         return Ok(Arc::new(LocalEmbeddings { model, name }));

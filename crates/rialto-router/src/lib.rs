@@ -27,6 +27,7 @@ pub mod grpc;
 mod health;
 pub mod inprocess;
 mod local;
+mod speech;
 pub mod thinking;
 
 pub use health::{BackendHealth, CircuitState};

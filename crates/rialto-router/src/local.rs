@@ -941,12 +941,19 @@ async fn send_in_process(
     call: Call<'_>,
 ) -> Result<Answer, Failure> {
     let answer = match call {
-        Call::Media(media) => {
-            return Err(Failure::Final(Error::invalid(format!(
-                "This model does not serve {}",
-                media.path
-            ))));
-        }
+        Call::Media(media) => tokio::time::timeout(timeout, model.media(&media.path, body))
+            .await
+            .map_err(|_| timed_out())?
+            .map(|(bytes, content_type)| {
+                let bytes = bytes::Bytes::from(bytes);
+                if media.stream {
+                    // Made whole in process: relayed as one piece.
+                    let once = futures_util::stream::once(std::future::ready(Ok(bytes)));
+                    Answer::MediaChunks(content_type, Box::pin(once))
+                } else {
+                    Answer::Media(bytes, content_type)
+                }
+            }),
         Call::ChatStream => tokio::time::timeout(timeout, model.chat_stream(body))
             .await
             .map_err(|_| timed_out())?

@@ -12,6 +12,10 @@
 //!   system refuses (`400`, code `moderation_blocked`).
 //! - `POST /v1/images/edits` (multipart): the first `image` (or `image[]`) file with its colours
 //!   inverted, at `size` if given, else the input's size; same answer shape.
+//!   With `background: "transparent"` (png or webp) the image is not inverted: every pixel of the
+//!   top-left pixel's colour becomes transparent instead (a background removed).
+//! - `POST /v1/image/upscale` (the hosted API's call, JSON `{image: <base64>, scale}`): the image
+//!   enlarged `scale` times (2 to 4, Lanczos), as PNG bytes.
 //! - `POST /v1/audio/speech` (JSON): a 24 kHz mono 16-bit sine tone, 0.25 s per word of `input`
 //!   divided by `speed`, as a WAV (`response_format: "wav"`) or raw little-endian PCM (`"pcm"`),
 //!   streamed in 4 KiB pieces. Other formats (OpenAI's default `mp3` included) are a `400`: the
@@ -295,7 +299,7 @@ fn as_urls(response_format: Option<&str>) -> Result<bool, Refusal> {
     }
 }
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, PartialEq, Eq)]
 enum ImageFormat {
     Png,
     Jpeg,
@@ -577,17 +581,49 @@ async fn edit(form: &Form) -> Result<HttpResponse, Refusal> {
         return Err(moderation_blocked());
     }
     let (size, format) = (options.size, options.format);
+    let transparent = match form.text("background") {
+        None | Some("auto" | "opaque") => false,
+        Some("transparent") if format != ImageFormat::Jpeg => true,
+        Some("transparent") => {
+            return Err(invalid(
+                "background",
+                "invalid_value",
+                "A transparent background needs png or webp.",
+            ));
+        }
+        Some(other) => {
+            return Err(invalid(
+                "background",
+                "invalid_value",
+                &format!("Invalid value: '{other}'."),
+            ));
+        }
+    };
     let edited = web::block(move || {
         let decoded =
             image::load_from_memory(&input).map_err(|e| EditFailure::Input(e.to_string()))?;
-        // Plain 8-bit RGB(A), which every encoder here takes.
-        let mut image = if decoded.color().has_alpha() {
+        let mut image = if transparent {
+            // The background is the top-left pixel's colour: every pixel of it becomes
+            // transparent, the rest is kept as it was.
+            let mut rgba = decoded.to_rgba8();
+            let background = *rgba.get_pixel(0, 0);
+            for pixel in rgba.pixels_mut() {
+                if pixel.0[..3] == background.0[..3] {
+                    pixel.0[3] = 0;
+                }
+            }
+            DynamicImage::ImageRgba8(rgba)
+        } else if decoded.color().has_alpha() {
+            // Plain 8-bit RGB(A), which every encoder here takes.
             DynamicImage::ImageRgba8(decoded.to_rgba8())
         } else {
             DynamicImage::ImageRgb8(decoded.to_rgb8())
         };
-        // Inverted colours: plainly derived from the input, so a test can tell it was edited.
-        image.invert();
+        if !transparent {
+            // Inverted colours: plainly derived from the input, so a test can tell it was
+            // edited.
+            image.invert();
+        }
         if let Some((width, height)) = size
             && (width, height) != (image.width(), image.height())
         {
@@ -605,6 +641,52 @@ async fn edit(form: &Form) -> Result<HttpResponse, Refusal> {
         )),
         Ok(Err(EditFailure::Mock(e))) => Err(internal(&format!("encode the image: {e}"))),
         Err(e) => Err(internal(&format!("edit the image: {e}"))),
+    }
+}
+
+/// `POST /v1/image/upscale` (the hosted API's call, JSON): `image` (base64) enlarged `scale`
+/// times (2 to 4) with a Lanczos filter, answered as PNG bytes.
+pub(crate) async fn upscale(
+    req: HttpRequest,
+    raw: web::Bytes,
+    state: web::Data<State>,
+) -> HttpResponse {
+    let body = match json_body(&raw) {
+        Ok(body) => body,
+        Err(refusal) => return refusal.into_response(),
+    };
+    let mut recorded = body.clone();
+    if let Some(image) = recorded.get_mut("image") {
+        // The log keeps the image's length, not the image.
+        *image = json!({"bytes": image.as_str().map_or(0, str::len)});
+    }
+    if let Some(failure) = state.record_or_fail(&req, recorded) {
+        return failure;
+    }
+    let scale = body["scale"].as_f64().unwrap_or(2.0);
+    if !(2.0..=4.0).contains(&scale) {
+        return invalid("scale", "invalid_value", "scale must be 2 to 4").into_response();
+    }
+    let Some(input) = body["image"]
+        .as_str()
+        .and_then(|b64| BASE64.decode(b64).ok())
+    else {
+        return invalid("image", "invalid_image", "image must be base64").into_response();
+    };
+    let upscaled = web::block(move || {
+        let image = image::load_from_memory(&input).map_err(|e| e.to_string())?;
+        let (width, height) = (
+            (f64::from(image.width()) * scale).round() as u32,
+            (f64::from(image.height()) * scale).round() as u32,
+        );
+        let larger = image.resize_exact(width, height, image::imageops::FilterType::Lanczos3);
+        encode(&larger, ImageFormat::Png).map_err(|e| e.to_string())
+    })
+    .await;
+    match upscaled {
+        Ok(Ok(png)) => HttpResponse::Ok().content_type("image/png").body(png),
+        Ok(Err(e)) => invalid("image", "invalid_image_format", &e).into_response(),
+        Err(e) => internal(&format!("upscale the image: {e}")).into_response(),
     }
 }
 

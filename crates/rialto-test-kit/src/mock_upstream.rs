@@ -135,6 +135,7 @@ impl MockUpstream {
                                 web::post().to(mock_media::image_generations),
                             )
                             .route("/v1/images/edits", web::post().to(mock_media::image_edits))
+                            .route("/v1/image/upscale", web::post().to(mock_media::upscale))
                             .route("/v1/audio/speech", web::post().to(mock_media::speech))
                             .route(
                                 "/v1/audio/transcriptions",
