@@ -905,7 +905,7 @@ impl State {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::ledger::Ledger;
 
@@ -933,7 +933,7 @@ mod tests {
     }
 
     /// A fresh PostgreSQL database, dropped by the returned guard's future.
-    async fn postgres() -> (Database, impl std::future::Future<Output = ()>) {
+    pub(crate) async fn postgres() -> (Database, impl std::future::Future<Output = ()>) {
         let server = std::env::var("E2E_POSTGRES_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into());
         let name = format!("rialto_book_{}", crate::ledger::uuid_like());

@@ -491,3 +491,197 @@ fn read_failed(error: sqlx::Error) -> Error {
         format!("the job table cannot be read: {error}"),
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn store() -> (tempfile::TempDir, JobStore) {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}/jobs.db", dir.path().display());
+        let db = Database::connect(&url, 8).await.unwrap();
+        (dir, JobStore::new(db, 24))
+    }
+
+    fn job(id: &str) -> pb::Job {
+        pb::Job {
+            id: id.to_owned(),
+            owner: "account:1".to_owned(),
+            model_id: "video".to_owned(),
+            kind: "video".to_owned(),
+            request_json: b"{}".to_vec(),
+            settlement: Some(pb::SettleRequest {
+                request_id: format!("request-{id}"),
+                ..Default::default()
+            }),
+            price_usd_nanos: 500,
+            ..Default::default()
+        }
+    }
+
+    fn report(id: &str, worker: &str, state: &str) -> pb::UpdateJobRequest {
+        pb::UpdateJobRequest {
+            id: id.to_owned(),
+            owner: "account:1".to_owned(),
+            worker: worker.to_owned(),
+            lease_secs: 30,
+            state: state.to_owned(),
+            result: b"media".to_vec(),
+            content_type: "video/mp4".to_owned(),
+            error_code: if state == FAILED {
+                "UPSTREAM_FAILED".to_owned()
+            } else {
+                String::new()
+            },
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_workers_never_hold_one_job_on_sqlite() {
+        let (_dir, jobs) = store().await;
+        claims_race(jobs).await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn two_workers_never_hold_one_job_on_postgres() {
+        let (db, dropped) = crate::book::tests::postgres().await;
+        claims_race(JobStore::new(db, 24)).await;
+        dropped.await;
+    }
+
+    async fn claims_race(jobs: JobStore) {
+        for n in 0..20 {
+            jobs.submit(job(&format!("j{n}"))).await.unwrap();
+        }
+        let (jobs, a, b) = (std::sync::Arc::new(jobs), "worker-a", "worker-b");
+        // Eight claims at once, again and again: they contend for the same
+        // oldest rows, and each row goes to one of them.
+        let mut ids = Vec::new();
+        for _ in 0..20 {
+            let claims = futures_util::future::join_all((0..8).map(|n| {
+                let jobs = jobs.clone();
+                async move {
+                    jobs.claim(if n % 2 == 0 { a } else { b }, 5, 30)
+                        .await
+                        .unwrap()
+                }
+            }))
+            .await;
+            ids.extend(claims.into_iter().flatten().map(|job| job.id));
+            if ids.len() >= 20 {
+                break;
+            }
+        }
+        let claimed = ids.len();
+        ids.sort();
+        ids.dedup();
+        assert_eq!(ids.len(), claimed, "a job was claimed twice");
+        assert_eq!(claimed, 20);
+        // Leased: nothing left to claim until a lease runs out.
+        assert!(jobs.claim(a, 5, 30).await.unwrap().is_empty());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_job_finishes_once_whoever_races_to_finish_it() {
+        let (_dir, jobs) = store().await;
+        for round in 0..10 {
+            let id = format!("race{round}");
+            jobs.submit(job(&id)).await.unwrap();
+            let worker = jobs.claim("w", 1, 30).await.unwrap();
+            assert_eq!(worker[0].id, id);
+            let made = report(&id, "w", COMPLETED);
+            let (done, cancelled) =
+                tokio::join!(jobs.update(&made), jobs.complete(&id, "account:1"));
+            let (done, cancelled) = (done.unwrap(), cancelled.unwrap());
+            // Whoever won, every settlement sent says the same amount: the
+            // price when the media was made first, nothing when the cancel
+            // was (the ledger takes the first one by the request id).
+            let made = cancelled.job.error_code.is_empty();
+            let owed = if made { 500 } else { 0 };
+            for finished in [&done, &cancelled] {
+                if finished.settle {
+                    let sent = settlement_of(&finished.job).usage.unwrap().extra_usd_nanos;
+                    assert_eq!(sent, owed, "round {round}");
+                }
+            }
+            assert!(
+                done.settle || cancelled.settle,
+                "round {round}: nobody settles"
+            );
+            jobs.mark_settled(&id).await.unwrap();
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_unsettled_finished_job_is_claimed_again_until_marked() {
+        let (_dir, jobs) = store().await;
+        jobs.submit(job("j")).await.unwrap();
+        jobs.claim("w", 1, 30).await.unwrap();
+        let finished = jobs.update(&report("j", "w", FAILED)).await.unwrap();
+        assert!(finished.settle);
+        assert_eq!(
+            settlement_of(&finished.job).usage.unwrap().extra_usd_nanos,
+            0
+        );
+        // The worker died before the charge was recorded: once its lease
+        // runs out the job is claimed again, and owes its settlement still.
+        sqlx::query("UPDATE media_jobs SET lease_until_ms = 0")
+            .execute(jobs.db.pool())
+            .await
+            .unwrap();
+        let again = jobs.claim("other", 1, 30).await.unwrap();
+        assert_eq!(again[0].state, FAILED);
+        let resent = jobs.update(&report("j", "other", "")).await.unwrap();
+        assert!(resent.settle);
+        jobs.mark_settled("j").await.unwrap();
+        assert!(jobs.claim("other", 1, 30).await.unwrap().is_empty());
+        // A worker that lost its lease is told, and changes nothing.
+        jobs.submit(job("k")).await.unwrap();
+        jobs.claim("w", 1, 30).await.unwrap();
+        let lost = jobs.update(&report("k", "thief", COMPLETED)).await.unwrap();
+        assert!(!lost.settle);
+        assert_eq!(
+            (lost.job.state.as_str(), lost.job.worker.as_str()),
+            (PROCESSING, "w")
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn media_past_its_retention_expires() {
+        let (_dir, jobs) = store().await;
+        jobs.submit(job("old")).await.unwrap();
+        jobs.claim("w", 1, 30).await.unwrap();
+        jobs.update(&report("old", "w", COMPLETED)).await.unwrap();
+        jobs.mark_settled("old").await.unwrap();
+        let get = |delete_result| pb::GetJobRequest {
+            id: "old".to_owned(),
+            owner: "account:1".to_owned(),
+            with_result: true,
+            delete_result,
+        };
+        assert_eq!(jobs.get(&get(false)).await.unwrap().result, b"media");
+        // Finished 25 hours ago (retention 24).
+        let long_ago = now_ms() - 25 * 3_600_000;
+        sqlx::query("UPDATE media_jobs SET finished_ms = $1")
+            .bind(long_ago)
+            .execute(jobs.db.pool())
+            .await
+            .unwrap();
+        // The claim above swept a moment ago; the next sweep is due now.
+        jobs.last_sweep_ms.store(0, Ordering::Relaxed);
+        jobs.sweep(now_ms()).await;
+        let expired = jobs.get(&get(false)).await.unwrap();
+        assert_eq!(expired.state, EXPIRED);
+        assert!(expired.result.is_empty());
+        // Another owner's job is as unknown as one that never was.
+        let stranger = pb::GetJobRequest {
+            owner: "account:2".to_owned(),
+            ..get(false)
+        };
+        assert_eq!(
+            jobs.get(&stranger).await.unwrap_err().code,
+            ErrorCode::NotFound
+        );
+    }
+}
