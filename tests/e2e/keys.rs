@@ -10,7 +10,8 @@ use crate::support::{World, assert_common_headers, world};
 both_topologies!(
     key_lifecycle,
     key_routes_need_an_admin_key,
-    operator_api_is_guarded
+    operator_api_is_guarded,
+    key_updates_and_model_privacy
 );
 
 async fn chat(world: &World, key: &str) -> reqwest::Response {
@@ -149,6 +150,146 @@ async fn key_lifecycle(world: &World) {
 
     // The admin key still works.
     assert_eq!(chat(world, &account.admin_key).await.status(), 200);
+}
+
+async fn chat_with(world: &World, key: &str, model: &str) -> reqwest::Response {
+    world
+        .sandbox
+        .call(
+            reqwest::Method::POST,
+            "/chat/completions",
+            key,
+            Some(&json!({"model": model, "messages": [{"role": "user", "content": "hi"}]})),
+        )
+        .await
+        .unwrap()
+}
+
+async fn patch(world: &World, admin: &str, body: Value) -> reqwest::Response {
+    world
+        .sandbox
+        .call(reqwest::Method::PATCH, "/api_keys", admin, Some(&body))
+        .await
+        .unwrap()
+}
+
+/// `PATCH /api_keys` changes a key's description, cap, expiry and model
+/// privacy, seen by its very next request; `modelPrivacy` refuses
+/// anonymized models (the hosted 403) and is set at creation too.
+async fn key_updates_and_model_privacy(world: &World) {
+    let sandbox = &world.sandbox;
+    let account = sandbox.create_account("patcher").await.unwrap();
+    let admin = account.admin_key.as_str();
+    let (id, secret) = sandbox.create_key(admin, "INFERENCE").await.unwrap();
+    for model in ["mock-chat", "old-chat"] {
+        assert_eq!(chat_with(world, &secret, model).await.status(), 200);
+    }
+    let response = patch(
+        world,
+        admin,
+        json!({"id": id, "description": "after", "modelPrivacy": "PRIVATE_ONLY",
+            "consumptionLimit": {"usd": 5}, "limitPeriod": "MONTH"}),
+    )
+    .await;
+    assert_eq!(response.status(), 200);
+    let updated: Value = response.json().await.unwrap();
+    assert_eq!(updated["success"], true);
+    let data = &updated["data"];
+    assert_eq!(data["description"], "after");
+    assert_eq!(data["modelPrivacy"], "PRIVATE_ONLY");
+    assert_eq!(data["consumptionLimits"]["usd"], 5);
+    assert_eq!(data["limitPeriod"], "MONTH");
+    // At once: the anonymized model is refused, the private one served.
+    let refused = chat_with(world, &secret, "old-chat").await;
+    assert_eq!(refused.status(), 403);
+    let body: Value = refused.json().await.unwrap();
+    assert_eq!(
+        body["error"],
+        "This API key is set to 'PRIVATE_ONLY', but `old-chat` is an Anonymous model. Choose a \
+         Private, TEE, or E2EE model, or change the model privacy setting of this API key."
+    );
+    assert_eq!(chat_with(world, &secret, "mock-chat").await.status(), 200);
+    let read: Value = sandbox
+        .call(
+            reqwest::Method::GET,
+            &format!("/api_keys/{id}"),
+            admin,
+            None,
+        )
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(read["data"]["modelPrivacy"], "PRIVATE_ONLY");
+    assert_eq!(read["data"]["description"], "after");
+    // A PATCH changes only what it names: the cap stays.
+    let response = patch(world, admin, json!({"id": id, "modelPrivacy": "ALL"})).await;
+    let data = response.json::<Value>().await.unwrap()["data"].clone();
+    assert_eq!(
+        (data["modelPrivacy"].as_str(), data["limitPeriod"].as_str()),
+        (Some("ALL"), Some("MONTH"))
+    );
+    assert_eq!(chat_with(world, &secret, "old-chat").await.status(), 200);
+    // Expired now: its next request is refused; it cannot be patched back.
+    let response = patch(world, admin, json!({"id": id, "expiresAt": "2020-01-01"})).await;
+    assert_eq!(response.status(), 200);
+    assert_eq!(chat_with(world, &secret, "mock-chat").await.status(), 401);
+    let again = patch(world, admin, json!({"id": id, "expiresAt": ""})).await;
+    assert_eq!(again.status(), 400);
+    let body: Value = again.json().await.unwrap();
+    assert_eq!(body["error"], "API key not found or expired");
+    // Refusals.
+    for (body, status) in [
+        (json!({"id": "no-such-key", "description": "x"}), 400),
+        (json!({"description": "no id"}), 400),
+        (json!({"id": id, "apiKeyType": "ADMIN"}), 400),
+        (json!({"id": id, "modelPrivacy": "SOME"}), 400),
+        (json!({"id": id, "colour": "red"}), 400),
+    ] {
+        assert_eq!(
+            patch(world, admin, body.clone()).await.status(),
+            status,
+            "{body}"
+        );
+    }
+    assert_eq!(
+        patch(world, &secret, json!({"id": id, "description": "x"}))
+            .await
+            .status(),
+        401
+    );
+    // Created with a privacy: PRIVATE_TEXT restricts text models.
+    let created: Value = sandbox
+        .call(
+            reqwest::Method::POST,
+            "/api_keys",
+            admin,
+            Some(
+                &json!({"apiKeyType": "INFERENCE", "description": "text only",
+                "modelPrivacy": "PRIVATE_TEXT", "expiresAt": "2099-01-01"}),
+            ),
+        )
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(created["data"]["modelPrivacy"], "PRIVATE_TEXT");
+    let text_only = created["data"]["apiKey"].as_str().unwrap();
+    assert_eq!(chat_with(world, text_only, "old-chat").await.status(), 403);
+    // `expiresAt: ""` removes an expiry.
+    let cleared = patch(
+        world,
+        admin,
+        json!({"id": created["data"]["id"], "expiresAt": ""}),
+    )
+    .await
+    .json::<Value>()
+    .await
+    .unwrap();
+    assert_eq!(cleared["data"]["expiresAt"], Value::Null);
+    assert_eq!(cleared["data"]["modelPrivacy"], "PRIVATE_TEXT");
 }
 
 async fn key_routes_need_an_admin_key(world: &World) {
@@ -333,6 +474,54 @@ async fn grpc_refuses_callers_without_the_token() {
 /// a key deleted through one is refused by the other within that second
 /// (at once when the revocation event crosses the bus, as it does here),
 /// and by the gateway that deleted it on the very next request.
+/// A key's privacy changed through one gateway holds on the other within
+/// the second (the revocation event drops its cached entry everywhere).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_updated_through_one_gateway_holds_on_the_other() {
+    let world = world(Topology::Replicated, Storage::Sqlite).await;
+    let sandbox = &world.sandbox;
+    let [a, b] = [&sandbox.gateway_urls[0], &sandbox.gateway_urls[1]];
+    let account = sandbox.create_account("acme").await.unwrap();
+    let (id, secret) = sandbox
+        .create_key(&account.admin_key, "INFERENCE")
+        .await
+        .unwrap();
+    let chat_at = |base: &str| {
+        sandbox
+            .http()
+            .post(format!("{base}/api/v1/chat/completions"))
+            .bearer_auth(&secret)
+            .json(&json!({"model": "old-chat", "messages": [{"role": "user", "content": "hi"}]}))
+            .send()
+    };
+    for base in [a, b, a, b] {
+        assert_eq!(chat_at(base).await.unwrap().status(), 200);
+    }
+    let updated = sandbox
+        .http()
+        .patch(format!("{a}/api/v1/api_keys"))
+        .bearer_auth(&account.admin_key)
+        .json(&json!({"id": id, "modelPrivacy": "PRIVATE_ONLY"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(updated.status(), 200);
+    let started = std::time::Instant::now();
+    assert_eq!(chat_at(a).await.unwrap().status(), 403);
+    loop {
+        let status = chat_at(b).await.unwrap().status();
+        if status == 403 {
+            break;
+        }
+        assert_eq!(status, 200);
+        assert!(
+            started.elapsed() < std::time::Duration::from_secs(1),
+            "gateway B still serves the key as it was after a second"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_deleted_through_one_gateway_is_refused_by_the_other() {
     let world = world(Topology::Replicated, Storage::Sqlite).await;

@@ -9,7 +9,8 @@ pub struct World {
 }
 
 /// The issue's example model, pointed at a fresh mock upstream, plus a model
-/// whose only backend is down and a deprecated one.
+/// whose only backend is down and a deprecated one (anonymized: a third
+/// party's, for `modelPrivacy`).
 pub fn models_toml(mock_url: &str) -> String {
     format!(
         r#"
@@ -33,6 +34,7 @@ backends = [{{ kind = "openai", url = "http://127.0.0.1:9/v1" }}]
 id = "old-chat"
 name = "Old Chat"
 deprecation_date = "2026-12-01"
+privacy = "anonymized"
 backends = [{{ kind = "openai", url = "{mock_url}", model = "mock-model" }}]
 "#
     )

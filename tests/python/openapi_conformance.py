@@ -155,6 +155,11 @@ check(session.get(f"{api}/models/compatibility_mapping?type=text"), 200)
 check(session.get(f"{api}/characters/nobody", headers=admin), 404)
 check(session.get(f"{api}/api_keys/{created['id']}", headers=admin), 200)
 check(session.get(f"{api}/api_keys", headers=inference), 401)
+patched = check(session.patch(f"{api}/api_keys", headers=admin, json={
+    "id": created["id"], "description": "conformance, patched", "modelPrivacy": "PRIVATE_TEXT"}), 200).json()
+assert patched["data"]["modelPrivacy"] == "PRIVATE_TEXT", patched
+check(session.patch(f"{api}/api_keys", headers=admin, json={"id": created["id"], "modelPrivacy": "ALL"}), 200)
+check(session.patch(f"{api}/api_keys", headers=admin, json={"id": "no-such-key"}), 400)
 
 
 def rate_headers(response, tokens):

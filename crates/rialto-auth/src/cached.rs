@@ -219,6 +219,14 @@ impl AuthService for CachedAuth {
         deleted
     }
 
+    async fn update_api_key(&self, request: pb::UpdateApiKeyRequest) -> Result<pb::ApiKeyRecord> {
+        let revocation = Revocation::Key(request.id.clone());
+        let updated = self.inner.update_api_key(request).await;
+        // As for a deletion: whatever the answer, the next request asks.
+        self.cache.revoke(&revocation);
+        updated
+    }
+
     async fn get_account(&self, request: pb::GetAccountRequest) -> Result<pb::Account> {
         self.inner.get_account(request).await
     }
@@ -297,6 +305,7 @@ mod tests {
                     tier: "standard".to_owned(),
                     key_limit: None,
                     wallet: String::new(),
+                    model_privacy: String::new(),
                 },
             );
         }
@@ -354,6 +363,9 @@ mod tests {
                 .unwrap()
                 .retain(|_, principal| principal.key_id != request.id);
             Ok(pb::DeleteApiKeyResponse {})
+        }
+        async fn update_api_key(&self, _: pb::UpdateApiKeyRequest) -> Result<pb::ApiKeyRecord> {
+            unused()
         }
         async fn get_account(&self, _: pb::GetAccountRequest) -> Result<pb::Account> {
             unused()

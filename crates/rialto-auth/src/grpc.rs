@@ -80,6 +80,15 @@ impl Auth for AuthGrpc {
         ))
     }
 
+    async fn update_api_key(
+        &self,
+        request: Request<pb::UpdateApiKeyRequest>,
+    ) -> Result<Response<pb::ApiKeyRecord>, Status> {
+        Ok(Response::new(
+            self.0.update_api_key(request.into_inner()).await?,
+        ))
+    }
+
     async fn get_account(
         &self,
         request: Request<pb::GetAccountRequest>,
@@ -175,6 +184,10 @@ impl AuthService for RemoteAuth {
         request: pb::DeleteApiKeyRequest,
     ) -> Result<pb::DeleteApiKeyResponse> {
         Ok(self.0.clone().delete_api_key(request).await?.into_inner())
+    }
+
+    async fn update_api_key(&self, request: pb::UpdateApiKeyRequest) -> Result<pb::ApiKeyRecord> {
+        Ok(self.0.clone().update_api_key(request).await?.into_inner())
     }
 
     async fn get_account(&self, request: pb::GetAccountRequest) -> Result<pb::Account> {

@@ -25,7 +25,7 @@ mod revocation;
 pub mod siwx;
 
 pub use cached::{CachedAuth, DEFAULT_CAPACITY, PRINCIPAL_TTL};
-pub use local::LocalAuth;
+pub use local::{LocalAuth, MODEL_PRIVACY};
 pub use pb::KeyType;
 
 /// The auth service in domain terms.
@@ -47,6 +47,9 @@ pub trait AuthService: Send + Sync + 'static {
         &self,
         request: pb::DeleteApiKeyRequest,
     ) -> Result<pb::DeleteApiKeyResponse>;
+    /// Sets a key's description, expiry, cap and model privacy; every
+    /// cache of it is dropped at once.
+    async fn update_api_key(&self, request: pb::UpdateApiKeyRequest) -> Result<pb::ApiKeyRecord>;
     /// The account, or NotFound.
     async fn get_account(&self, request: pb::GetAccountRequest) -> Result<pb::Account>;
     /// Changes the account's rate-limit tier; its keys see it at once here

@@ -250,15 +250,25 @@ impl Inner {
         ))
     }
 
+    /// Stores a new key of `key_type` (checked by the caller) as `request`
+    /// describes it.
     async fn insert_key(
         &self,
         tx: &mut sqlx::AnyConnection,
-        account_id: &str,
         key_type: pb::KeyType,
-        description: &str,
-        expires_at_ms: Option<i64>,
-        limit: Option<pb::ConsumptionLimit>,
+        request: pb::CreateApiKeyRequest,
     ) -> Result<pb::CreatedKey> {
+        let pb::CreateApiKeyRequest {
+            account_id,
+            description,
+            expires_at_ms,
+            limit,
+            model_privacy,
+            ..
+        } = request;
+        let account_id = account_id.as_str();
+        let description = description.as_str();
+        let model_privacy = valid_privacy(&model_privacy)?;
         if let Some(limit) = &limit
             && !matches!(limit.period.as_str(), "EPOCH" | "MONTH" | "LIFETIME")
         {
@@ -277,12 +287,14 @@ impl Inner {
             last_used_at_ms: None,
             last6_chars: secret[secret.len() - 6..].to_owned(),
             limit,
+            model_privacy: model_privacy.to_owned(),
         };
         let limit = record.limit.clone().unwrap_or_default();
         sqlx::query(
             "INSERT INTO api_keys (id, account_id, key_type, description, secret_sha256, \
              last6_chars, created_at_ms, expires_at_ms, limit_usd_nanos, limit_diem_nanos, \
-             limit_period) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)",
+             limit_period, model_privacy) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, \
+             $12)",
         )
         .bind(&record.id)
         .bind(&record.account_id)
@@ -299,6 +311,7 @@ impl Inner {
         } else {
             limit.period.as_str()
         })
+        .bind(model_privacy)
         .execute(&mut *tx)
         .await?;
         Ok(pb::CreatedKey {
@@ -316,7 +329,7 @@ impl Inner {
         let started = Instant::now();
         let row = sqlx::query(
             "SELECT k.id, k.account_id, k.key_type, k.expires_at_ms, k.secret_sha256, \
-             a.tier, k.limit_usd_nanos, k.limit_diem_nanos, k.limit_period \
+             a.tier, k.limit_usd_nanos, k.limit_diem_nanos, k.limit_period, k.model_privacy \
              FROM api_keys k JOIN accounts a ON a.id = k.account_id \
              WHERE k.secret_sha256 = $1",
         )
@@ -522,7 +535,8 @@ fn recheck_sql(size: usize) -> &'static str {
                     .join(", ");
                 format!(
                     "SELECT k.id, k.account_id, k.key_type, k.expires_at_ms, k.secret_sha256, \
-                     a.tier, k.limit_usd_nanos, k.limit_diem_nanos, k.limit_period \
+                     a.tier, k.limit_usd_nanos, k.limit_diem_nanos, k.limit_period, \
+                     k.model_privacy \
                      FROM api_keys k JOIN accounts a ON a.id = k.account_id \
                      WHERE k.secret_sha256 IN ({placeholders})"
                 )
@@ -548,6 +562,7 @@ fn principal_from_row(row: &sqlx::any::AnyRow) -> Result<(pb::Principal, Option<
             tier: row.try_get("tier")?,
             key_limit: limit_from_row(row)?,
             wallet: String::new(),
+            model_privacy: row.try_get("model_privacy")?,
         },
         row.try_get("expires_at_ms")?,
     ))
@@ -590,7 +605,23 @@ fn record_from_row(row: &sqlx::any::AnyRow) -> Result<pb::ApiKeyRecord> {
         last_used_at_ms: row.try_get("last_used_at_ms")?,
         last6_chars: row.try_get("last6_chars")?,
         limit: limit_from_row(row)?,
+        model_privacy: row.try_get("model_privacy")?,
     })
+}
+
+/// The `modelPrivacy` values a key can have.
+pub const MODEL_PRIVACY: &[&str] = &["ALL", "PRIVATE_TEXT", "PRIVATE_ONLY"];
+
+/// A key's `modelPrivacy`, ALL when empty.
+fn valid_privacy(privacy: &str) -> Result<&str> {
+    match privacy {
+        "" => Ok("ALL"),
+        known if MODEL_PRIVACY.contains(&known) => Ok(known),
+        other => Err(Error::invalid(format!(
+            "modelPrivacy must be one of {}, not {other}",
+            MODEL_PRIVACY.join(", ")
+        ))),
+    }
 }
 
 /// A key's spending cap from its row; None without caps or period.
@@ -610,7 +641,8 @@ fn limit_from_row(row: &sqlx::any::AnyRow) -> Result<Option<pb::ConsumptionLimit
 macro_rules! record_columns {
     () => {
         "id, account_id, key_type, description, created_at_ms, expires_at_ms, \
-         last_used_at_ms, last6_chars, limit_usd_nanos, limit_diem_nanos, limit_period"
+         last_used_at_ms, last6_chars, limit_usd_nanos, limit_diem_nanos, limit_period, \
+         model_privacy"
     };
 }
 
@@ -680,11 +712,12 @@ impl AuthService for LocalAuth {
             .inner
             .insert_key(
                 &mut tx,
-                &account_id,
                 pb::KeyType::Admin,
-                "Default admin key",
-                None,
-                None,
+                pb::CreateApiKeyRequest {
+                    account_id: account_id.clone(),
+                    description: "Default admin key".to_owned(),
+                    ..Default::default()
+                },
             )
             .await?;
         tx.commit().await?;
@@ -701,17 +734,7 @@ impl AuthService for LocalAuth {
             _ => return Err(Error::invalid("apiKeyType must be ADMIN or INFERENCE")),
         };
         let mut conn = self.inner.db.pool().acquire().await?;
-        let key = self
-            .inner
-            .insert_key(
-                &mut conn,
-                &request.account_id,
-                key_type,
-                &request.description,
-                request.expires_at_ms,
-                request.limit,
-            )
-            .await?;
+        let key = self.inner.insert_key(&mut conn, key_type, request).await?;
         if let Some(record) = &key.record {
             tracing::info!(
                 key_id = record.id,
@@ -773,6 +796,56 @@ impl AuthService for LocalAuth {
             "api key deleted"
         );
         Ok(pb::DeleteApiKeyResponse {})
+    }
+
+    async fn update_api_key(&self, request: pb::UpdateApiKeyRequest) -> Result<pb::ApiKeyRecord> {
+        let model_privacy = valid_privacy(&request.model_privacy)?;
+        let limit = request.limit.clone().unwrap_or_default();
+        if !matches!(limit.period.as_str(), "" | "EPOCH" | "MONTH" | "LIFETIME") {
+            return Err(Error::invalid(
+                "limitPeriod must be one of EPOCH, MONTH or LIFETIME",
+            ));
+        }
+        let updated = sqlx::query(
+            "UPDATE api_keys SET description = $1, expires_at_ms = $2, limit_usd_nanos = $3, \
+             limit_diem_nanos = $4, limit_period = $5, model_privacy = $6 \
+             WHERE id = $7 AND account_id = $8 AND (expires_at_ms IS NULL OR expires_at_ms > $9)",
+        )
+        .bind(&request.description)
+        .bind(request.expires_at_ms)
+        .bind(limit.usd_nanos)
+        .bind(limit.diem_nanos)
+        .bind(if limit.period.is_empty() {
+            "EPOCH"
+        } else {
+            limit.period.as_str()
+        })
+        .bind(model_privacy)
+        .bind(&request.id)
+        .bind(&request.account_id)
+        .bind(now_ms())
+        .execute(self.inner.db.pool())
+        .await?
+        .rows_affected();
+        if updated == 0 {
+            return Err(Error::new(
+                ErrorCode::ApiKeyNotFound,
+                "API key not found or expired",
+            ));
+        }
+        // Cached principals carry the cap, the expiry and the privacy: every
+        // replica drops the key, and its next request reads it again.
+        self.announce(Revocation::Key(request.id.clone())).await;
+        tracing::info!(
+            key_id = request.id,
+            account_id = request.account_id,
+            "api key updated"
+        );
+        self.get_api_key(pb::GetApiKeyRequest {
+            account_id: request.account_id,
+            id: request.id,
+        })
+        .await
     }
 
     async fn get_account(&self, request: pb::GetAccountRequest) -> Result<pb::Account> {
@@ -958,6 +1031,7 @@ impl AuthService for LocalAuth {
                 tier: self.wallet_tier.clone(),
                 key_limit: None,
                 wallet: signed.address,
+                model_privacy: String::new(),
             }),
             refusal_code: String::new(),
             refusal: String::new(),
@@ -1013,6 +1087,7 @@ mod tests {
                 description: "revoked".into(),
                 expires_at_ms: None,
                 limit: None,
+                model_privacy: String::new(),
             })
             .await
             .unwrap();
@@ -1065,6 +1140,7 @@ mod tests {
             description: "test".into(),
             expires_at_ms,
             limit: None,
+            model_privacy: String::new(),
         })
         .await
         .unwrap()
@@ -1168,6 +1244,7 @@ mod tests {
                     description: format!("round {round}"),
                     expires_at_ms: None,
                     limit: None,
+                    model_privacy: String::new(),
                 })
                 .await
                 .unwrap();

@@ -729,6 +729,12 @@ pub struct ModelConfig {
     /// `asr`: price of one second of transcribed audio (USD).
     #[serde(default)]
     pub usd_per_audio_second: f64,
+    /// `private` (the default: the operator's own backends keep nothing) or
+    /// `anonymized` (a third party sees the requests, without who sent
+    /// them); published in `/models`. A key whose `modelPrivacy` is not ALL
+    /// is refused on an anonymized model.
+    #[serde(default = "default_privacy")]
+    pub privacy: String,
     /// `upscale`: price of one upscale by tier, `2x` (a scale up to 2) and
     /// `4x` (above); a tier left out costs nothing.
     #[serde(default)]
@@ -812,6 +818,10 @@ pub fn aspect_ratio(ratio: &str) -> Option<(u32, u32)> {
     let (width, height) = ratio.split_once(':')?;
     let (width, height): (u32, u32) = (width.parse().ok()?, height.parse().ok()?);
     ((1..=64).contains(&width) && (1..=64).contains(&height)).then_some((width, height))
+}
+
+fn default_privacy() -> String {
+    "private".to_owned()
 }
 
 fn default_weight() -> u32 {
@@ -1417,6 +1427,12 @@ impl Config {
                 return invalid(format!(
                     "model {}: aspect ratio {bad:?} is not <width>:<height> (16:9)",
                     model.id
+                ));
+            }
+            if !["private", "anonymized"].contains(&model.privacy.as_str()) {
+                return invalid(format!(
+                    "model {}: privacy {:?} is not private or anonymized",
+                    model.id, model.privacy
                 ));
             }
             if let Some(tier) = model

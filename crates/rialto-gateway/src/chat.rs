@@ -587,6 +587,9 @@ pub(crate) async fn admit(
         model_id,
         prices,
     } = priced;
+    if let Some(model) = gateway.model(model_id) {
+        crate::keys::check_privacy(principal, &model.config)?;
+    }
     let limiter = &gateway.services.limiter;
     let owner = crate::ledger_owner(principal);
     // Sent with the hold, and with the settlement (a charge beyond the hold

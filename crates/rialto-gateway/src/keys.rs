@@ -1,5 +1,6 @@
-//! `/api/v1/api_keys`: list, create, get and delete API keys (ADMIN keys
-//! only), in the hosted API's shapes.
+//! `/api/v1/api_keys`: list, create, get, update and delete API keys (ADMIN
+//! keys only), in the hosted API's shapes; and the `modelPrivacy` check
+//! every metered request passes.
 
 use actix_web::{HttpRequest, HttpResponse, web};
 use chrono::{DateTime, NaiveDate, SecondsFormat, Utc};
@@ -109,6 +110,7 @@ pub async fn create(
             description: create.description,
             expires_at_ms: create.expires_at_ms,
             limit: create.limit,
+            model_privacy: create.model_privacy,
         })
         .await?;
     let record = created.record.unwrap_or_default();
@@ -123,9 +125,192 @@ pub async fn create(
             "expiresAt": record.expires_at_ms.map(iso),
             "consumptionLimit": limits,
             "limitPeriod": period,
-            "modelPrivacy": "ALL",
+            "modelPrivacy": privacy_name(&record.model_privacy),
         }
     })))
+}
+
+/// Members `PATCH /api_keys` accepts: the key's id, and what may change.
+const UPDATE_FIELDS: &[&str] = &[
+    "id",
+    "description",
+    "expiresAt",
+    "consumptionLimit",
+    "limitPeriod",
+    "modelPrivacy",
+    "apiKeyType",
+];
+
+/// `PATCH /api_keys`: `{id, description?, expiresAt?, consumptionLimit?,
+/// limitPeriod?, modelPrivacy?}`; what is absent stays as it was
+/// (`expiresAt` `""` or null removes the expiry). Every cache of the key
+/// drops it at once, so its next request runs under the new settings.
+pub async fn update(
+    gateway: web::Data<Gateway>,
+    request: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    let principal = authenticate_endpoint(&gateway, &request, true).await?;
+    let body = parse_json(&read_body(&gateway, &request, payload).await?)?;
+    let mut details = Details::new();
+    let Some(object) = body.as_object() else {
+        details.push(&[], "Expected object");
+        return Err(ApiError::validation(details));
+    };
+    let unknown: Vec<&str> = object
+        .keys()
+        .map(String::as_str)
+        .filter(|k| !UPDATE_FIELDS.contains(k))
+        .collect();
+    if !unknown.is_empty() {
+        details.push(
+            &[],
+            format!("Unrecognized key(s) in object: '{}'", unknown.join("', '")),
+        );
+    }
+    if object.contains_key("apiKeyType") {
+        details.push(&["apiKeyType"], "A key's type cannot be changed");
+    }
+    let id = match object.get("id") {
+        Some(Value::String(id)) if !id.trim().is_empty() => id.clone(),
+        Some(Value::String(_)) => {
+            details.push(&["id"], "String must contain at least 1 character(s)");
+            String::new()
+        }
+        Some(_) => {
+            details.push(&["id"], "Expected string");
+            String::new()
+        }
+        None => {
+            details.push(&["id"], "Required");
+            String::new()
+        }
+    };
+    // The fields a create validates, validated the same way.
+    let mut changes = object.clone();
+    changes.remove("id");
+    changes.remove("apiKeyType");
+    details.into_result()?;
+    let checked = changes_of(&changes)?;
+    let current = gateway
+        .services
+        .auth
+        .get_api_key(pb::GetApiKeyRequest {
+            account_id: principal.account_id.clone(),
+            id: id.clone(),
+        })
+        .await
+        .map_err(|error| match error.code {
+            rialto_core::ErrorCode::ApiKeyNotFound => ApiError::new(
+                rialto_core::ErrorCode::ApiKeyNotFound,
+                "API key not found or expired",
+            ),
+            _ => error.into(),
+        })?;
+    let mut limit = current.limit.clone().unwrap_or_default();
+    if let Some((usd, diem)) = checked.caps {
+        limit.usd_nanos = usd;
+        limit.diem_nanos = diem;
+    }
+    if let Some(period) = checked.period {
+        limit.period = period;
+    }
+    let limit = (limit.usd_nanos.is_some()
+        || limit.diem_nanos.is_some()
+        || !matches!(limit.period.as_str(), "" | "EPOCH"))
+    .then_some(limit);
+    let record = gateway
+        .services
+        .auth
+        .update_api_key(pb::UpdateApiKeyRequest {
+            account_id: principal.account_id,
+            id,
+            description: checked.description.unwrap_or(current.description),
+            expires_at_ms: match checked.expires_at_ms {
+                Some(expiry) => expiry,
+                None => current.expires_at_ms,
+            },
+            limit,
+            model_privacy: checked.model_privacy.unwrap_or(current.model_privacy),
+        })
+        .await?;
+    Ok(HttpResponse::Ok().json(json!({
+        "success": true,
+        "data": record_json(&record, &HashMap::new()),
+    })))
+}
+
+/// What a PATCH changes; None: unchanged.
+struct Changes {
+    description: Option<String>,
+    /// Some(None): the expiry removed.
+    expires_at_ms: Option<Option<i64>>,
+    /// The new caps (either may be None: not capped).
+    caps: Option<(Option<i64>, Option<i64>)>,
+    period: Option<String>,
+    model_privacy: Option<String>,
+}
+
+/// The PATCH members present, checked as a create checks them.
+fn changes_of(changes: &serde_json::Map<String, Value>) -> Result<Changes, ApiError> {
+    // A create body with what a create requires filled in: its checks
+    // apply member by member, and only present members are taken.
+    let mut as_create = changes.clone();
+    as_create.insert("apiKeyType".into(), json!("INFERENCE"));
+    as_create.entry("description").or_insert_with(|| json!(""));
+    let create = validate_create(&Value::Object(as_create))?;
+    let limit = create.limit.clone().unwrap_or_default();
+    Ok(Changes {
+        description: changes
+            .contains_key("description")
+            .then_some(create.description),
+        expires_at_ms: changes
+            .contains_key("expiresAt")
+            .then_some(create.expires_at_ms),
+        caps: changes
+            .contains_key("consumptionLimit")
+            .then_some((limit.usd_nanos, limit.diem_nanos)),
+        period: changes.contains_key("limitPeriod").then(|| {
+            if limit.period.is_empty() {
+                "EPOCH".to_owned()
+            } else {
+                limit.period.clone()
+            }
+        }),
+        model_privacy: changes
+            .contains_key("modelPrivacy")
+            .then_some(create.model_privacy),
+    })
+}
+
+/// The hosted API's name of a key's privacy (ALL when unset).
+fn privacy_name(privacy: &str) -> &str {
+    if privacy.is_empty() { "ALL" } else { privacy }
+}
+
+/// Refuses a request of a key whose `modelPrivacy` does not allow
+/// `model`: PRIVATE_ONLY allows private models only, PRIVATE_TEXT private
+/// text models (and any model of another type). The hosted API's 403.
+pub(crate) fn check_privacy(
+    principal: &rialto_proto::auth::v1::Principal,
+    model: &rialto_core::ModelConfig,
+) -> Result<(), ApiError> {
+    let restricted = match principal.model_privacy.as_str() {
+        "PRIVATE_ONLY" => true,
+        "PRIVATE_TEXT" => model.model_type == "text",
+        _ => false,
+    };
+    if restricted && model.privacy != "private" {
+        return Err(ApiError::new(
+            rialto_core::ErrorCode::Forbidden,
+            format!(
+                "This API key is set to '{}', but `{}` is an Anonymous model. Choose a Private, \
+                 TEE, or E2EE model, or change the model privacy setting of this API key.",
+                principal.model_privacy, model.id
+            ),
+        ));
+    }
+    Ok(())
 }
 
 #[derive(Deserialize, Default)]
@@ -186,6 +371,7 @@ struct CreateKey {
     description: String,
     expires_at_ms: Option<i64>,
     limit: Option<pb::ConsumptionLimit>,
+    model_privacy: String,
 }
 
 fn validate_create(body: &Value) -> Result<CreateKey, ApiError> {
@@ -308,15 +494,27 @@ fn validate_create(body: &Value) -> Result<CreateKey, ApiError> {
             period: period.to_owned(),
         }
     });
-    if object.get("modelPrivacy").is_some_and(|v| v != "ALL") {
-        details.push(&["modelPrivacy"], "Only ALL is supported yet");
-    }
+    let model_privacy = match object.get("modelPrivacy") {
+        None | Some(Value::Null) => "ALL".to_owned(),
+        Some(Value::String(p)) if rialto_auth::MODEL_PRIVACY.contains(&p.as_str()) => p.clone(),
+        Some(other) => {
+            details.push(
+                &["modelPrivacy"],
+                format!(
+                    "Invalid enum value. Expected 'ALL' | 'PRIVATE_TEXT' | 'PRIVATE_ONLY', received '{}'",
+                    other.as_str().map_or_else(|| other.to_string(), str::to_owned)
+                ),
+            );
+            String::new()
+        }
+    };
     details.into_result()?;
     Ok(CreateKey {
         key_type,
         description,
         expires_at_ms,
         limit,
+        model_privacy,
     })
 }
 
@@ -426,7 +624,7 @@ fn record_json(record: &pb::ApiKeyRecord, spend: &HashMap<String, billing_pb::Ke
         "last6Chars": record.last6_chars,
         "consumptionLimits": limits,
         "limitPeriod": period,
-        "modelPrivacy": "ALL",
+        "modelPrivacy": privacy_name(&record.model_privacy),
     });
     // Only keys with a cap report their usage in the current period.
     if let Some(spent) = spend.get(&record.id) {

@@ -396,6 +396,7 @@ pub fn configure(gateway: web::Data<Gateway>) -> impl FnOnce(&mut web::ServiceCo
                     .route("/api_keys", web::get().to(keys::list))
                     .route("/api_keys", web::post().to(keys::create))
                     .route("/api_keys", web::delete().to(keys::delete))
+                    .route("/api_keys", web::patch().to(keys::update))
                     // Before `/api_keys/{id}`, which would match them too.
                     .route("/api_keys/rate_limits", web::get().to(limits::rate_limits))
                     .route("/api_keys/rate_limits/log", web::get().to(limits::log))

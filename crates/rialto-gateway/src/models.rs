@@ -189,7 +189,7 @@ fn model_json(model: &ModelConfig, brand: &str, web_search: bool) -> Value {
     let pricing = pricing(model);
     let mut spec = json!({
         "name": model.display_name(),
-        "privacy": "private",
+        "privacy": model.privacy,
         "offline": model.backends.is_empty(),
         "beta": false,
         "pricing": pricing,
