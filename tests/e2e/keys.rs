@@ -15,16 +15,7 @@ both_topologies!(
 );
 
 async fn chat(world: &World, key: &str) -> reqwest::Response {
-    world
-        .sandbox
-        .call(
-            reqwest::Method::POST,
-            "/chat/completions",
-            key,
-            Some(&json!({"model": "mock-chat", "messages": [{"role": "user", "content": "hi"}]})),
-        )
-        .await
-        .unwrap()
+    chat_with(world, key, "mock-chat").await
 }
 
 async fn key_lifecycle(world: &World) {
@@ -474,10 +465,16 @@ async fn grpc_refuses_callers_without_the_token() {
 /// a key deleted through one is refused by the other within that second
 /// (at once when the revocation event crosses the bus, as it does here),
 /// and by the gateway that deleted it on the very next request.
-/// A key's privacy changed through one gateway holds on the other within
-/// the second (the revocation event drops its cached entry everywhere).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_key_updated_through_one_gateway_holds_on_the_other() {
+/// How a key is changed through gateway A, and what the other then answers.
+enum Change {
+    Delete,
+    Privacy,
+}
+
+/// Both gateways serve a key (so both have it cached), it is changed
+/// through gateway A; A answers `refused` to its very next request, and B
+/// within the second (the revocation event drops its cached entry).
+async fn a_change_through_one_gateway_reaches_the_other(change: Change, refused: u16) {
     let world = world(Topology::Replicated, Storage::Sqlite).await;
     let sandbox = &world.sandbox;
     let [a, b] = [&sandbox.gateway_urls[0], &sandbox.gateway_urls[1]];
@@ -486,6 +483,7 @@ async fn a_key_updated_through_one_gateway_holds_on_the_other() {
         .create_key(&account.admin_key, "INFERENCE")
         .await
         .unwrap();
+    // An anonymized model: served as ALL, refused as PRIVATE_ONLY.
     let chat_at = |base: &str| {
         sandbox
             .http()
@@ -497,20 +495,26 @@ async fn a_key_updated_through_one_gateway_holds_on_the_other() {
     for base in [a, b, a, b] {
         assert_eq!(chat_at(base).await.unwrap().status(), 200);
     }
-    let updated = sandbox
-        .http()
-        .patch(format!("{a}/api/v1/api_keys"))
+    let changing = match change {
+        Change::Delete => sandbox
+            .http()
+            .delete(format!("{a}/api/v1/api_keys?id={id}")),
+        Change::Privacy => sandbox
+            .http()
+            .patch(format!("{a}/api/v1/api_keys"))
+            .json(&json!({"id": id, "modelPrivacy": "PRIVATE_ONLY"})),
+    };
+    let changed = changing
         .bearer_auth(&account.admin_key)
-        .json(&json!({"id": id, "modelPrivacy": "PRIVATE_ONLY"}))
         .send()
         .await
         .unwrap();
-    assert_eq!(updated.status(), 200);
+    assert_eq!(changed.status(), 200);
     let started = std::time::Instant::now();
-    assert_eq!(chat_at(a).await.unwrap().status(), 403);
+    assert_eq!(chat_at(a).await.unwrap().status(), refused);
     loop {
         let status = chat_at(b).await.unwrap().status();
-        if status == 403 {
+        if status == refused {
             break;
         }
         assert_eq!(status, 200);
@@ -520,51 +524,15 @@ async fn a_key_updated_through_one_gateway_holds_on_the_other() {
         );
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
+    assert_eq!(chat_at(a).await.unwrap().status(), refused);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_updated_through_one_gateway_holds_on_the_other() {
+    a_change_through_one_gateway_reaches_the_other(Change::Privacy, 403).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_deleted_through_one_gateway_is_refused_by_the_other() {
-    let world = world(Topology::Replicated, Storage::Sqlite).await;
-    let sandbox = &world.sandbox;
-    let [a, b] = [&sandbox.gateway_urls[0], &sandbox.gateway_urls[1]];
-    let account = sandbox.create_account("acme").await.unwrap();
-    let (id, secret) = sandbox
-        .create_key(&account.admin_key, "INFERENCE")
-        .await
-        .unwrap();
-    let chat_at = |base: &str| {
-        sandbox
-            .http()
-            .post(format!("{base}/api/v1/chat/completions"))
-            .bearer_auth(&secret)
-            .json(&json!({"model": "mock-chat", "messages": [{"role": "user", "content": "hi"}]}))
-            .send()
-    };
-    // Both gateways have the key in their caches.
-    for base in [a, b, a, b] {
-        assert_eq!(chat_at(base).await.unwrap().status(), 200);
-    }
-    let deleted = sandbox
-        .http()
-        .delete(format!("{a}/api/v1/api_keys?id={id}"))
-        .bearer_auth(&account.admin_key)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(deleted.status(), 200);
-    let started = std::time::Instant::now();
-    assert_eq!(chat_at(a).await.unwrap().status(), 401);
-    loop {
-        let status = chat_at(b).await.unwrap().status();
-        if status == 401 {
-            break;
-        }
-        assert_eq!(status, 200);
-        assert!(
-            started.elapsed() < std::time::Duration::from_secs(1),
-            "gateway B still accepts the deleted key after a second"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
-    assert_eq!(chat_at(a).await.unwrap().status(), 401);
+    a_change_through_one_gateway_reaches_the_other(Change::Delete, 401).await;
 }

@@ -292,42 +292,16 @@ pub async fn video_queue(
 ) -> Result<HttpResponse, ApiError> {
     let principal = authenticate(&gateway, &request).await?;
     let body = object_body(&gateway, &request, payload).await?;
-    let mut details = Details::new();
-    let known: Vec<&str> = VIDEO_MEMBERS
-        .iter()
-        .chain(UNSUPPORTED_VIDEO_MEMBERS)
-        .copied()
-        .collect();
-    unknown_members(&body, &known, &mut details);
-    let mut members = Members {
-        body: &body,
-        details: &mut details,
-    };
-    let model_id = members.text("model", 1, 256);
-    if model_id.is_none() && !members.present_member("model") {
-        members.details.push(&["model"], "Required");
-    }
-    details.into_result()?;
-    let model = media::model_of(
-        &gateway,
-        model_id.as_deref(),
-        Kind::Video.model_types(),
-        false,
-    )?;
-    let config = &model.config;
-    let mut details = Details::new();
-    refuse_unsupported(&body, UNSUPPORTED_VIDEO_MEMBERS, &config.id, &mut details);
-    let limit = config
+    let (model, mut details) = queued_model(&gateway, &body, Kind::Video)?;
+    let limit = model
+        .config
         .prompt_character_limit
         .map_or(DEFAULT_VIDEO_PROMPT_CHARS, |l| l as usize);
     let mut members = Members {
         body: &body,
         details: &mut details,
     };
-    let prompt = members.text("prompt", 1, limit);
-    if prompt.is_none() && !members.present_member("prompt") {
-        members.details.push(&["prompt"], "Required");
-    }
+    let prompt = required_text(&mut members, "prompt", limit);
     let negative = members.text("negative_prompt", 0, limit);
     let audio = members.boolean("audio");
     let order = video_order(model, &mut members, true);
@@ -367,39 +341,13 @@ pub async fn audio_queue(
 ) -> Result<HttpResponse, ApiError> {
     let principal = authenticate(&gateway, &request).await?;
     let body = object_body(&gateway, &request, payload).await?;
-    let mut details = Details::new();
-    let known: Vec<&str> = AUDIO_MEMBERS
-        .iter()
-        .chain(UNSUPPORTED_AUDIO_MEMBERS)
-        .copied()
-        .collect();
-    unknown_members(&body, &known, &mut details);
-    let mut members = Members {
-        body: &body,
-        details: &mut details,
-    };
-    let model_id = members.text("model", 1, 256);
-    if model_id.is_none() && !members.present_member("model") {
-        members.details.push(&["model"], "Required");
-    }
-    details.into_result()?;
-    let model = media::model_of(
-        &gateway,
-        model_id.as_deref(),
-        Kind::Audio.model_types(),
-        false,
-    )?;
+    let (model, mut details) = queued_model(&gateway, &body, Kind::Audio)?;
     let config = &model.config;
-    let mut details = Details::new();
-    refuse_unsupported(&body, UNSUPPORTED_AUDIO_MEMBERS, &config.id, &mut details);
     let mut members = Members {
         body: &body,
         details: &mut details,
     };
-    let prompt = members.text("prompt", 1, MAX_QUEUED_SPEECH_CHARS);
-    if prompt.is_none() && !members.present_member("prompt") {
-        members.details.push(&["prompt"], "Required");
-    }
+    let prompt = required_text(&mut members, "prompt", MAX_QUEUED_SPEECH_CHARS);
     let voice = members.text("voice", 1, 512);
     let language = members.text("language_code", 2, 16);
     let speed = members.number("speed", 0.25, 4.0, false);
@@ -445,6 +393,45 @@ pub async fn audio_queue(
         price,
     )
     .await
+}
+
+/// A string member of 1 to `max` characters that must be there.
+fn required_text(members: &mut Members<'_>, name: &str, max: usize) -> Option<String> {
+    let text = members.text(name, 1, max);
+    if text.is_none() && !members.present_member(name) {
+        members.details.push(&[name], "Required");
+    }
+    text
+}
+
+/// The first checks of a queue request: no member the hosted request does
+/// not have, a `model` of the kind, and the members this server does not
+/// offer named for it. The checks that follow add to the returned details.
+fn queued_model<'g>(
+    gateway: &'g Gateway,
+    body: &Map<String, Value>,
+    kind: Kind,
+) -> Result<(&'g ModelEntry, Details), ApiError> {
+    let (offered, unsupported) = match kind {
+        Kind::Video => (VIDEO_MEMBERS, UNSUPPORTED_VIDEO_MEMBERS),
+        Kind::Audio => (AUDIO_MEMBERS, UNSUPPORTED_AUDIO_MEMBERS),
+    };
+    let mut details = Details::new();
+    let known: Vec<&str> = offered.iter().chain(unsupported).copied().collect();
+    unknown_members(body, &known, &mut details);
+    let model_id = required_text(
+        &mut Members {
+            body,
+            details: &mut details,
+        },
+        "model",
+        256,
+    );
+    details.into_result()?;
+    let model = media::model_of(gateway, model_id.as_deref(), kind.model_types(), false)?;
+    let mut details = Details::new();
+    refuse_unsupported(body, unsupported, &model.config.id, &mut details);
+    Ok((model, details))
 }
 
 /// Admits and holds a job's price, stores the job, wakes the workers.

@@ -157,17 +157,7 @@ pub async fn update(
         details.push(&[], "Expected object");
         return Err(ApiError::validation(details));
     };
-    let unknown: Vec<&str> = object
-        .keys()
-        .map(String::as_str)
-        .filter(|k| !UPDATE_FIELDS.contains(k))
-        .collect();
-    if !unknown.is_empty() {
-        details.push(
-            &[],
-            format!("Unrecognized key(s) in object: '{}'", unknown.join("', '")),
-        );
-    }
+    crate::media::unknown_members(object, UPDATE_FIELDS, &mut details);
     if object.contains_key("apiKeyType") {
         details.push(&["apiKeyType"], "A key's type cannot be changed");
     }
@@ -380,17 +370,7 @@ fn validate_create(body: &Value) -> Result<CreateKey, ApiError> {
         details.push(&[], "Expected object");
         return Err(ApiError::validation(details));
     };
-    let unknown: Vec<&str> = object
-        .keys()
-        .map(String::as_str)
-        .filter(|k| !CREATE_FIELDS.contains(k))
-        .collect();
-    if !unknown.is_empty() {
-        details.push(
-            &[],
-            format!("Unrecognized key(s) in object: '{}'", unknown.join("', '")),
-        );
-    }
+    crate::media::unknown_members(object, CREATE_FIELDS, &mut details);
     let key_type = match object.get("apiKeyType").and_then(Value::as_str) {
         Some("ADMIN") => pb::KeyType::Admin,
         Some("INFERENCE") => pb::KeyType::Inference,
