@@ -269,6 +269,33 @@ async fn key_updates_and_model_privacy(world: &World) {
     assert_eq!(created["data"]["modelPrivacy"], "PRIVATE_TEXT");
     let text_only = created["data"]["apiKey"].as_str().unwrap();
     assert_eq!(chat_with(world, text_only, "old-chat").await.status(), 403);
+    // Its list shows what it may use; without a key the list is whole.
+    let listed = |key: Option<&str>| {
+        let mut request = sandbox.http().get(sandbox.api("/models"));
+        if let Some(key) = key {
+            request = request.bearer_auth(key);
+        }
+        async move {
+            let body: Value = request.send().await.unwrap().json().await.unwrap();
+            body["data"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|m| m["id"].as_str().unwrap().to_owned())
+                .collect::<Vec<_>>()
+        }
+    };
+    assert!(
+        !listed(Some(text_only))
+            .await
+            .contains(&"old-chat".to_owned())
+    );
+    assert!(listed(None).await.contains(&"old-chat".to_owned()));
+    assert!(
+        listed(Some("RIALTO_INFERENCE_KEY_nope"))
+            .await
+            .contains(&"old-chat".to_owned())
+    );
     // `expiresAt: ""` removes an expiry.
     let cleared = patch(
         world,

@@ -280,14 +280,15 @@ fn privacy_name(privacy: &str) -> &str {
 
 /// Refuses a request of a key whose `modelPrivacy` does not allow
 /// `model`: PRIVATE_ONLY allows private models only, PRIVATE_TEXT private
-/// text models (and any model of another type). The hosted API's 403.
+/// text and embedding models (and any model of another type). The hosted API's 403.
 pub(crate) fn check_privacy(
     principal: &rialto_proto::auth::v1::Principal,
     model: &rialto_core::ModelConfig,
 ) -> Result<(), ApiError> {
     let restricted = match principal.model_privacy.as_str() {
         "PRIVATE_ONLY" => true,
-        "PRIVATE_TEXT" => model.model_type == "text",
+        // Text and embedding models read what the caller writes.
+        "PRIVATE_TEXT" => matches!(model.model_type.as_str(), "text" | "embedding"),
         _ => false,
     };
     if restricted && model.privacy != "private" {

@@ -30,10 +30,20 @@ pub struct Query {
     model_type: Option<String>,
 }
 
+/// `GET /models?type=`: public; a key presented whose `modelPrivacy` is
+/// not ALL sees only the models it may use (one that does not
+/// authenticate is as none: the list is public).
 pub async fn list(
     gateway: web::Data<Gateway>,
+    request: actix_web::HttpRequest,
     query: web::Query<Query>,
 ) -> Result<HttpResponse, ApiError> {
+    let caller = match crate::bearer_token(request.headers()) {
+        Some(_) => crate::authenticate_caller(&gateway, &request, false)
+            .await
+            .ok(),
+        None => None,
+    };
     let wanted = query.model_type.as_deref().unwrap_or("text");
     if !TYPES.contains(&wanted) {
         let mut details = Details::new();
@@ -55,6 +65,11 @@ pub async fn list(
             // No model declares itself optimized for code yet.
             "code" => false,
             other => m.model_type == other,
+        })
+        .filter(|m| {
+            caller
+                .as_ref()
+                .is_none_or(|caller| crate::keys::check_privacy(caller, m).is_ok())
         })
         .map(|m| model_json(m, &gateway.brand.name, gateway.web_search.is_some()))
         .collect();
