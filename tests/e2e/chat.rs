@@ -468,6 +468,12 @@ async fn models_and_openapi(world: &World) {
         .map(|m| m["id"].as_str().unwrap())
         .collect();
     assert_eq!(ids, ["mock-chat", "dead-chat", "old-chat"]);
+    let old = &body["data"][2]["model_spec"];
+    assert_eq!(
+        old["deprecation"],
+        json!({"autoRemap": false, "date": "2026-12-01", "removesAt": "2026-12-01"})
+    );
+    assert_eq!(old["privacy"], "anonymized");
     let model = &body["data"][0];
     assert_eq!(model["object"], "model");
     assert_eq!(model["owned_by"], "rialto");

@@ -892,6 +892,12 @@ async fn listings(world: &World) {
         tts[0]["model_spec"]["supported_formats"],
         json!(["wav", "pcm"])
     );
+    assert_eq!(tts[0]["model_spec"]["default_voice"], "af_sky");
+    let upscale = models("upscale").await;
+    assert_eq!(
+        upscale[0]["model_spec"]["pricing"]["upscale"]["4x"]["usd"].to_string(),
+        "0.08"
+    );
     let asr = models("asr").await;
     assert_eq!(
         asr[0]["model_spec"]["pricing"]["per_audio_second"]["usd"].to_string(),

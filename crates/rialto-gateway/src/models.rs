@@ -268,6 +268,9 @@ fn model_json(model: &ModelConfig, brand: &str, web_search: bool) -> Value {
         "tts" => {
             let formats = model.audio_formats();
             spec["voices"] = json!(model.voices);
+            if let Some(voice) = model.voices.first() {
+                spec["default_voice"] = json!(voice);
+            }
             spec["default_format"] = json!(formats.first());
             spec["supported_formats"] = json!(formats);
         }
@@ -283,7 +286,8 @@ fn model_json(model: &ModelConfig, brand: &str, web_search: bool) -> Value {
         spec["maxCompletionTokens"] = json!(max);
     }
     if let Some(date) = &model.deprecation_date {
-        spec["deprecation"] = json!({"date": date});
+        // Nothing is remapped: the model serves until the operator removes it.
+        spec["deprecation"] = json!({"autoRemap": false, "date": date, "removesAt": date});
     }
     let mut entry = json!({
         "id": model.id,
