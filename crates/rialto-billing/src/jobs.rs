@@ -253,8 +253,12 @@ impl JobStore {
 
     /// The owner's completion: the media is deleted, and a job still open
     /// is cancelled (its hold released, nothing charged).
-    pub async fn complete(&self, id: &str, owner: &str) -> Result<Finished> {
-        let current = self.read(id, Some(owner)).await?.ok_or_else(not_found)?;
+    pub async fn complete(&self, id: &str, owner: &str, model_id: &str) -> Result<Finished> {
+        let current = self
+            .read(id, Some(owner))
+            .await?
+            .filter(|job| of_model(job, model_id))
+            .ok_or_else(not_found)?;
         let now = now_ms();
         let cancelled = sqlx::query(
             "UPDATE media_jobs SET state = 'deleted', finished_ms = $1, lease_until_ms = 0, \
@@ -299,6 +303,7 @@ impl JobStore {
         let mut job = self
             .read(&request.id, Some(&request.owner))
             .await?
+            .filter(|job| of_model(job, &request.model_id))
             .ok_or_else(not_found)?;
         job.average_execution_ms = self.average_execution_ms(&job.model_id).await;
         if request.with_result && job.state == COMPLETED {
@@ -426,6 +431,11 @@ impl JobStore {
             Err(error) => tracing::warn!(%error, "media retention sweep failed"),
         }
     }
+}
+
+/// Whether `job` is of the model a caller names (any, when none).
+fn of_model(job: &pb::Job, model_id: &str) -> bool {
+    model_id.is_empty() || job.model_id == model_id
 }
 
 /// Marks a job its owner cancelled while it was open (`error_code`).
@@ -592,7 +602,7 @@ mod tests {
             assert_eq!(worker[0].id, id);
             let made = report(&id, "w", COMPLETED);
             let (done, cancelled) =
-                tokio::join!(jobs.update(&made), jobs.complete(&id, "account:1"));
+                tokio::join!(jobs.update(&made), jobs.complete(&id, "account:1", ""));
             let (done, cancelled) = (done.unwrap(), cancelled.unwrap());
             // Whoever won, every settlement sent says the same amount: the
             // price when the media was made first, nothing when the cancel
@@ -657,9 +667,20 @@ mod tests {
         let get = |delete_result| pb::GetJobRequest {
             id: "old".to_owned(),
             owner: "account:1".to_owned(),
+            model_id: "video".to_owned(),
             with_result: true,
             delete_result,
         };
+        assert_eq!(jobs.get(&get(false)).await.unwrap().result, b"media");
+        // Named with another model: not found, and its media not deleted.
+        let elsewhere = pb::GetJobRequest {
+            model_id: "image".to_owned(),
+            ..get(true)
+        };
+        assert_eq!(
+            jobs.get(&elsewhere).await.unwrap_err().code,
+            ErrorCode::NotFound
+        );
         assert_eq!(jobs.get(&get(false)).await.unwrap().result, b"media");
         // Finished 25 hours ago (retention 24).
         let long_ago = now_ms() - 25 * 3_600_000;

@@ -743,7 +743,10 @@ impl BillingService for LocalBilling {
     }
 
     async fn complete_job(&self, request: pb::CompleteJobRequest) -> Result<pb::Job> {
-        let finished = self.jobs.complete(&request.id, &request.owner).await?;
+        let finished = self
+            .jobs
+            .complete(&request.id, &request.owner, &request.model_id)
+            .await?;
         self.settle_job(finished).await
     }
 }

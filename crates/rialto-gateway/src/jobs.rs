@@ -608,13 +608,13 @@ async fn retrieve(
         .get_job(billing_pb::GetJobRequest {
             id: queue_id,
             owner: crate::ledger_owner(&principal),
+            // Another model's job is not found, and its media not deleted
+            // (the model names the kind too).
+            model_id: model.config.id.clone(),
             with_result: true,
             delete_result: delete,
         })
         .await?;
-    if job.model_id != model.config.id || job.kind != kind.name() {
-        return Err(media_not_found());
-    }
     let mut response = HttpResponse::Ok();
     crate::chat::model_headers(&mut response, &gateway, model, &job.backend, 0);
     match job.state.as_str() {
@@ -682,25 +682,13 @@ async fn complete(
     let (model_id, queue_id, _) = job_reference(&body, false)?;
     let model = media::model_of(&gateway, Some(&model_id), kind.model_types(), false)?;
     let principal = admit_poll(&gateway, &request, kind, model).await?;
-    let owner = crate::ledger_owner(&principal);
-    let job = gateway
-        .services
-        .billing
-        .get_job(billing_pb::GetJobRequest {
-            id: queue_id.clone(),
-            owner: owner.clone(),
-            ..Default::default()
-        })
-        .await?;
-    if job.model_id != model.config.id || job.kind != kind.name() {
-        return Err(media_not_found());
-    }
     gateway
         .services
         .billing
         .complete_job(billing_pb::CompleteJobRequest {
             id: queue_id,
-            owner,
+            owner: crate::ledger_owner(&principal),
+            model_id: model.config.id.clone(),
         })
         .await?;
     Ok(HttpResponse::Ok().json(json!({"success": true})))

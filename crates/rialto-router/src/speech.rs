@@ -105,6 +105,12 @@ impl Espeak {
             child.wait().await
         })
         .await;
+        if wav.len() as u64 >= MAX_AUDIO_BYTES {
+            // Cut off at the bound: refused rather than answered short.
+            return Err(Error::invalid(
+                "The speech would be longer than one answer may be: split the input",
+            ));
+        }
         match finished {
             Ok(Ok(status)) if status.success() => fixed_lengths(wav),
             Ok(Ok(status)) => {
