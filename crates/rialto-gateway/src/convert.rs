@@ -5,7 +5,8 @@
 //! for hundreds of gigabytes. Neither is a panic that could be caught: the
 //! process aborts. So `rialto serve` converts each such file in a child
 //! process (`rialto convert-file`, the same binary) that:
-//! - runs with an address-space bound ([`MEMORY_BYTES`]), a CPU-time bound
+//! - runs with an address-space bound (what it has mapped plus
+//!   [`MEMORY_BYTES`]), a CPU-time bound
 //!   ([`CPU_SECS`]), no core dumps and no files written, set by the child
 //!   on itself before it reads a byte of the file;
 //! - gets the file on stdin and answers its text on stdout, or a reason on
@@ -28,11 +29,14 @@ use tokio::sync::Semaphore;
 
 use crate::files::{self, Format};
 
-/// Address space of a conversion. The binary's mappings and mimalloc's
-/// arena, reserved at start, count in it (a child starts at ~1.1 GB of
-/// virtual size, ~22 MB resident); allocations are served from that arena
-/// until it is used up, then fail. Measured: a 3-million-cell sheet (~100
-/// MB of cells) converts, and the 550 GB allocation fails at once.
+/// Address space a conversion may add to what the child has mapped when it
+/// bounds itself. The binary's mappings and mimalloc's arena, reserved at
+/// start, are ~1.1 GB of virtual size (~22 MB resident) and vary from run
+/// to run: a bound of 1 GiB in all, as this once was, left the child no
+/// room to map anything, so that an allocation the arena could not serve
+/// aborted it now and then, even for a small web page (a flaky CI run of
+/// `/augment/scrape`). Measured: a 3-million-cell sheet (~100 MB of cells)
+/// converts, and the 550 GB allocation fails at once.
 pub const MEMORY_BYTES: u64 = 1 << 30;
 /// CPU time of a conversion.
 pub const CPU_SECS: u64 = 10;
@@ -201,14 +205,32 @@ impl Converter {
     }
 }
 
+/// The process's virtual size now (`VmSize` of `/proc/self/status`).
+fn mapped_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmSize:"))?;
+    let kib: u64 = line
+        .trim_start_matches("VmSize:")
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    kib.checked_mul(1024)
+}
+
 /// `rialto convert-file`: bounds itself, reads a file on stdin, writes its
 /// text on stdout. Exit status 0 with text, 1 with a reason on stderr.
 pub fn child_main(name: &str, media_type: &str) -> std::process::ExitCode {
     use rlimit::Resource;
     use std::io::{Read, Write};
     // Before any byte of the file: a parser that runs away meets these.
+    let Some(mapped) = mapped_bytes() else {
+        eprintln!("{name:?} could not be read: the converter cannot see its own size");
+        return std::process::ExitCode::from(2);
+    };
     let limits = [
-        (Resource::AS, MEMORY_BYTES),
+        (Resource::AS, mapped.saturating_add(MEMORY_BYTES)),
         (Resource::CPU, CPU_SECS),
         (Resource::CORE, 0),
         (Resource::FSIZE, 0),
