@@ -917,3 +917,206 @@ async fn a_key_consumption_limit_caps_concurrent_spending() {
     let balance = balance(sandbox, &admin).await;
     assert_eq!(balance["balances"]["usd"].to_string(), "9.997996");
 }
+
+/// `GET /billing/usage-history` walks every charge oldest first with a
+/// cursor, in JSON and CSV; `GET /billing/usage-analytics` sums them by
+/// day, model and key.
+async fn usage_walk_and_analytics(topology: Topology, storage: Storage) {
+    let world = world(topology, storage).await;
+    let sandbox = &world.sandbox;
+    let (_, admin, first_key) = funded(sandbox, "1").await;
+    let (_, second_key) = sandbox.create_key(&admin, "INFERENCE").await.unwrap();
+    let small = json!({"model": "paid-chat", "max_tokens": 10,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "mock": {"words": 10}});
+    // Seven by one key, five by the other, at once: 12 charges of $0.000012.
+    let keys: Vec<&str> = std::iter::repeat_n(first_key.as_str(), 7)
+        .chain(std::iter::repeat_n(second_key.as_str(), 5))
+        .collect();
+    let answers = join_all(keys.iter().map(|key| chat(sandbox, key, &small))).await;
+    let mut request_ids: Vec<String> = Vec::new();
+    for answer in answers {
+        assert_eq!(answer.status(), 200);
+        let body: Value = answer.json().await.unwrap();
+        request_ids.push(body["id"].as_str().unwrap().to_owned());
+    }
+    let get = |path: &str, accept: &str| {
+        let request = sandbox
+            .http()
+            .get(sandbox.api(path))
+            .bearer_auth(&admin)
+            .header("accept", accept);
+        async move { request.send().await.unwrap() }
+    };
+
+    // The walk: 10, then 2, in time order, each charge once.
+    let page: Value = get("/billing/usage-history?pageSize=10", "application/json")
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(page["data"].as_array().unwrap().len(), 10, "{page}");
+    let cursor = page["nextCursor"].as_str().unwrap().to_owned();
+    assert!(
+        cursor
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    );
+    let rest: Value = get(
+        &format!("/billing/usage-history?cursor={cursor}"),
+        "application/json",
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    assert_eq!(rest["data"].as_array().unwrap().len(), 2, "{rest}");
+    assert_eq!(rest["nextCursor"], Value::Null);
+    let walked: Vec<&Value> = page["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .chain(rest["data"].as_array().unwrap())
+        .collect();
+    let times: Vec<&str> = walked
+        .iter()
+        .map(|e| e["timestamp"].as_str().unwrap())
+        .collect();
+    assert!(times.windows(2).all(|w| w[0] <= w[1]), "{times:?}");
+    let mut seen: Vec<String> = walked
+        .iter()
+        .map(|e| {
+            e["inferenceDetails"]["requestId"]
+                .as_str()
+                .unwrap()
+                .to_owned()
+        })
+        .collect();
+    seen.sort();
+    let mut expected = request_ids.clone();
+    expected.sort();
+    assert_eq!(seen, expected, "every charge once");
+    assert_eq!(walked[0]["amount"].to_string(), "-0.000012");
+
+    // CSV: the cursor in a header, a file name stamped with the time.
+    let csv = get("/billing/usage-history?pageSize=10", "text/csv").await;
+    assert_eq!(csv.status(), 200);
+    let disposition = csv.headers()["content-disposition"].to_str().unwrap();
+    assert!(
+        disposition.starts_with("attachment; filename=billing-usage-history-")
+            && disposition.ends_with("Z.csv")
+            && disposition.len() == "attachment; filename=billing-usage-history-".len() + 23,
+        "{disposition}"
+    );
+    let next = csv.headers()["x-next-cursor"].to_str().unwrap().to_owned();
+    assert_eq!(csv.text().await.unwrap().lines().count(), 11);
+    let last = get(&format!("/billing/usage-history?cursor={next}"), "text/csv").await;
+    assert!(last.headers().get("x-next-cursor").is_none());
+    assert_eq!(last.text().await.unwrap().lines().count(), 3);
+
+    // Filters, and what they refuse.
+    let diem: Value = get("/billing/usage-history?currency=DIEM", "application/json")
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(diem, json!({"data": [], "nextCursor": null}));
+    let future: Value = get(
+        "/billing/usage-history?startTimestamp=2999-01-01T00:00:00.000Z",
+        "application/json",
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    assert_eq!(future["data"], json!([]));
+    for bad in [
+        format!("cursor={cursor}&pageSize=10"),
+        "cursor=not-a-cursor".to_owned(),
+        "pageSize=5".to_owned(),
+        "currency=EUR".to_owned(),
+        "startTimestamp=2026-01-02T00:00:00Z&endTimestamp=2026-01-01T00:00:00Z".to_owned(),
+        "startTimestamp=yesterday".to_owned(),
+    ] {
+        let response = get(&format!("/billing/usage-history?{bad}"), "application/json").await;
+        assert_eq!(response.status(), 400, "{bad}");
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(body["error"], "Invalid request parameters", "{body}");
+    }
+
+    // Analytics: today's total, the one model, the two keys by spend.
+    let analytics: Value = get("/billing/usage-analytics?lookback=3d", "application/json")
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(analytics["lookback"], "3d");
+    let days = analytics["byDate"].as_array().unwrap();
+    assert_eq!(days.len(), 3);
+    let today = chrono::Utc::now().format("%Y-%m-%d").to_string();
+    assert_eq!(days[2]["date"], today.as_str());
+    assert_eq!(days[2]["USD"].to_string(), "0.000144", "{analytics}");
+    assert_eq!(days[0]["USD"].to_string(), "0");
+    let model = &analytics["byModel"][0];
+    assert_eq!(model["modelName"], "paid-chat");
+    assert_eq!(model["modelType"], "LLM");
+    assert_eq!(model["unitType"], "tokens");
+    assert_eq!(model["totalUsd"].to_string(), "0.000144");
+    assert_eq!(model["totalUnits"], 144);
+    assert_eq!(analytics["topModels"], json!(["paid-chat"]));
+    assert_eq!(analytics["byModelDaily"].as_array().unwrap().len(), 3);
+    assert_eq!(
+        analytics["byModelDaily"][2]["paid-chat"].to_string(),
+        "0.000144"
+    );
+    let by_key = analytics["byKey"].as_array().unwrap();
+    assert_eq!(by_key.len(), 2, "{analytics}");
+    assert_eq!(by_key[0]["totalUsd"].to_string(), "0.000084");
+    assert_eq!(by_key[1]["totalUsd"].to_string(), "0.00006");
+    assert_eq!(by_key[0]["totalUnits"], 84);
+    assert!(by_key[0]["apiKeyId"].is_string());
+    assert_eq!(analytics["topKeyNames"].as_array().unwrap().len(), 2);
+    let dated: Value = get(
+        &format!("/billing/usage-analytics?startDate={today}&endDate={today}"),
+        "application/json",
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    assert_eq!(dated["lookback"], format!("{today}:{today}"));
+    assert_eq!(dated["byDate"][0]["USD"].to_string(), "0.000144");
+    for bad in [
+        "lookback=0d",
+        "lookback=91d",
+        "lookback=week",
+        "startDate=2026-01-01",
+        "startDate=2026-01-02&endDate=2026-01-01",
+        "startDate=2026-01-01&endDate=2026-06-01",
+    ] {
+        let response = get(
+            &format!("/billing/usage-analytics?{bad}"),
+            "application/json",
+        )
+        .await;
+        assert_eq!(response.status(), 400, "{bad}");
+    }
+    // An INFERENCE key reads neither.
+    for path in ["/billing/usage-history", "/billing/usage-analytics"] {
+        let refused = sandbox
+            .call(Method::GET, path, &first_key, None)
+            .await
+            .unwrap();
+        assert_eq!(refused.status(), 401, "{path}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_walk_and_analytics_one_process() {
+    usage_walk_and_analytics(Topology::OneProcess, Storage::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_walk_and_analytics_split_on_postgres() {
+    usage_walk_and_analytics(Topology::Split, Storage::Postgres).await;
+}

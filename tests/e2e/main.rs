@@ -7,8 +7,10 @@
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod billing;
+mod characters;
 mod chat;
 mod crash;
+mod crypto_rpc;
 mod documents;
 mod fuzz;
 mod keys;

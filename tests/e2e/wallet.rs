@@ -960,3 +960,207 @@ async fn a_wallet_pays_for_an_image_and_a_video() {
         tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     }
 }
+
+async fn web3_token(sandbox: &Sandbox) -> String {
+    // No credentials: the token is public.
+    let response = sandbox
+        .http()
+        .get(sandbox.api("/api_keys/generate_web3_key"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let body: Value = response.json().await.unwrap();
+    assert_eq!(body["success"], true);
+    body["data"]["token"].as_str().unwrap().to_owned()
+}
+
+async fn create_web3_key(sandbox: &Sandbox, body: &Value) -> Response {
+    sandbox
+        .http()
+        .post(sandbox.api("/api_keys/generate_web3_key"))
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+}
+
+fn signed_by(wallet: &PrivateKeySigner, token: &str) -> String {
+    let signature = wallet.sign_message_sync(token.as_bytes()).unwrap();
+    format!("0x{}", hex::encode(signature.as_bytes()))
+}
+
+/// `GET` and `POST /api_keys/generate_web3_key`: a wallet signs the token
+/// and gets a key of its own account, which spends the wallet's balance
+/// (what x402 top-ups credit); a token makes one key, however many race
+/// with it; what another wallet signed, a token for another service, and
+/// a token altered after signing are refused.
+async fn a_wallet_gets_an_api_key(topology: Topology) {
+    let world = world(topology).await;
+    let sandbox = &world.sandbox;
+    let wallet = &world.wallet;
+    let address = wallet.address().to_checksum(None);
+
+    let token = web3_token(sandbox).await;
+    assert!(
+        token.starts_with("127.0.0.1:8080 asks you to sign"),
+        "{token}"
+    );
+    // Refusals first, and none of them uses the token up.
+    let response = create_web3_key(sandbox, &json!({"apiKeyType": "ADMIN"})).await;
+    assert_eq!(response.status(), 400);
+    let body: Value = response.json().await.unwrap();
+    for field in ["address", "signature", "token"] {
+        assert_eq!(body["details"][field]["_errors"][0], "Required", "{body}");
+    }
+    let stranger: PrivateKeySigner =
+        "0x59c6995e998f97a5a0044966f0945389dc9e86dae88c7a8412f4603b6b78690d"
+            .parse()
+            .unwrap();
+    let forged = json!({"apiKeyType": "ADMIN", "address": address, "token": token,
+        "signature": signed_by(&stranger, &token)});
+    let altered = token.replace("Nonce: ", "Nonce: 0");
+    let tampered = json!({"apiKeyType": "ADMIN", "address": address, "token": altered,
+        "signature": signed_by(wallet, &token)});
+    let elsewhere = token.replacen("127.0.0.1:8080", "evil.example", 1);
+    let foreign = json!({"apiKeyType": "ADMIN", "address": address, "token": elsewhere,
+        "signature": signed_by(wallet, &elsewhere)});
+    for refused in [forged, tampered, foreign] {
+        let response = create_web3_key(sandbox, &refused).await;
+        assert_eq!(response.status(), 401, "{refused}");
+        let body: Value = response.json().await.unwrap();
+        assert!(body["error"].is_string(), "{body}");
+    }
+    let unknown = json!({"apiKeyType": "ADMIN", "address": address, "token": token,
+        "signature": signed_by(wallet, &token), "account": "someone else's"});
+    assert_eq!(create_web3_key(sandbox, &unknown).await.status(), 400);
+
+    // Signed by the wallet: a key, in the hosted shape, once. Four more
+    // requests with the same token race the first; exactly one wins.
+    let good = json!({"apiKeyType": "ADMIN", "address": address.to_lowercase(),
+        "token": token, "signature": signed_by(wallet, &token),
+        "consumptionLimit": {"usd": 1}, "limitPeriod": "MONTH"});
+    let answers = join_all((0..5).map(|_| create_web3_key(sandbox, &good))).await;
+    let mut created = Vec::new();
+    for response in answers {
+        match response.status().as_u16() {
+            200 => created.push(response.json::<Value>().await.unwrap()),
+            401 => {}
+            other => panic!("{other}: {}", response.text().await.unwrap()),
+        }
+    }
+    assert_eq!(created.len(), 1, "a token makes one key");
+    let data = &created[0]["data"];
+    assert_eq!(created[0]["success"], true);
+    assert_eq!(data["apiKeyType"], "ADMIN");
+    assert_eq!(data["description"], "Web3 API Key");
+    assert_eq!(data["consumptionLimit"]["usd"].as_f64(), Some(1.0));
+    assert_eq!(data["limitPeriod"], "MONTH");
+    let admin = data["apiKey"].as_str().unwrap().to_owned();
+
+    // The key's account is the wallet's: a second key lands beside it.
+    let token = web3_token(sandbox).await;
+    let response = create_web3_key(
+        sandbox,
+        &json!({"apiKeyType": "INFERENCE", "address": address, "token": token,
+            "signature": signed_by(wallet, &token), "description": "bot"}),
+    )
+    .await;
+    assert_eq!(response.status(), 200);
+    let inference = response.json::<Value>().await.unwrap()["data"]["apiKey"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let listed: Value = sandbox
+        .call(Method::GET, "/api_keys", &admin, None)
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let mut descriptions: Vec<&str> = listed["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["description"].as_str().unwrap())
+        .collect();
+    descriptions.sort_unstable();
+    assert_eq!(descriptions, ["Web3 API Key", "bot"]);
+
+    // Nothing to spend yet; a $5 top-up by the wallet is the keys' balance.
+    let chat = json!({"model": "paid-chat", "max_tokens": 10,
+        "messages": [{"role": "user", "content": "hello"}], "mock": {"words": 10}});
+    let response = sandbox
+        .call(Method::POST, "/chat/completions", &inference, Some(&chat))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 402);
+    let paid = payment(wallet, PAY_TO, 5_000_000, 300, "USD Coin", random_nonce());
+    assert_eq!(top_up(sandbox, Some(&paid)).await.status(), 200);
+    let balance: Value = sandbox
+        .call(Method::GET, "/billing/balance", &admin, None)
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(balance["balances"]["usd"].as_f64(), Some(5.0), "{balance}");
+    let response = sandbox
+        .call(Method::POST, "/chat/completions", &inference, Some(&chat))
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let remaining: f64 = response.headers()["x-rialto-balance-usd"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(remaining <= 5.0, "{remaining}");
+    // The wallet signed in sees the same balance, lower by the chat.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let balance: Value = sandbox
+            .http()
+            .get(sandbox.api(&format!("/x402/balance/{address}")))
+            .header(
+                "SIGN-IN-WITH-X",
+                sign_in(wallet, &fresh_nonce(), 0, "127.0.0.1:8080"),
+            )
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let usd = balance["data"]["balanceUsd"].as_f64().unwrap();
+        if usd < 5.0 {
+            assert!(usd > 4.99, "{balance}");
+            break;
+        }
+        assert!(std::time::Instant::now() < deadline, "{balance}");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+
+    // A Solana wallet signs the same way (Ed25519, base58).
+    use ed25519_dalek::Signer;
+    let solana = ed25519_dalek::SigningKey::from_bytes(&[7u8; 32]);
+    let token = web3_token(sandbox).await;
+    let signature = bs58::encode(solana.sign(token.as_bytes()).to_bytes()).into_string();
+    let response = create_web3_key(
+        sandbox,
+        &json!({"apiKeyType": "INFERENCE", "token": token, "signature": signature,
+            "address": bs58::encode(solana.verifying_key().to_bytes()).into_string()}),
+    )
+    .await;
+    assert_eq!(response.status(), 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wallet_gets_an_api_key_one_process() {
+    a_wallet_gets_an_api_key(Topology::OneProcess).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wallet_gets_an_api_key_split() {
+    a_wallet_gets_an_api_key(Topology::Split).await;
+}

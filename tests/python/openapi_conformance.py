@@ -11,7 +11,7 @@ tests/e2e/wallet.rs and x402_wallet_check.py).
 The failed-requests guard blocks the client address after more than 20 4xx
 answers in 30 s that no API key authenticated (operator calls, requests
 without credentials, refused sign-ins, payment headers, wallet mismatches):
-this script makes 17 of them; keep it under the threshold.
+this script makes 18 of them; keep it under the threshold.
 """
 
 import base64
@@ -153,6 +153,19 @@ assert check(session.get(f"{api}/characters", headers=admin), 200).json() == {"o
 assert check(session.get(f"{api}/models/traits"), 200).json()["object"] == "list"
 check(session.get(f"{api}/models/compatibility_mapping?type=text"), 200)
 check(session.get(f"{api}/characters/nobody", headers=admin), 404)
+# A stored character, found by its category, reviewed, its reviews paged.
+check(session.put(f"{root}/admin/v1/characters/conformance-sage", headers=operator_auth,
+                  json={"name": "Sage", "system_prompt": "You are a sage.", "categories": ["wisdom"]}), 200)
+found = check(session.get(f"{api}/characters", headers=admin,
+                          params={"categories": "wisdom", "tags[]": [], "sortBy": "highlyRated"}), 200).json()
+assert [c["slug"] for c in found["data"]] == ["conformance-sage"], found
+check(session.post(f"{api}/characters/conformance-sage/reviews", headers=admin,
+                   json={"rating": 5, "message": "Wise.", "locale": "en"}), 200)
+reviews = check(session.get(f"{api}/characters/conformance-sage/reviews", headers=admin,
+                            params={"pageSize": 5}), 200).json()
+assert reviews["summary"] == {"averageRating": 5, "totalReviews": 1}, reviews
+check(session.get(f"{api}/characters/nobody/reviews", headers=admin), 404)
+check(session.delete(f"{root}/admin/v1/characters/conformance-sage", headers=operator_auth), 200)
 check(session.get(f"{api}/api_keys/{created['id']}", headers=admin), 200)
 check(session.get(f"{api}/api_keys", headers=inference), 401)
 patched = check(session.patch(f"{api}/api_keys", headers=admin, json={
@@ -160,6 +173,17 @@ patched = check(session.patch(f"{api}/api_keys", headers=admin, json={
 assert patched["data"]["modelPrivacy"] == "PRIVATE_TEXT", patched
 check(session.patch(f"{api}/api_keys", headers=admin, json={"id": created["id"], "modelPrivacy": "ALL"}), 200)
 check(session.patch(f"{api}/api_keys", headers=admin, json={"id": "no-such-key"}), 400)
+
+# A wallet makes itself a key: the public token, signed with eth-account.
+web3_wallet = Account.create()
+token = check(session.get(f"{api}/api_keys/generate_web3_key"), 200).json()["data"]["token"]
+signature = web3_wallet.sign_message(encode_defunct(text=token)).signature.hex()
+web3 = {"apiKeyType": "INFERENCE", "address": web3_wallet.address, "token": token,
+        "signature": "0x" + signature.removeprefix("0x")}
+web3_key = check(session.post(f"{api}/api_keys/generate_web3_key", json=web3), 200).json()["data"]
+assert web3_key["description"] == "Web3 API Key" and web3_key["apiKey"], web3_key
+# The token is spent.
+check(session.post(f"{api}/api_keys/generate_web3_key", json=web3), 401)
 
 
 def rate_headers(response, tokens):
@@ -261,6 +285,13 @@ assert len(stream_cost) == 1 and stream_cost[0]["usd"] > 0 and stream_cost[0]["d
 spent += stream_cost[0]["usd"]
 # What the chats cost is what the balance lost.
 assert balance(admin)["balances"] == {"diem": 0, "usd": 100 - spent}, spent
+# The same three charges in the usage walk and the analytics.
+walked = check(session.get(f"{api}/billing/usage-history", params={"pageSize": 10}, headers=admin), 200).json()
+assert len(walked["data"]) == 3 and walked["nextCursor"] is None, walked
+analytics = check(session.get(f"{api}/billing/usage-analytics", params={"lookback": "2d"}, headers=admin),
+                  200).json(parse_float=Decimal)
+assert sum(day["USD"] for day in analytics["byDate"]) == spent, (analytics, spent)
+assert [k["apiKeyId"] for k in analytics["byKey"]] == [created["id"]], analytics
 
 # Web search in a chat, and the augment routes, against a mock SearXNG that
 # also serves the page to scrape; each is billed its configured price.

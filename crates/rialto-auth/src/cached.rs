@@ -227,6 +227,31 @@ impl AuthService for CachedAuth {
         updated
     }
 
+    async fn create_web3_key(&self, request: pb::CreateWeb3KeyRequest) -> Result<pb::CreatedKey> {
+        self.inner.create_web3_key(request).await
+    }
+
+    async fn put_character_review(
+        &self,
+        request: pb::PutCharacterReviewRequest,
+    ) -> Result<pb::CharacterReview> {
+        self.inner.put_character_review(request).await
+    }
+
+    async fn list_character_reviews(
+        &self,
+        request: pb::ListCharacterReviewsRequest,
+    ) -> Result<pb::ListCharacterReviewsResponse> {
+        self.inner.list_character_reviews(request).await
+    }
+
+    async fn character_ratings(
+        &self,
+        request: pb::CharacterRatingsRequest,
+    ) -> Result<pb::CharacterRatingsResponse> {
+        self.inner.character_ratings(request).await
+    }
+
     async fn get_account(&self, request: pb::GetAccountRequest) -> Result<pb::Account> {
         self.inner.get_account(request).await
     }
@@ -365,6 +390,27 @@ mod tests {
             Ok(pb::DeleteApiKeyResponse {})
         }
         async fn update_api_key(&self, _: pb::UpdateApiKeyRequest) -> Result<pb::ApiKeyRecord> {
+            unused()
+        }
+        async fn create_web3_key(&self, _: pb::CreateWeb3KeyRequest) -> Result<pb::CreatedKey> {
+            unused()
+        }
+        async fn put_character_review(
+            &self,
+            _: pb::PutCharacterReviewRequest,
+        ) -> Result<pb::CharacterReview> {
+            unused()
+        }
+        async fn list_character_reviews(
+            &self,
+            _: pb::ListCharacterReviewsRequest,
+        ) -> Result<pb::ListCharacterReviewsResponse> {
+            unused()
+        }
+        async fn character_ratings(
+            &self,
+            _: pb::CharacterRatingsRequest,
+        ) -> Result<pb::CharacterRatingsResponse> {
             unused()
         }
         async fn get_account(&self, _: pb::GetAccountRequest) -> Result<pb::Account> {

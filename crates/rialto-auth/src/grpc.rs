@@ -89,6 +89,42 @@ impl Auth for AuthGrpc {
         ))
     }
 
+    async fn put_character_review(
+        &self,
+        request: Request<pb::PutCharacterReviewRequest>,
+    ) -> Result<Response<pb::CharacterReview>, Status> {
+        Ok(Response::new(
+            self.0.put_character_review(request.into_inner()).await?,
+        ))
+    }
+
+    async fn list_character_reviews(
+        &self,
+        request: Request<pb::ListCharacterReviewsRequest>,
+    ) -> Result<Response<pb::ListCharacterReviewsResponse>, Status> {
+        Ok(Response::new(
+            self.0.list_character_reviews(request.into_inner()).await?,
+        ))
+    }
+
+    async fn character_ratings(
+        &self,
+        request: Request<pb::CharacterRatingsRequest>,
+    ) -> Result<Response<pb::CharacterRatingsResponse>, Status> {
+        Ok(Response::new(
+            self.0.character_ratings(request.into_inner()).await?,
+        ))
+    }
+
+    async fn create_web3_key(
+        &self,
+        request: Request<pb::CreateWeb3KeyRequest>,
+    ) -> Result<Response<pb::CreatedKey>, Status> {
+        Ok(Response::new(
+            self.0.create_web3_key(request.into_inner()).await?,
+        ))
+    }
+
     async fn get_account(
         &self,
         request: Request<pb::GetAccountRequest>,
@@ -188,6 +224,46 @@ impl AuthService for RemoteAuth {
 
     async fn update_api_key(&self, request: pb::UpdateApiKeyRequest) -> Result<pb::ApiKeyRecord> {
         Ok(self.0.clone().update_api_key(request).await?.into_inner())
+    }
+
+    async fn create_web3_key(&self, request: pb::CreateWeb3KeyRequest) -> Result<pb::CreatedKey> {
+        Ok(self.0.clone().create_web3_key(request).await?.into_inner())
+    }
+
+    async fn put_character_review(
+        &self,
+        request: pb::PutCharacterReviewRequest,
+    ) -> Result<pb::CharacterReview> {
+        Ok(self
+            .0
+            .clone()
+            .put_character_review(request)
+            .await?
+            .into_inner())
+    }
+
+    async fn list_character_reviews(
+        &self,
+        request: pb::ListCharacterReviewsRequest,
+    ) -> Result<pb::ListCharacterReviewsResponse> {
+        Ok(self
+            .0
+            .clone()
+            .list_character_reviews(request)
+            .await?
+            .into_inner())
+    }
+
+    async fn character_ratings(
+        &self,
+        request: pb::CharacterRatingsRequest,
+    ) -> Result<pb::CharacterRatingsResponse> {
+        Ok(self
+            .0
+            .clone()
+            .character_ratings(request)
+            .await?
+            .into_inner())
     }
 
     async fn get_account(&self, request: pb::GetAccountRequest) -> Result<pb::Account> {

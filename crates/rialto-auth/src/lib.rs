@@ -23,6 +23,7 @@ pub mod grpc;
 mod local;
 mod revocation;
 pub mod siwx;
+pub mod web3;
 
 pub use cached::{CachedAuth, DEFAULT_CAPACITY, PRINCIPAL_TTL};
 pub use local::{LocalAuth, MODEL_PRIVACY};
@@ -50,6 +51,9 @@ pub trait AuthService: Send + Sync + 'static {
     /// Sets a key's description, expiry, cap and model privacy; every
     /// cache of it is dropped at once.
     async fn update_api_key(&self, request: pb::UpdateApiKeyRequest) -> Result<pb::ApiKeyRecord>;
+    /// A key for the wallet that signed a token of [`web3::issue_token`],
+    /// in the wallet's account; a token is good for one key.
+    async fn create_web3_key(&self, request: pb::CreateWeb3KeyRequest) -> Result<pb::CreatedKey>;
     /// The account, or NotFound.
     async fn get_account(&self, request: pb::GetAccountRequest) -> Result<pb::Account>;
     /// Changes the account's rate-limit tier; its keys see it at once here
@@ -69,6 +73,21 @@ pub trait AuthService: Send + Sync + 'static {
         &self,
         request: pb::ListCharactersRequest,
     ) -> Result<pb::ListCharactersResponse>;
+    /// Creates or replaces the account's review of a character.
+    async fn put_character_review(
+        &self,
+        request: pb::PutCharacterReviewRequest,
+    ) -> Result<pb::CharacterReview>;
+    /// A page of a character's reviews, newest first, and their totals.
+    async fn list_character_reviews(
+        &self,
+        request: pb::ListCharacterReviewsRequest,
+    ) -> Result<pb::ListCharacterReviewsResponse>;
+    /// Every reviewed character's count and sum of ratings.
+    async fn character_ratings(
+        &self,
+        request: pb::CharacterRatingsRequest,
+    ) -> Result<pb::CharacterRatingsResponse>;
 }
 
 /// A cloneable handle on the auth service, local or remote.

@@ -329,8 +329,8 @@ impl Inner {
         let started = Instant::now();
         let row = sqlx::query(
             "SELECT k.id, k.account_id, k.key_type, k.expires_at_ms, k.secret_sha256, \
-             a.tier, k.limit_usd_nanos, k.limit_diem_nanos, k.limit_period, k.model_privacy \
-             FROM api_keys k JOIN accounts a ON a.id = k.account_id \
+             a.tier, a.wallet, k.limit_usd_nanos, k.limit_diem_nanos, k.limit_period, \
+             k.model_privacy FROM api_keys k JOIN accounts a ON a.id = k.account_id \
              WHERE k.secret_sha256 = $1",
         )
         .bind(hex::encode(digest))
@@ -535,8 +535,8 @@ fn recheck_sql(size: usize) -> &'static str {
                     .join(", ");
                 format!(
                     "SELECT k.id, k.account_id, k.key_type, k.expires_at_ms, k.secret_sha256, \
-                     a.tier, k.limit_usd_nanos, k.limit_diem_nanos, k.limit_period, \
-                     k.model_privacy \
+                     a.tier, a.wallet, k.limit_usd_nanos, k.limit_diem_nanos, \
+                     k.limit_period, k.model_privacy \
                      FROM api_keys k JOIN accounts a ON a.id = k.account_id \
                      WHERE k.secret_sha256 IN ({placeholders})"
                 )
@@ -561,7 +561,10 @@ fn principal_from_row(row: &sqlx::any::AnyRow) -> Result<(pb::Principal, Option<
             key_type: key_type_from_name(&key_type) as i32,
             tier: row.try_get("tier")?,
             key_limit: limit_from_row(row)?,
-            wallet: String::new(),
+            // A wallet account's keys spend the wallet's ledger.
+            wallet: row
+                .try_get::<Option<String>, _>("wallet")?
+                .unwrap_or_default(),
             model_privacy: row.try_get("model_privacy")?,
         },
         row.try_get("expires_at_ms")?,
@@ -643,6 +646,13 @@ macro_rules! record_columns {
         "id, account_id, key_type, description, created_at_ms, expires_at_ms, \
          last_used_at_ms, last6_chars, limit_usd_nanos, limit_diem_nanos, limit_period, \
          model_privacy"
+    };
+}
+
+/// The columns [`review_from_row`] reads, as a literal for `concat!`.
+macro_rules! review_columns {
+    () => {
+        "id, slug, account_id, rating, message, locale, username, created_at_ms"
     };
 }
 
@@ -798,6 +808,71 @@ impl AuthService for LocalAuth {
         Ok(pb::DeleteApiKeyResponse {})
     }
 
+    async fn create_web3_key(&self, request: pb::CreateWeb3KeyRequest) -> Result<pb::CreatedKey> {
+        let settings = request.key.unwrap_or_default();
+        let key_type = match pb::KeyType::try_from(settings.key_type) {
+            Ok(t @ (pb::KeyType::Admin | pb::KeyType::Inference)) => t,
+            _ => return Err(Error::invalid("apiKeyType must be ADMIN or INFERENCE")),
+        };
+        let signed = crate::web3::verify(
+            &request.address,
+            &request.signature,
+            &request.token,
+            &self.wallets,
+            now_ms(),
+        )
+        .map_err(|refusal| Error::new(ErrorCode::Unauthenticated, refusal.message))?;
+        let account_id = wallet_account_id(&signed.address);
+        let mut tx = self.inner.db.pool().begin().await?;
+        // The token is good for one key: its nonce is consumed in the key's
+        // transaction (a key that could not be made leaves it unused), and
+        // of two requests racing with it, the second waits for the first and
+        // finds it taken.
+        let consumed = sqlx::query(
+            "INSERT INTO wallet_nonces (wallet, nonce, expires_at_ms) VALUES ($1, $2, $3)",
+        )
+        .bind(&signed.address)
+        .bind(format!("web3-key:{}", signed.nonce))
+        .bind(signed.expires_at_ms.saturating_add(NONCE_MARGIN_MS))
+        .execute(&mut *tx)
+        .await;
+        match consumed {
+            Ok(_) => {}
+            Err(sqlx::Error::Database(e)) if e.is_unique_violation() => {
+                return Err(Error::new(
+                    ErrorCode::Unauthenticated,
+                    "This token was used already: get a new token for every key",
+                ));
+            }
+            Err(error) => return Err(error.into()),
+        }
+        sqlx::query(
+            "INSERT INTO accounts (id, name, tier, created_at_ms, wallet) \
+             VALUES ($1, $2, $3, $4, $5) ON CONFLICT (id) DO NOTHING",
+        )
+        .bind(&account_id)
+        .bind(&signed.address)
+        .bind(&self.wallet_tier)
+        .bind(now_ms())
+        .bind(&signed.address)
+        .execute(&mut *tx)
+        .await?;
+        let key = self
+            .inner
+            .insert_key(
+                &mut tx,
+                key_type,
+                pb::CreateApiKeyRequest {
+                    account_id: account_id.clone(),
+                    ..settings
+                },
+            )
+            .await?;
+        tx.commit().await?;
+        tracing::info!(account_id, wallet = signed.address, "web3 api key created");
+        Ok(key)
+    }
+
     async fn update_api_key(&self, request: pb::UpdateApiKeyRequest) -> Result<pb::ApiKeyRecord> {
         let model_privacy = valid_privacy(&request.model_privacy)?;
         let limit = request.limit.clone().unwrap_or_default();
@@ -849,16 +924,20 @@ impl AuthService for LocalAuth {
     }
 
     async fn get_account(&self, request: pb::GetAccountRequest) -> Result<pb::Account> {
-        let row = sqlx::query("SELECT id, name, tier, created_at_ms FROM accounts WHERE id = $1")
-            .bind(&request.account_id)
-            .fetch_optional(self.inner.db.pool())
-            .await?
-            .ok_or_else(|| Error::new(ErrorCode::NotFound, "Account not found"))?;
+        let row =
+            sqlx::query("SELECT id, name, tier, created_at_ms, wallet FROM accounts WHERE id = $1")
+                .bind(&request.account_id)
+                .fetch_optional(self.inner.db.pool())
+                .await?
+                .ok_or_else(|| Error::new(ErrorCode::NotFound, "Account not found"))?;
         Ok(pb::Account {
             id: row.try_get("id")?,
             name: row.try_get("name")?,
             tier: row.try_get("tier")?,
             created_at_ms: row.try_get("created_at_ms")?,
+            wallet: row
+                .try_get::<Option<String>, _>("wallet")?
+                .unwrap_or_default(),
         })
     }
 
@@ -899,17 +978,18 @@ impl AuthService for LocalAuth {
         }
         let now = now_ms();
         let tags = serde_json::to_string(&request.tags).map_err(Error::internal)?;
+        let categories = serde_json::to_string(&request.categories).map_err(Error::internal)?;
         sqlx::query(
             "INSERT INTO characters (slug, name, description, system_prompt, model_id, public, \
              tags, adult, featured, web_enabled, author, photo_url, share_url, created_at_ms, \
-             updated_at_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, \
-             $14) ON CONFLICT (slug) DO UPDATE SET name = excluded.name, \
+             updated_at_ms, categories) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, \
+             $12, $13, $14, $14, $15) ON CONFLICT (slug) DO UPDATE SET name = excluded.name, \
              description = excluded.description, system_prompt = excluded.system_prompt, \
              model_id = excluded.model_id, public = excluded.public, tags = excluded.tags, \
              adult = excluded.adult, featured = excluded.featured, \
              web_enabled = excluded.web_enabled, author = excluded.author, \
              photo_url = excluded.photo_url, share_url = excluded.share_url, \
-             updated_at_ms = excluded.updated_at_ms",
+             updated_at_ms = excluded.updated_at_ms, categories = excluded.categories",
         )
         .bind(slug)
         .bind(&request.name)
@@ -925,6 +1005,7 @@ impl AuthService for LocalAuth {
         .bind(&request.photo_url)
         .bind(&request.share_url)
         .bind(now)
+        .bind(categories)
         .execute(self.inner.db.pool())
         .await?;
         let characters = self
@@ -958,8 +1039,8 @@ impl AuthService for LocalAuth {
     ) -> Result<pb::ListCharactersResponse> {
         let rows = sqlx::query(
             "SELECT slug, name, description, system_prompt, model_id, public, tags, adult, \
-             featured, web_enabled, author, photo_url, share_url, created_at_ms, updated_at_ms \
-             FROM characters ORDER BY created_at_ms, slug",
+             featured, web_enabled, author, photo_url, share_url, created_at_ms, updated_at_ms, \
+             categories FROM characters ORDER BY created_at_ms, slug",
         )
         .fetch_all(self.inner.db.pool())
         .await?;
@@ -967,7 +1048,9 @@ impl AuthService for LocalAuth {
             .iter()
             .map(|row| {
                 let tags: String = row.try_get("tags")?;
+                let categories: String = row.try_get("categories")?;
                 Ok(pb::Character {
+                    categories: serde_json::from_str(&categories).unwrap_or_default(),
                     slug: row.try_get("slug")?,
                     name: row.try_get("name")?,
                     description: row.try_get("description")?,
@@ -987,6 +1070,123 @@ impl AuthService for LocalAuth {
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(pb::ListCharactersResponse { characters })
+    }
+
+    async fn put_character_review(
+        &self,
+        request: pb::PutCharacterReviewRequest,
+    ) -> Result<pb::CharacterReview> {
+        if !(1..=5).contains(&request.rating) {
+            return Err(Error::invalid("rating must be an integer from 1 to 5"));
+        }
+        let account = self
+            .get_account(pb::GetAccountRequest {
+                account_id: request.account_id.clone(),
+            })
+            .await?;
+        // A wallet's account is named by its address: shown shortened.
+        let username = if account.wallet.is_empty() {
+            account.name
+        } else {
+            let address = &account.wallet;
+            let (head, tail) = (
+                address.get(..6).unwrap_or(address),
+                address.get(address.len().saturating_sub(4)..).unwrap_or(""),
+            );
+            format!("{head}…{tail}")
+        };
+        let now = now_ms();
+        // One review per account and character: a second replaces the first
+        // (and keeps its id and creation time).
+        sqlx::query(
+            "INSERT INTO character_reviews (id, slug, account_id, rating, message, locale, \
+             username, created_at_ms, updated_at_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $8) \
+             ON CONFLICT (slug, account_id) DO UPDATE SET rating = excluded.rating, \
+             message = excluded.message, locale = excluded.locale, \
+             username = excluded.username, updated_at_ms = excluded.updated_at_ms",
+        )
+        .bind(uuid::Uuid::new_v4().to_string())
+        .bind(&request.slug)
+        .bind(&request.account_id)
+        .bind(i64::from(request.rating))
+        .bind(&request.message)
+        .bind(&request.locale)
+        .bind(&username)
+        .bind(now)
+        .execute(self.inner.db.pool())
+        .await?;
+        let row = sqlx::query(concat!(
+            "SELECT ",
+            review_columns!(),
+            " FROM character_reviews WHERE slug = $1 AND account_id = $2"
+        ))
+        .bind(&request.slug)
+        .bind(&request.account_id)
+        .fetch_one(self.inner.db.pool())
+        .await?;
+        review_from_row(&row)
+    }
+
+    async fn list_character_reviews(
+        &self,
+        request: pb::ListCharacterReviewsRequest,
+    ) -> Result<pb::ListCharacterReviewsResponse> {
+        let page_size = request.page_size.clamp(1, 100);
+        let offset = u64::from(request.page.max(1) - 1) * u64::from(page_size);
+        let totals = sqlx::query(
+            "SELECT COUNT(*) AS total, COALESCE(SUM(rating), 0) AS rating_sum \
+             FROM character_reviews WHERE slug = $1",
+        )
+        .bind(&request.slug)
+        .fetch_one(self.inner.db.pool())
+        .await?;
+        let rows = sqlx::query(concat!(
+            "SELECT ",
+            review_columns!(),
+            " FROM character_reviews WHERE slug = $1 \
+             ORDER BY created_at_ms DESC, id LIMIT $2 OFFSET $3"
+        ))
+        .bind(&request.slug)
+        .bind(i64::from(page_size))
+        .bind(i64::try_from(offset).unwrap_or(i64::MAX))
+        .fetch_all(self.inner.db.pool())
+        .await?;
+        Ok(pb::ListCharacterReviewsResponse {
+            reviews: rows.iter().map(review_from_row).collect::<Result<_>>()?,
+            total: u64::try_from(totals.try_get::<i64, _>("total")?).unwrap_or(0),
+            rating_sum: u64::try_from(totals.try_get::<i64, _>("rating_sum")?).unwrap_or(0),
+        })
+    }
+
+    async fn character_ratings(
+        &self,
+        request: pb::CharacterRatingsRequest,
+    ) -> Result<pb::CharacterRatingsResponse> {
+        // One pass over the reviews: every character's count, sum, newest
+        // review, and the asking account's own rating.
+        let rows = sqlx::query(
+            "SELECT slug, COUNT(*) AS count, SUM(rating) AS rating_sum, \
+             MAX(created_at_ms) AS latest_ms, \
+             MAX(CASE WHEN account_id = $1 THEN rating ELSE 0 END) AS own \
+             FROM character_reviews GROUP BY slug",
+        )
+        .bind(&request.account_id)
+        .fetch_all(self.inner.db.pool())
+        .await?;
+        let ratings = rows
+            .iter()
+            .map(|row| {
+                let own: i64 = row.try_get("own")?;
+                Ok(pb::CharacterRating {
+                    slug: row.try_get("slug")?,
+                    count: u64::try_from(row.try_get::<i64, _>("count")?).unwrap_or(0),
+                    sum: u64::try_from(row.try_get::<i64, _>("rating_sum")?).unwrap_or(0),
+                    own: (own > 0).then(|| i32::try_from(own).unwrap_or(0)),
+                    latest_ms: row.try_get("latest_ms")?,
+                })
+            })
+            .collect::<Result<_>>()?;
+        Ok(pb::CharacterRatingsResponse { ratings })
     }
 
     async fn sign_in(&self, request: pb::SignInRequest) -> Result<pb::SignInResponse> {
@@ -1037,6 +1237,29 @@ impl AuthService for LocalAuth {
             refusal: String::new(),
         })
     }
+}
+
+fn review_from_row(row: &sqlx::any::AnyRow) -> Result<pb::CharacterReview> {
+    Ok(pb::CharacterReview {
+        id: row.try_get("id")?,
+        slug: row.try_get("slug")?,
+        account_id: row.try_get("account_id")?,
+        rating: i32::try_from(row.try_get::<i64, _>("rating")?).unwrap_or(0),
+        message: row.try_get("message")?,
+        locale: row.try_get("locale")?,
+        username: row.try_get("username")?,
+        created_at_ms: row.try_get("created_at_ms")?,
+    })
+}
+
+/// Names wallet accounts: the id of a wallet's account is derived from its
+/// address, so two replicas making a wallet's first key make one account.
+const WALLET_ACCOUNTS: uuid::Uuid =
+    uuid::Uuid::from_u128(0x3c8e_51f0_9a2d_4b6e_8f17_0d4c_2a9b_6e53);
+
+/// The account of a wallet (its EIP-55 or base58 address).
+fn wallet_account_id(address: &str) -> String {
+    uuid::Uuid::new_v5(&WALLET_ACCOUNTS, address.as_bytes()).to_string()
 }
 
 /// A tier name: 1 to 32 letters, digits, `-` or `_`; empty means standard.

@@ -467,10 +467,7 @@ pub fn verify(header: &str, policy: &SiwxPolicy, now_ms: i64) -> Result<SignedIn
             );
         }
     }
-    let address = match family {
-        Family::Evm => verify_evm(&fields.address, &message, &signature)?,
-        Family::Solana => verify_solana(&fields.address, &message, &signature)?,
-    };
+    let address = verify_signature(family, &fields.address, &message, &signature)?;
     let issued = parse_time("issuedAt", &fields.issued_at)?;
     let mut valid_until = issued + MAX_AGE_MS;
     if let Some(expiry) = &fields.expiration_time {
@@ -592,6 +589,20 @@ fn same_address(a: &str, b: &str, family: Family) -> bool {
     match family {
         Family::Evm => a.eq_ignore_ascii_case(b),
         Family::Solana => a == b,
+    }
+}
+
+/// Checks `signature` of `message` by `address`'s wallet (EIP-191 for EVM,
+/// Ed25519 for Solana); returns the address as it is written canonically.
+pub(crate) fn verify_signature(
+    family: Family,
+    address: &str,
+    message: &str,
+    signature: &str,
+) -> Result<String, Refusal> {
+    match family {
+        Family::Evm => verify_evm(address, message, signature),
+        Family::Solana => verify_solana(address, message, signature),
     }
 }
 

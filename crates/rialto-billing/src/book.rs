@@ -69,6 +69,9 @@ pub struct SettleOrder<'a> {
     pub model_id: &'a str,
     pub prompt_tokens: i64,
     pub completion_tokens: i64,
+    /// The API key that made the request ("" for none): the usage
+    /// analytics' breakdown by key reads it from the journal.
+    pub spent_by: &'a str,
     /// The capped key and period the hold counted in.
     pub key: Option<(&'a str, &'a str)>,
     /// That key's caps (USD, DIEM; None: not capped in that currency): a
@@ -973,6 +976,7 @@ pub(crate) mod tests {
 
     fn settle(request_id: &str, cost: i64) -> SettleOrder<'_> {
         SettleOrder {
+            spent_by: "",
             request_id,
             cost,
             model_id: "m",
@@ -1219,6 +1223,7 @@ pub(crate) mod tests {
             diem: None,
         };
         let capped = |request_id, cost| SettleOrder {
+            spent_by: "",
             key: Some(("key-c", "EPOCH:1")),
             cap: Some((Some(NANO), None)),
             ..settle(request_id, cost)
@@ -1536,6 +1541,7 @@ pub(crate) mod tests {
         assert_eq!(placed.len(), 10, "$1 of $0.10 holds");
         for id in &placed {
             let order = SettleOrder {
+                spent_by: "",
                 key: Some(("key-1", "EPOCH:1")),
                 ..settle(id, NANO / 20)
             };
@@ -1745,6 +1751,7 @@ mod properties {
                     Step::Settle(n, cost) => {
                         let id = placed.get(n).cloned().unwrap_or_else(|| format!("late{i}"));
                         let order = SettleOrder {
+                            spent_by: "",
                             request_id: &id,
                             cost,
                             model_id: "m",

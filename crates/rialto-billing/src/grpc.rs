@@ -86,6 +86,15 @@ impl Billing for BillingGrpc {
         ))
     }
 
+    async fn usage_analytics(
+        &self,
+        request: Request<pb::UsageAnalyticsRequest>,
+    ) -> Result<Response<pb::UsageAnalyticsResponse>, Status> {
+        Ok(Response::new(
+            self.0.usage_analytics(request.into_inner()).await?,
+        ))
+    }
+
     async fn set_stake(
         &self,
         request: Request<pb::SetStakeRequest>,
@@ -204,6 +213,13 @@ impl BillingService for RemoteBilling {
         request: pb::UsageHistoryRequest,
     ) -> Result<pb::UsageHistoryResponse> {
         Ok(self.0.clone().usage_history(request).await?.into_inner())
+    }
+
+    async fn usage_analytics(
+        &self,
+        request: pb::UsageAnalyticsRequest,
+    ) -> Result<pb::UsageAnalyticsResponse> {
+        Ok(self.0.clone().usage_analytics(request).await?.into_inner())
     }
 
     async fn set_stake(&self, request: pb::SetStakeRequest) -> Result<pb::Balance> {

@@ -48,6 +48,11 @@ pub trait BillingService: Send + Sync + 'static {
         &self,
         request: pb::UsageHistoryRequest,
     ) -> Result<pb::UsageHistoryResponse>;
+    /// The owner's spend in a range by day, model, key and currency.
+    async fn usage_analytics(
+        &self,
+        request: pb::UsageAnalyticsRequest,
+    ) -> Result<pb::UsageAnalyticsResponse>;
     /// Sets the DIEM the owner's stake grants per UTC day.
     async fn set_stake(&self, request: pb::SetStakeRequest) -> Result<pb::Balance>;
     /// What capped keys were charged in their current periods.
@@ -109,6 +114,10 @@ pub struct Prices {
 /// What the `model_id` of an augment endpoint's hold starts with
 /// (`augment/search`): no tokens to price, only the extra it names.
 pub const AUGMENT_PREFIX: &str = "augment/";
+
+/// What the `model_id` of a crypto RPC proxy's hold starts with
+/// (`crypto-rpc/ethereum-mainnet`): priced per credit, all extra.
+pub const CRYPTO_RPC_PREFIX: &str = "crypto-rpc/";
 
 impl Prices {
     /// Tokens cost nothing (an augment endpoint's charge is its extra).
@@ -371,8 +380,8 @@ impl LocalBilling {
 
     fn prices(&self, model_id: &str) -> Result<&Prices> {
         static NO_TOKENS: Prices = Prices::FREE;
-        if model_id.starts_with(AUGMENT_PREFIX) {
-            // An augment endpoint's charge is all extra.
+        if model_id.starts_with(AUGMENT_PREFIX) || model_id.starts_with(CRYPTO_RPC_PREFIX) {
+            // An augment endpoint's or an RPC call's charge is all extra.
             return Ok(&NO_TOKENS);
         }
         self.prices
@@ -457,6 +466,7 @@ impl BillingService for LocalBilling {
             .and(request.key_limit.as_ref())
             .map(|limit| (limit.usd_nanos, limit.diem_nanos));
         let order = book::SettleOrder {
+            spent_by: &request.key_id,
             request_id: &request.request_id,
             cost: to_nanos(cost)?,
             model_id: &request.model_id,
@@ -484,6 +494,7 @@ impl BillingService for LocalBilling {
                     // the record waited in the durable queue): the rest of
                     // its cost, once.
                     let rest = book::SettleOrder {
+                        spent_by: "",
                         cost: short,
                         rest: true,
                         ..order
@@ -662,21 +673,28 @@ impl BillingService for LocalBilling {
         &self,
         request: pb::UsageHistoryRequest,
     ) -> Result<pb::UsageHistoryResponse> {
-        let limit = i64::from(request.limit.clamp(1, 500));
+        let most = if request.walk { 1000 } else { 500 };
+        let limit = i64::from(request.limit.clamp(1, most));
         let page = i64::from(request.page.max(1));
         self.book.caught_up().await?;
-        let (records, total) = self
-            .ledger
-            .usage_history(&ledger::HistoryQuery {
-                owner: &request.owner,
-                currency: Some(request.currency.as_str()).filter(|c| !c.is_empty()),
-                start_ms: request.start_ms,
-                end_ms: request.end_ms,
-                limit,
-                offset: (page - 1).saturating_mul(limit),
-                newest_first: request.newest_first,
-            })
-            .await?;
+        let query = ledger::HistoryQuery {
+            owner: &request.owner,
+            currency: Some(request.currency.as_str()).filter(|c| !c.is_empty()),
+            start_ms: request.start_ms,
+            end_ms: request.end_ms,
+            limit,
+            offset: (page - 1).saturating_mul(limit),
+            newest_first: request.newest_first,
+        };
+        let (records, total, more) = if request.walk {
+            let after = Some((request.after_at_ms, request.after_id.as_str()))
+                .filter(|(_, id)| !id.is_empty());
+            let (records, more) = self.ledger.usage_walk(&query, after).await?;
+            (records, 0, more)
+        } else {
+            let (records, total) = self.ledger.usage_history(&query).await?;
+            (records, total, false)
+        };
         let entries = records
             .into_iter()
             .map(|r| {
@@ -701,6 +719,7 @@ impl BillingService for LocalBilling {
                     })
                     .unwrap_or_else(|| "0".to_owned());
                 pb::UsageEntry {
+                    id: r.id,
                     request_id: r.request_id,
                     model_id: r.model_id,
                     currency: r.currency,
@@ -715,7 +734,55 @@ impl BillingService for LocalBilling {
         Ok(pb::UsageHistoryResponse {
             entries,
             total: u64::try_from(total).unwrap_or(0),
+            more,
         })
+    }
+
+    async fn usage_analytics(
+        &self,
+        request: pb::UsageAnalyticsRequest,
+    ) -> Result<pb::UsageAnalyticsResponse> {
+        self.book.caught_up().await?;
+        let groups = self
+            .ledger
+            .usage_groups(&request.owner, request.start_ms, request.end_ms)
+            .await?
+            .into_iter()
+            .flat_map(|g| {
+                // A group per currency that paid; the tokens and requests
+                // once, with the first.
+                let paid: Vec<(&str, i64)> = [("USD", g.usd_nanos), ("DIEM", g.diem_nanos)]
+                    .into_iter()
+                    .filter(|(_, nanos)| *nanos != 0)
+                    .collect();
+                paid.into_iter()
+                    .enumerate()
+                    .map(|(i, (currency, nanos))| pb::UsageGroup {
+                        day: g.day,
+                        model_id: g.model_id.clone(),
+                        key_id: g.key_id.clone(),
+                        currency: currency.to_owned(),
+                        amount: from_nanos(nanos),
+                        prompt_tokens: if i == 0 {
+                            u64::try_from(g.prompt_tokens).unwrap_or(0)
+                        } else {
+                            0
+                        },
+                        completion_tokens: if i == 0 {
+                            u64::try_from(g.completion_tokens).unwrap_or(0)
+                        } else {
+                            0
+                        },
+                        requests: if i == 0 {
+                            u64::try_from(g.requests).unwrap_or(0)
+                        } else {
+                            0
+                        },
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect();
+        Ok(pb::UsageAnalyticsResponse { groups })
     }
 
     async fn submit_job(&self, request: pb::SubmitJobRequest) -> Result<pb::Job> {

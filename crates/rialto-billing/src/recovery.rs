@@ -72,6 +72,7 @@ impl Book {
                     continue;
                 }
                 let order = SettleOrder {
+                    spent_by: "",
                     request_id: &request_id,
                     cost: hold.checkpoint,
                     model_id: &hold.model_id,

@@ -138,6 +138,17 @@ impl BillingService for ReplicatedBilling {
         .await
     }
 
+    async fn usage_analytics(
+        &self,
+        request: pb::UsageAnalyticsRequest,
+    ) -> Result<pb::UsageAnalyticsResponse> {
+        let owner = request.owner.clone();
+        self.routed(&owner, request, |billing, request| async move {
+            billing.usage_analytics(request).await
+        })
+        .await
+    }
+
     async fn set_stake(&self, request: pb::SetStakeRequest) -> Result<pb::Balance> {
         let owner = request.owner.clone();
         self.routed(&owner, request, |billing, request| async move {

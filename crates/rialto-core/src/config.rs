@@ -47,6 +47,67 @@ pub struct Config {
     pub web_scraping: WebScrapingConfig,
     pub text_parser: TextParserConfig,
     pub media: MediaConfig,
+    pub crypto_rpc: CryptoRpcConfig,
+}
+
+/// The JSON-RPC proxy to blockchain nodes (`[crypto_rpc]`,
+/// `POST /crypto/rpc/{network}`): each call costs its network's
+/// `base_credits` times its method's tier, at `usd_per_credit`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct CryptoRpcConfig {
+    /// USD of one credit (the hosted API's is about 7e-7).
+    pub usd_per_credit: f64,
+    /// Credits a call the node answered with a JSON-RPC `error` costs,
+    /// instead of its method's price.
+    pub error_credits: u64,
+    /// Calls a batch may hold.
+    pub max_batch: usize,
+    /// How long one upstream may take before the next is tried.
+    pub timeout_ms: u64,
+    /// The methods callers may use, each with its tier: the multiple of a
+    /// network's `base_credits` it costs (1 standard, 2 advanced, 4
+    /// large). Empty: the built-in list (read calls, transaction
+    /// submission, traces and Solana's methods; never filters or
+    /// subscriptions, which a load-balanced HTTP proxy cannot serve).
+    pub methods: BTreeMap<String, u64>,
+    pub networks: Vec<CryptoNetworkConfig>,
+}
+
+impl Default for CryptoRpcConfig {
+    fn default() -> Self {
+        Self {
+            usd_per_credit: 0.0000007,
+            error_credits: 5,
+            max_batch: 100,
+            timeout_ms: 10_000,
+            methods: BTreeMap::new(),
+            networks: Vec::new(),
+        }
+    }
+}
+
+/// One network of `[crypto_rpc]` (`[[crypto_rpc.networks]]`).
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct CryptoNetworkConfig {
+    /// The path's `{network}`, e.g. `ethereum-mainnet`.
+    pub slug: String,
+    /// The nodes' JSON-RPC URLs, tried in order: a node that cannot be
+    /// reached, times out or answers 5xx or 429 hands the call to the next.
+    pub urls: Vec<String>,
+    /// Credits of a standard call (the hosted API's: 20 for most EVM chains
+    /// and Starknet, 30 for zkSync Era and Solana).
+    #[serde(default = "default_base_credits")]
+    pub base_credits: u64,
+    /// This network's methods, when not every method of `[crypto_rpc]
+    /// methods` (names only; their tiers come from there).
+    #[serde(default)]
+    pub methods: Vec<String>,
+}
+
+fn default_base_credits() -> u64 {
+    20
 }
 
 /// The image and audio endpoints (`[media]`); each model's prices are its
@@ -262,6 +323,9 @@ pub struct CharacterConfig {
     pub public: bool,
     #[serde(default)]
     pub tags: Vec<String>,
+    /// What `GET /characters?categories=` filters by.
+    #[serde(default)]
+    pub categories: Vec<String>,
     #[serde(default)]
     pub adult: bool,
     #[serde(default)]
@@ -891,6 +955,7 @@ impl Default for Config {
             web_scraping: WebScrapingConfig::default(),
             text_parser: TextParserConfig::default(),
             media: MediaConfig::default(),
+            crypto_rpc: CryptoRpcConfig::default(),
         }
     }
 }
@@ -1115,6 +1180,51 @@ impl ModelConfig {
 impl Config {
     /// `[web_search]`, `[web_scraping]`, `[text_parser]` and the models'
     /// native search.
+    fn validate_crypto_rpc(&self) -> Result<(), ConfigError> {
+        let invalid = |msg: String| Err(ConfigError::Invalid(msg));
+        let rpc = &self.crypto_rpc;
+        if !(rpc.usd_per_credit.is_finite() && rpc.usd_per_credit >= 0.0) {
+            return invalid("crypto_rpc.usd_per_credit must be a price of 0 or more".into());
+        }
+        if !(1..=1000).contains(&rpc.max_batch) || rpc.timeout_ms == 0 {
+            return invalid(
+                "crypto_rpc.max_batch must be 1 to 1000 and crypto_rpc.timeout_ms at least 1"
+                    .into(),
+            );
+        }
+        if let Some((method, tier)) = rpc.methods.iter().find(|(_, tier)| **tier == 0) {
+            return invalid(format!(
+                "crypto_rpc.methods.{method} = {tier}: a tier is a multiple of at least 1"
+            ));
+        }
+        let mut slugs = std::collections::HashSet::new();
+        for network in &rpc.networks {
+            let slug_ok = !network.slug.is_empty()
+                && network
+                    .slug
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+            if !slug_ok || !slugs.insert(network.slug.as_str()) {
+                return invalid(format!(
+                    "crypto_rpc.networks slug {:?} must be unique lowercase letters, digits and -",
+                    network.slug
+                ));
+            }
+            let urls_ok = !network.urls.is_empty()
+                && network
+                    .urls
+                    .iter()
+                    .all(|u| u.starts_with("http://") || u.starts_with("https://"));
+            if !urls_ok || network.base_credits == 0 {
+                return invalid(format!(
+                    "crypto_rpc network {:?} needs http(s) urls and base_credits of at least 1",
+                    network.slug
+                ));
+            }
+        }
+        Ok(())
+    }
+
     fn validate_augment(&self) -> Result<(), ConfigError> {
         let invalid = |msg: String| Err(ConfigError::Invalid(msg));
         let search = &self.web_search;
@@ -1341,6 +1451,7 @@ impl Config {
             ));
         }
         self.validate_augment()?;
+        self.validate_crypto_rpc()?;
         let media = &self.media;
         if media.job_workers == 0 || media.job_lease_secs < 2 || media.job_poll_ms < 10 {
             return invalid(

@@ -665,8 +665,36 @@ async fn metered<T>(
     price_nanos: u64,
     work: impl std::future::Future<Output = Result<T, ApiError>>,
 ) -> Result<(T, actix_web::HttpResponseBuilder), ApiError> {
-    let window = format!("endpoint:api/v1/augment/{name}");
+    let window = format!("api/v1/augment/{name}");
     let model_id = format!("{}{name}", rialto_billing::AUGMENT_PREFIX);
+    let work = async { work.await.map(|done| (done, price_nanos)) };
+    metered_by_use(
+        gateway,
+        request,
+        principal,
+        &window,
+        &model_id,
+        price_nanos,
+        work,
+    )
+    .await
+}
+
+/// A request priced in USD rather than tokens: admitted in the endpoint's
+/// window (`api/v1/...`), holding `most_nanos`; `work` answers what it did
+/// and what that cost (at most `most_nanos`), which is charged under
+/// `model_id` (a flat-priced id of billing's). A failed `work` releases the
+/// hold and charges nothing.
+pub(crate) async fn metered_by_use<T>(
+    gateway: &Gateway,
+    request: &HttpRequest,
+    principal: &auth_pb::Principal,
+    window: &str,
+    model_id: &str,
+    most_nanos: u64,
+    work: impl std::future::Future<Output = Result<(T, u64), ApiError>>,
+) -> Result<(T, actix_web::HttpResponseBuilder), ApiError> {
+    let window = format!("endpoint:{window}");
     let request_id = RequestId::of(request);
     let Admitted {
         mut settlement,
@@ -677,7 +705,7 @@ async fn metered<T>(
         principal,
         Priced {
             target: rialto_limiter::Target::endpoint(&window),
-            model_id: &model_id,
+            model_id,
             prices: rialto_billing::Prices::FREE,
         },
         &request_id,
@@ -685,20 +713,20 @@ async fn metered<T>(
             prompt_tokens: 0,
             total_tokens: 0,
             durable: false,
-            extra_usd_nanos: price_nanos,
+            extra_usd_nanos: most_nanos,
             limiter_extra_tokens: 0,
         },
         None,
     )
     .await?;
-    let done = match work.await {
+    let (done, used_nanos) = match work.await {
         Ok(done) => done,
         Err(error) => {
             settlement.release();
             return Err(error);
         }
     };
-    settlement.extra_usd_nanos = price_nanos;
+    settlement.extra_usd_nanos = used_nanos.min(most_nanos);
     let cost = settlement.bill(&Usage::none()).await?;
     let mut response = HttpResponse::Ok();
     balance_remaining(&mut response, wallet_usd_before, &cost);

@@ -682,7 +682,8 @@ pub(crate) async fn admit(
         held: false,
         held_usd: String::new(),
         held_diem: String::new(),
-        key_id: String::new(),
+        // The usage analytics break spend down by the key that made it.
+        key_id: crate::api_key_id(principal).to_owned(),
         key_period: String::new(),
         key_limit: None,
         prices,

@@ -36,7 +36,7 @@ pub async fn list(
         })
         .await?
         .keys;
-    let spend = period_usage(&gateway, &principal.account_id, &keys).await?;
+    let spend = period_usage(&gateway, &crate::ledger_owner(&principal), &keys).await?;
     let data: Vec<Value> = keys.iter().map(|k| record_json(k, &spend)).collect();
     Ok(HttpResponse::Ok().json(json!({"object": "list", "data": data})))
 }
@@ -57,7 +57,7 @@ pub async fn get(
         .await?;
     let spend = period_usage(
         &gateway,
-        &principal.account_id,
+        &crate::ledger_owner(&principal),
         std::slice::from_ref(&record),
     )
     .await?;
@@ -68,7 +68,7 @@ pub async fn get(
 /// key id: one call to billing for all of them, none without caps.
 async fn period_usage(
     gateway: &Gateway,
-    account_id: &str,
+    owner: &str,
     keys: &[pb::ApiKeyRecord],
 ) -> Result<HashMap<String, billing_pb::KeySpend>, ApiError> {
     let capped: Vec<billing_pb::KeyLimit> = keys
@@ -82,7 +82,7 @@ async fn period_usage(
         .services
         .billing
         .key_spend(billing_pb::KeySpendRequest {
-            owner: rialto_billing::account_owner(account_id),
+            owner: owner.to_owned(),
             keys: capped,
         })
         .await?;
@@ -100,7 +100,7 @@ pub async fn create(
 ) -> Result<HttpResponse, ApiError> {
     let principal = authenticate_endpoint(&gateway, &request, true).await?;
     let body = parse_json(&read_body(&gateway, &request, payload).await?)?;
-    let create = validate_create(&body)?;
+    let create = validate_create(&body, CREATE_FIELDS, None)?;
     let created = gateway
         .services
         .auth
@@ -113,9 +113,14 @@ pub async fn create(
             model_privacy: create.model_privacy,
         })
         .await?;
+    Ok(created_json(created))
+}
+
+/// A created key in the hosted shape: its secret is in this answer only.
+fn created_json(created: pb::CreatedKey) -> HttpResponse {
     let record = created.record.unwrap_or_default();
     let (limits, period) = limit_json(record.limit.as_ref());
-    Ok(HttpResponse::Ok().json(json!({
+    HttpResponse::Ok().json(json!({
         "success": true,
         "data": {
             "id": record.id,
@@ -127,7 +132,79 @@ pub async fn create(
             "limitPeriod": period,
             "modelPrivacy": privacy_name(&record.model_privacy),
         }
-    })))
+    }))
+}
+
+/// `GET /api_keys/generate_web3_key` (public): the token a wallet signs to
+/// get a key, valid 15 minutes (see `rialto_auth::web3`).
+pub async fn web3_token(gateway: web::Data<Gateway>) -> HttpResponse {
+    let domain = gateway
+        .wallet
+        .domains
+        .first()
+        .map_or("localhost", String::as_str);
+    let token = rialto_auth::web3::issue_token(domain, chrono::Utc::now().timestamp_millis());
+    HttpResponse::Ok().json(json!({"success": true, "data": {"token": token}}))
+}
+
+/// Members `POST /api_keys/generate_web3_key` accepts.
+const WEB3_FIELDS: &[&str] = &[
+    "apiKeyType",
+    "description",
+    "expiresAt",
+    "consumptionLimit",
+    "limitPeriod",
+    "modelPrivacy",
+    "address",
+    "signature",
+    "token",
+];
+
+/// `POST /api_keys/generate_web3_key` (public: the signature is the
+/// credential): `{apiKeyType, address, signature, token, description?
+/// ("Web3 API Key"), expiresAt?, consumptionLimit?, limitPeriod?,
+/// modelPrivacy?}`, answered as `POST /api_keys` is. The key belongs to the
+/// wallet's account and spends the wallet's balance (x402 top-ups).
+pub async fn create_web3(
+    gateway: web::Data<Gateway>,
+    request: HttpRequest,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    let body = parse_json(&read_body(&gateway, &request, payload).await?)?;
+    let mut details = Details::new();
+    let mut text = |field: &str| match body.get(field) {
+        Some(Value::String(s)) if !s.is_empty() => s.clone(),
+        Some(Value::String(_)) | None => {
+            details.push(&[field], "Required");
+            String::new()
+        }
+        Some(_) => {
+            details.push(&[field], "Expected string");
+            String::new()
+        }
+    };
+    let (address, signature, token) = (text("address"), text("signature"), text("token"));
+    let settings = validate_create(&body, WEB3_FIELDS, Some("Web3 API Key"));
+    details.into_result()?;
+    let settings = settings?;
+    let created = gateway
+        .services
+        .auth
+        .create_web3_key(pb::CreateWeb3KeyRequest {
+            address,
+            signature,
+            token,
+            key: Some(pb::CreateApiKeyRequest {
+                account_id: String::new(),
+                key_type: settings.key_type as i32,
+                description: settings.description,
+                expires_at_ms: settings.expires_at_ms,
+                limit: settings.limit,
+                model_privacy: settings.model_privacy,
+            }),
+        })
+        .await?;
+    Ok(created_json(created))
 }
 
 /// Members `PATCH /api_keys` accepts: the key's id, and what may change.
@@ -248,7 +325,7 @@ fn changes_of(changes: &serde_json::Map<String, Value>) -> Result<Changes, ApiEr
     let mut as_create = changes.clone();
     as_create.insert("apiKeyType".into(), json!("INFERENCE"));
     as_create.entry("description").or_insert_with(|| json!(""));
-    let create = validate_create(&Value::Object(as_create))?;
+    let create = validate_create(&Value::Object(as_create), CREATE_FIELDS, None)?;
     let limit = create.limit.clone().unwrap_or_default();
     Ok(Changes {
         description: changes
@@ -365,13 +442,19 @@ struct CreateKey {
     model_privacy: String,
 }
 
-fn validate_create(body: &Value) -> Result<CreateKey, ApiError> {
+/// A new key's settings from a create request's members (`fields` are the
+/// members it may have); `default_description` when it may omit one.
+fn validate_create(
+    body: &Value,
+    fields: &[&str],
+    default_description: Option<&str>,
+) -> Result<CreateKey, ApiError> {
     let mut details = Details::new();
     let Some(object) = body.as_object() else {
         details.push(&[], "Expected object");
         return Err(ApiError::validation(details));
     };
-    crate::media::unknown_members(object, CREATE_FIELDS, &mut details);
+    crate::media::unknown_members(object, fields, &mut details);
     let key_type = match object.get("apiKeyType").and_then(Value::as_str) {
         Some("ADMIN") => pb::KeyType::Admin,
         Some("INFERENCE") => pb::KeyType::Inference,
@@ -400,10 +483,13 @@ fn validate_create(body: &Value) -> Result<CreateKey, ApiError> {
             details.push(&["description"], "Expected string");
             String::new()
         }
-        None => {
-            details.push(&["description"], "Required");
-            String::new()
-        }
+        None => match default_description {
+            Some(description) => description.to_owned(),
+            None => {
+                details.push(&["description"], "Required");
+                String::new()
+            }
+        },
     };
     let expires_at_ms = match object.get("expiresAt") {
         None | Some(Value::Null) => None,
@@ -621,13 +707,27 @@ mod tests {
 
     #[test]
     fn create_bodies_are_validated_like_the_hosted_api() {
-        let ok = validate_create(&json!({"apiKeyType": "INFERENCE", "description": "ci"})).unwrap();
+        let ok = validate_create(
+            &json!({"apiKeyType": "INFERENCE", "description": "ci"}),
+            CREATE_FIELDS,
+            None,
+        )
+        .unwrap();
         assert_eq!(ok.key_type, pb::KeyType::Inference);
-        let error = validate_create(&json!({"apiKeyType": "ROOT", "bogus": 1})).unwrap_err();
+        let error = validate_create(
+            &json!({"apiKeyType": "ROOT", "bogus": 1}),
+            CREATE_FIELDS,
+            None,
+        )
+        .unwrap_err();
         assert_eq!(error.code(), ErrorCode::InvalidRequest);
         assert!(
-            validate_create(&json!({"apiKeyType": "ADMIN", "description": "x".repeat(65)}))
-                .is_err()
+            validate_create(
+                &json!({"apiKeyType": "ADMIN", "description": "x".repeat(65)}),
+                CREATE_FIELDS,
+                None,
+            )
+            .is_err()
         );
     }
 

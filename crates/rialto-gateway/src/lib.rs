@@ -36,6 +36,7 @@ mod augment;
 mod characters;
 mod chat;
 pub mod convert;
+mod crypto_rpc;
 mod embeddings;
 pub mod error;
 mod files;
@@ -111,6 +112,8 @@ pub struct Gateway {
     converter: convert::Converter,
     /// The configured search provider, if any (`[web_search]`).
     web_search: Option<sources::WebSearch>,
+    /// The JSON-RPC proxy's networks (`[crypto_rpc]`).
+    crypto_rpc: crypto_rpc::CryptoRpc,
     /// Fetches and reads pages (`[web_scraping]`).
     scraper: sources::Scraper,
     /// Price of one `/augment/text-parser` file, in USD nano-units.
@@ -196,6 +199,7 @@ impl Gateway {
             file_urls_allow_private: config.gateway.file_urls_allow_private,
             converter: convert::Converter::in_process(),
             web_search: sources::WebSearch::from_config(&config.web_search)?,
+            crypto_rpc: crypto_rpc::CryptoRpc::from_config(&config.crypto_rpc)?,
             scraper: sources::Scraper::new(
                 &config.web_scraping,
                 config.gateway.file_urls_allow_private,
@@ -385,6 +389,8 @@ pub fn configure(gateway: web::Data<Gateway>) -> impl FnOnce(&mut web::ServiceCo
                         web::post().to(jobs::video_transcriptions),
                     )
                     .route("/augment/search", web::post().to(augment::search))
+                    .route("/crypto/rpc/networks", web::get().to(crypto_rpc::networks))
+                    .route("/crypto/rpc/{network}", web::post().to(crypto_rpc::proxy))
                     .route("/augment/scrape", web::post().to(augment::scrape))
                     .route("/augment/text-parser", web::post().to(augment::text_parser))
                     .route("/models", web::get().to(models::list))
@@ -398,13 +404,31 @@ pub fn configure(gateway: web::Data<Gateway>) -> impl FnOnce(&mut web::ServiceCo
                     .route("/api_keys", web::delete().to(keys::delete))
                     .route("/api_keys", web::patch().to(keys::update))
                     // Before `/api_keys/{id}`, which would match them too.
+                    .route(
+                        "/api_keys/generate_web3_key",
+                        web::get().to(keys::web3_token),
+                    )
+                    .route(
+                        "/api_keys/generate_web3_key",
+                        web::post().to(keys::create_web3),
+                    )
                     .route("/api_keys/rate_limits", web::get().to(limits::rate_limits))
                     .route("/api_keys/rate_limits/log", web::get().to(limits::log))
                     .route("/api_keys/rate_limit_logs", web::get().to(limits::log))
                     .route("/billing/balance", web::get().to(limits::billing_balance))
                     .route("/billing/usage", web::get().to(usage::history))
+                    .route("/billing/usage-history", web::get().to(usage::walk))
+                    .route("/billing/usage-analytics", web::get().to(usage::analytics))
                     .route("/characters", web::get().to(characters::list))
                     .route("/characters/{slug}", web::get().to(characters::get))
+                    .route(
+                        "/characters/{slug}/reviews",
+                        web::get().to(characters::reviews),
+                    )
+                    .route(
+                        "/characters/{slug}/reviews",
+                        web::post().to(characters::review),
+                    )
                     .route("/x402/top-up", web::post().to(wallet::top_up))
                     .route("/x402/balance/{wallet}", web::get().to(wallet::balance))
                     .route(
@@ -687,6 +711,16 @@ pub(crate) struct Authenticated {
 pub(crate) struct BalanceHeaders {
     pub usd: String,
     pub diem: String,
+}
+
+/// The API key a principal authenticated with; "" for a wallet's
+/// `SIGN-IN-WITH-X` (whose key id names the wallet).
+fn api_key_id(principal: &auth_pb::Principal) -> &str {
+    if principal.key_id.starts_with("wallet:") {
+        ""
+    } else {
+        &principal.key_id
+    }
 }
 
 /// The ledger owner of a principal: its account.

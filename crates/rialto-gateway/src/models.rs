@@ -144,6 +144,24 @@ fn price(usd: f64) -> Value {
     json!({"usd": value, "diem": value})
 }
 
+/// Whether using the model costs anything (what `GET /characters?isPro=`
+/// asks of a character's model: Rialto has no subscription tiers, so a
+/// "pro" model is one that is paid for).
+pub(crate) fn is_priced(model: &ModelConfig) -> bool {
+    let flat = [
+        model.input_usd_per_mtok,
+        model.output_usd_per_mtok,
+        model.usd_per_image,
+        model.usd_per_thousand_characters,
+        model.usd_per_audio_second,
+        model.usd_per_video_second,
+    ];
+    flat.into_iter()
+        .chain(model.usd_per_image_resolution.values().copied())
+        .chain(model.usd_per_upscale.values().copied())
+        .any(|usd| usd > 0.0)
+}
+
 /// A model's `pricing` in the hosted shape of its type.
 fn pricing(model: &ModelConfig) -> Value {
     match model.model_type.as_str() {

@@ -124,16 +124,20 @@ pub async fn set_tier(
 }
 
 /// The ledger owner of an account that exists (404 otherwise): a mistyped
-/// id must not swallow money.
+/// id must not swallow money. A wallet's account is the wallet's ledger.
 async fn existing_account_owner(gateway: &Gateway, account_id: &str) -> Result<String, ApiError> {
-    gateway
+    let account = gateway
         .services
         .auth
         .get_account(pb::GetAccountRequest {
             account_id: account_id.to_owned(),
         })
         .await?;
-    Ok(rialto_billing::account_owner(account_id))
+    Ok(if account.wallet.is_empty() {
+        rialto_billing::account_owner(account_id)
+    } else {
+        rialto_billing::wallet_owner(&account.wallet)
+    })
 }
 
 /// `PUT /admin/v1/accounts/{id}/stake {"diem_per_day": "25"}`: the DIEM the

@@ -25,11 +25,13 @@ pub mod facilitator;
 pub mod mock_media;
 pub mod mock_upstream;
 pub mod mock_video;
+pub mod rpc_node;
 pub mod sandbox;
 pub mod searxng;
 
 pub use collector::{CollectedSpan, OtlpCollector};
 pub use facilitator::{Behaviour, Facilitator};
 pub use mock_upstream::MockUpstream;
+pub use rpc_node::RpcNode;
 pub use sandbox::{Account, GRPC_TOKEN, Sandbox, SandboxBuilder, Storage, Topology};
 pub use searxng::MockSearxng;

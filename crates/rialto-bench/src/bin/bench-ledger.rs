@@ -204,6 +204,7 @@ async fn pair(
         .settle(
             owner,
             &SettleOrder {
+                spent_by: "",
                 request_id,
                 cost: COST,
                 model_id: MODEL,

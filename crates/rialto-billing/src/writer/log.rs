@@ -336,6 +336,9 @@ const DURABLE: u8 = 1;
 const LATE: u8 = 2;
 const KEYED: u8 = 4;
 const REST: u8 = 8;
+/// The record names the API key that made the request (a log written
+/// before this flag existed has none).
+const ATTRIBUTED: u8 = 16;
 
 fn encode(record: &Record, out: &mut Vec<u8>) {
     out.extend_from_slice(&[0; 8]);
@@ -352,6 +355,9 @@ fn encode(record: &Record, out: &mut Vec<u8>) {
     }
     if record.rest {
         flags |= REST;
+    }
+    if !record.spent_by.is_empty() {
+        flags |= ATTRIBUTED;
     }
     out.push(flags);
     for number in [
@@ -375,6 +381,9 @@ fn encode(record: &Record, out: &mut Vec<u8>) {
     if let Some(key) = &record.key {
         put_str(out, &key.0);
         put_str(out, &key.1);
+    }
+    if !record.spent_by.is_empty() {
+        put_str(out, &record.spent_by);
     }
     let payload = &out[8..];
     let length = payload.len() as u32;
@@ -457,6 +466,11 @@ fn decode(payload: &[u8]) -> Option<Record> {
     } else {
         None
     };
+    let spent_by = if flags & ATTRIBUTED != 0 {
+        reader.str()?
+    } else {
+        ""
+    };
     if !reader.0.is_empty() {
         return None;
     }
@@ -474,6 +488,7 @@ fn decode(payload: &[u8]) -> Option<Record> {
         rest: flags & REST != 0,
         key,
         model_id: model_id.into(),
+        spent_by: spent_by.into(),
         tokens: (prompt, completion),
         expires_at_ms,
         checkpoint,
@@ -522,6 +537,7 @@ mod tests {
         record.durable = true;
         record.key = Some(Arc::new(("key-1".to_owned(), "2026-11-24".to_owned())));
         record.model_id = "m".into();
+        record.spent_by = "key-1".into();
         record.tokens = (10, 20);
         record
     }
@@ -539,6 +555,7 @@ mod tests {
             a.rest,
             &a.key,
             &a.model_id,
+            &a.spent_by,
             a.tokens,
             a.fence,
         ) == (
@@ -547,6 +564,7 @@ mod tests {
             b.rest,
             &b.key,
             &b.model_id,
+            &b.spent_by,
             b.tokens,
             b.fence,
         ) && a.owner.name == b.owner.name

@@ -86,6 +86,8 @@ pub(crate) struct Record {
     rest: bool,
     key: Option<KeyRef>,
     model_id: Arc<str>,
+    /// The API key that made the request ("" for none).
+    spent_by: Arc<str>,
     tokens: (i64, i64),
     expires_at_ms: i64,
     checkpoint: i64,
@@ -110,6 +112,7 @@ impl Record {
             rest: false,
             key: None,
             model_id: Arc::from(""),
+            spent_by: Arc::from(""),
             tokens: (0, 0),
             expires_at_ms: 0,
             checkpoint: 0,
@@ -182,6 +185,7 @@ impl Record {
             rest: order.rest,
             key: hold.and_then(|h| h.key.clone()),
             model_id: order.model_id.into(),
+            spent_by: order.spent_by.into(),
             tokens: (order.prompt_tokens, order.completion_tokens),
             ..Self::new(owner, fence, kind)
         }
@@ -680,6 +684,8 @@ struct JournalValues<'a> {
     effects: [i64; 5],
     /// What a settlement or expiry was for: the usage history reads it.
     model_id: Option<&'a str>,
+    /// Which API key made it (the usage analytics' breakdown by key).
+    key_id: Option<&'a str>,
     tokens: (i64, i64),
 }
 
@@ -694,6 +700,7 @@ fn journal_values(record: &Record) -> JournalValues<'_> {
         request_id,
         effects: record.effects(),
         model_id: usage.then_some(&*record.model_id),
+        key_id: Some(&*record.spent_by).filter(|k| usage && !k.is_empty()),
         tokens: if usage { record.tokens } else { (0, 0) },
     }
 }

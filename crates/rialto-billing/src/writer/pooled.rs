@@ -145,9 +145,9 @@ async fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
         let sql = format!(
             "INSERT INTO ledger_journal (id, owner, kind, idempotency_key, usd_nanos, \
              diem_nanos, usd_held_nanos, diem_held_nanos, owed_nanos, request_id, \
-             reference, model_id, prompt_tokens, completion_tokens, at_ms) VALUES {} \
+             reference, model_id, prompt_tokens, completion_tokens, at_ms, key_id) VALUES {} \
              ON CONFLICT (idempotency_key) DO NOTHING RETURNING idempotency_key",
-            values(chunk.len(), 15)
+            values(chunk.len(), 16)
         );
         let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
         for (i, key, kind) in chunk {
@@ -169,7 +169,8 @@ async fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
                 .bind(row.model_id)
                 .bind(row.tokens.0)
                 .bind(row.tokens.1)
-                .bind(now);
+                .bind(now)
+                .bind(row.key_id);
         }
         for row in query.fetch_all(&mut *tx).await? {
             inserted.insert(row.try_get(0)?);

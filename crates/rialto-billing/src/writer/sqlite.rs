@@ -467,8 +467,8 @@ fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
         let mut insert = tx.prepare_cached(
             "INSERT INTO ledger_journal (id, owner, kind, idempotency_key, usd_nanos, \
              diem_nanos, usd_held_nanos, diem_held_nanos, owed_nanos, request_id, \
-             reference, model_id, prompt_tokens, completion_tokens, at_ms) \
-             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, NULL, ?11, ?12, ?13, ?14) \
+             reference, model_id, prompt_tokens, completion_tokens, at_ms, key_id) \
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, NULL, ?11, ?12, ?13, ?14, ?15) \
              ON CONFLICT (idempotency_key) DO NOTHING",
         )?;
         for (i, key, kind) in journal_rows(jobs) {
@@ -489,7 +489,8 @@ fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
                 row.model_id,
                 row.tokens.0,
                 row.tokens.1,
-                now
+                now,
+                row.key_id
             ])?;
             if inserted == 0 {
                 written[i] = Written::Duplicate;
