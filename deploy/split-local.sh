@@ -6,7 +6,7 @@
 #
 #   deploy/split-local.sh
 #   curl -s -X POST 127.0.0.1:8080/admin/v1/accounts \
-#     -H 'Authorization: Bearer change-me' -d '{"name":"x"}'
+#     -H 'Authorization: Bearer change-me' -H 'Content-Type: application/json' -d '{"name":"x"}'
 #
 # Overrides (deliberately not RIALTO_*: the binary refuses unknown RIALTO_*
 # variables):

@@ -233,6 +233,34 @@ async fn bad_requests_are_4xx(world: &World) {
     let http = world.sandbox.http();
     let url = world.sandbox.api("/chat/completions");
 
+    // Declared as anything but JSON: 415; the README's curl examples send
+    // the header, and a body without one is read as JSON.
+    let declared = http
+        .post(&url)
+        .bearer_auth(&key)
+        .header("content-type", "application/x-www-form-urlencoded")
+        .body(r#"{"model": "mock-chat", "messages": []}"#)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(declared.status(), 415);
+    let body: Value = declared.json().await.unwrap();
+    assert!(
+        body["error"]
+            .as_str()
+            .unwrap()
+            .starts_with("Invalid request content-type")
+    );
+    let json_utf8 = http
+        .post(&url)
+        .bearer_auth(&key)
+        .header("content-type", "application/json; charset=utf-8")
+        .body("{not json")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(json_utf8.status(), 400);
+
     let malformed = http
         .post(&url)
         .bearer_auth(&key)
@@ -383,7 +411,15 @@ async fn backend_failures(world: &World) {
         json!({"model": "mock-chat", "messages": hi, "mock": {"status": 500}}),
     )
     .await;
-    assert_eq!(failing.status(), 502);
+    assert_eq!(failing.status(), 500);
+    let failed: Value = failing.json().await.unwrap();
+    assert!(
+        failed["error"]
+            .as_str()
+            .unwrap()
+            .starts_with("Inference processing failed: "),
+        "{failed}"
+    );
 
     let refused = post(
         world,
@@ -414,6 +450,8 @@ async fn backend_failures(world: &World) {
     assert_eq!(events.last().unwrap(), "[DONE]");
     let error: Value = serde_json::from_str(&events[events.len() - 2]).unwrap();
     assert!(error["error"]["message"].is_string(), "{error}");
+    assert_eq!(error["error"]["type"], "api_error", "{error}");
+    assert_eq!(error["error"]["code"], "upstream_error", "{error}");
     assert_eq!(
         events.len(),
         4,
@@ -430,14 +468,14 @@ async fn backend_failures(world: &World) {
     assert_eq!(slow.status(), 504);
 
     // An upstream that refuses its own credentials is the operator's
-    // problem: 502, and its message (which may quote a key) stays in the log.
+    // problem: 500, and its message (which may quote a key) stays in the log.
     let misconfigured = post(
         world,
         &key,
         json!({"model": "mock-chat", "messages": hi, "mock": {"status": 401}}),
     )
     .await;
-    assert_eq!(misconfigured.status(), 502);
+    assert_eq!(misconfigured.status(), 500);
     assert!(!misconfigured.text().await.unwrap().contains("mock failure"));
 
     // Deprecated models say so.

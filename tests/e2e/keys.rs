@@ -52,14 +52,25 @@ async fn key_lifecycle(world: &World) {
 
     assert_eq!(chat(world, &secret).await.status(), 200);
 
-    // List and get show the record, never the secret.
-    let list: Value = sandbox
-        .call(reqwest::Method::GET, "/api_keys", &account.admin_key, None)
-        .await
-        .unwrap()
-        .json()
+    // List and get show the record, never the secret. Like every
+    // authenticated answer, the list carries the balances and the client's
+    // request time.
+    let listed = sandbox
+        .http()
+        .get(sandbox.api("/api_keys"))
+        .bearer_auth(&account.admin_key)
+        .header("x-rialto-request-timestamp-ms", "1764000000123")
+        .send()
         .await
         .unwrap();
+    assert_eq!(listed.status(), 200);
+    assert!(listed.headers().contains_key("x-rialto-balance-usd"));
+    assert!(listed.headers().contains_key("x-rialto-balance-diem"));
+    assert_eq!(
+        listed.headers()["x-rialto-request-timestamp-ms"],
+        "1764000000123"
+    );
+    let list: Value = listed.json().await.unwrap();
     assert_eq!(list["object"], "list");
     assert_eq!(list["data"].as_array().unwrap().len(), 2);
     assert!(!list.to_string().contains(&secret[21..]));

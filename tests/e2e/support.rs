@@ -62,6 +62,7 @@ pub fn assert_common_headers(response: &reqwest::Response) {
         "x-rialto-host-name",
         "date",
         "content-type",
+        "x-rialto-timestamp",
     ] {
         assert!(
             headers.contains_key(name),
@@ -73,6 +74,11 @@ pub fn assert_common_headers(response: &reqwest::Response) {
     let (day, time) = version.split_once('.').unwrap();
     assert!(day.len() == 8 && time.len() == 6, "revision {version}");
     assert_eq!(headers["cf-ray"].len(), 32);
+    let stamp = headers["x-rialto-timestamp"].to_str().unwrap();
+    assert!(
+        chrono::DateTime::parse_from_rfc3339(stamp).is_ok() && stamp.ends_with('Z'),
+        "x-rialto-timestamp {stamp}"
+    );
 }
 
 /// Runs one scenario in both topologies, each with a fresh world.

@@ -539,7 +539,7 @@ mod tests {
             result: b"media".to_vec(),
             content_type: "video/mp4".to_owned(),
             error_code: if state == FAILED {
-                "UPSTREAM_FAILED".to_owned()
+                "INFERENCE_FAILED".to_owned()
             } else {
                 String::new()
             },

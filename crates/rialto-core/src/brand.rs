@@ -23,6 +23,10 @@ pub struct Brand {
     pub header_model_deprecation_date: String,
     pub header_balance_usd: String,
     pub header_balance_diem: String,
+    /// The server's time when it answered (ISO 8601, milliseconds).
+    pub header_timestamp: String,
+    /// The client's own request time in milliseconds, echoed when sent.
+    pub header_request_timestamp_ms: String,
     /// Why a request's web search was left out (the provider failed).
     pub header_web_search_error: String,
     /// Whether a generated image came back blurred (safe mode).
@@ -48,6 +52,8 @@ impl Brand {
             header_model_deprecation_date: header("model-deprecation-date"),
             header_balance_usd: header("balance-usd"),
             header_balance_diem: header("balance-diem"),
+            header_timestamp: header("timestamp"),
+            header_request_timestamp_ms: header("request-timestamp-ms"),
             header_web_search_error: header("web-search-error"),
             header_is_blurred: header("is-blurred"),
             header_is_content_violation: header("is-content-violation"),

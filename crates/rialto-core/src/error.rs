@@ -128,11 +128,13 @@ impl ErrorCode {
             tonic::Code::Unavailable,
             "MODEL_OFFLINE",
         ),
+        // The spec's 500 "Inference processing failed" (INFERENCE_FAILED):
+        // a backend that failed, broke off or answered nonsense.
         (
             Self::UpstreamFailed,
-            502,
+            500,
             tonic::Code::Unavailable,
-            "UPSTREAM_FAILED",
+            "INFERENCE_FAILED",
         ),
         (
             Self::Timeout,

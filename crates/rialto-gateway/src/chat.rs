@@ -764,6 +764,28 @@ pub(crate) async fn admit(
     })
 }
 
+/// The in-band error a stream ends with when its backend fails after the
+/// headers went out, as the hosted API sends it: an overloaded model is a
+/// `server_error` `model_overloaded` with `retry_after`, anything else an
+/// `api_error` `upstream_error`.
+fn in_band_error(error: &rialto_core::Error) -> Value {
+    if error.code == ErrorCode::RateLimited {
+        return json!({"error": {
+            "message": error.message,
+            "type": "server_error",
+            "code": "model_overloaded",
+            "param": null,
+            "retry_after": 30,
+        }});
+    }
+    json!({"error": {
+        "message": format!("{}: {}", crate::error::INFERENCE_FAILED, error.message),
+        "type": "api_error",
+        "code": "upstream_error",
+        "param": null,
+    }})
+}
+
 /// Whether a wallet's USD balance is under `wallet.min_balance_usd`.
 fn below_wallet_minimum(gateway: &Gateway, usd: &str) -> bool {
     !matches!(usd.parse::<rust_decimal::Decimal>(), Ok(balance) if balance >= gateway.wallet_min_balance)
@@ -1134,12 +1156,7 @@ async fn relay(
             Some(Ok(_)) => continue,
             Some(Err(error)) => {
                 tracing::warn!(request_id = exchange.request_id, %error, "stream failed upstream");
-                let chunk = json!({"error": {
-                    "message": error.message,
-                    "type": "server_error",
-                    "code": "upstream_error",
-                    "param": null,
-                }});
+                let chunk = in_band_error(&error);
                 let _ = sender.send(sse(&chunk)).await;
                 let _ = sender.send(Bytes::from_static(DONE)).await;
                 let used = estimate(&upstream_usage, completion_text);

@@ -87,6 +87,9 @@ impl std::fmt::Display for ApiError {
     }
 }
 
+/// The hosted API's message of a failed inference (its 500).
+pub const INFERENCE_FAILED: &str = "Inference processing failed";
+
 impl ResponseError for ApiError {
     fn status_code(&self) -> StatusCode {
         self.extra
@@ -109,7 +112,14 @@ impl ResponseError for ApiError {
             }
         }
         let mut body = Map::new();
-        body.insert("error".into(), Value::String(self.error.message.clone()));
+        let message = match self.error.code {
+            // The spec's words first, then what failed.
+            ErrorCode::UpstreamFailed if !self.error.message.starts_with(INFERENCE_FAILED) => {
+                format!("{INFERENCE_FAILED}: {}", self.error.message)
+            }
+            _ => self.error.message.clone(),
+        };
+        body.insert("error".into(), Value::String(message));
         if let Some(details) = &self.details {
             body.insert("details".into(), Value::Object(details.0.clone()));
         }

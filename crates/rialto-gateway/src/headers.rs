@@ -47,6 +47,8 @@ pub struct Stamp {
     pub deprecation_date: HeaderName,
     pub balance_usd: HeaderName,
     pub balance_diem: HeaderName,
+    timestamp: HeaderName,
+    request_timestamp_ms: HeaderName,
 }
 
 impl Stamp {
@@ -64,6 +66,8 @@ impl Stamp {
             deprecation_date: name(&brand.header_model_deprecation_date)?,
             balance_usd: name(&brand.header_balance_usd)?,
             balance_diem: name(&brand.header_balance_diem)?,
+            timestamp: name(&brand.header_timestamp)?,
+            request_timestamp_ms: name(&brand.header_request_timestamp_ms)?,
         })
     }
 }
@@ -114,6 +118,14 @@ pub async fn stamp(
     let path = request.path().to_owned();
     let started = Instant::now();
     let gateway = request.app_data::<web::Data<Gateway>>().cloned();
+    // The client's own request time, echoed (a number, or nothing).
+    let client_time = gateway.as_ref().and_then(|gateway| {
+        request
+            .headers()
+            .get(&gateway.stamp.request_timestamp_ms)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.trim().parse::<i64>().ok())
+    });
     // Everything is guarded but the probes and the document (a load
     // balancer's health checks must not lock themselves out). Exact raw
     // paths: an encoded spelling of a route is guarded like the route.
@@ -198,6 +210,13 @@ pub async fn stamp(
         let stamp = &gateway.stamp;
         headers.insert(stamp.version_name.clone(), stamp.version.clone());
         headers.insert(stamp.host_name_name.clone(), stamp.host_name.clone());
+        let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+        if let Ok(value) = HeaderValue::from_str(&now) {
+            headers.insert(stamp.timestamp.clone(), value);
+        }
+        if let Some(time) = client_time {
+            headers.insert(stamp.request_timestamp_ms.clone(), HeaderValue::from(time));
+        }
     }
     span.in_scope(|| {
         tracing::info!(

@@ -580,6 +580,25 @@ async fn read_body(
     request: &HttpRequest,
     mut payload: web::Payload,
 ) -> Result<Bytes, ApiError> {
+    // Every body read here is JSON: a body declared as something else is the
+    // spec's 415 (no Content-Type at all is read as JSON).
+    if let Some(content_type) = request.headers().get(actix_web::http::header::CONTENT_TYPE) {
+        let essence = content_type
+            .to_str()
+            .unwrap_or_default()
+            .split(';')
+            .next()
+            .unwrap_or_default()
+            .trim()
+            .to_ascii_lowercase();
+        if essence != "application/json" && !essence.ends_with("+json") {
+            return Err(ApiError::new(
+                ErrorCode::UnsupportedMediaType,
+                "Invalid request content-type: send the body as JSON, with Content-Type: \
+                 application/json",
+            ));
+        }
+    }
     let limit = gateway.max_body_bytes;
     let too_large = || {
         ApiError::new(
@@ -784,16 +803,33 @@ async fn authenticate_endpoint(
         .get::<headers::RequestId>()
         .map(|id| id.0.clone())
         .unwrap_or_default();
-    let admission = gateway
-        .services
-        .limiter
-        .admit(
-            caller(&principal),
-            Target::endpoint(&window),
-            &request_id,
-            0,
-        )
-        .await?;
+    // The balance before the request, for its headers, read while the
+    // limiter decides.
+    let balance =
+        gateway
+            .services
+            .billing
+            .get_balance(rialto_proto::billing::v1::GetBalanceRequest {
+                owner: ledger_owner(&principal),
+            });
+    let admission = gateway.services.limiter.admit(
+        caller(&principal),
+        Target::endpoint(&window),
+        &request_id,
+        0,
+    );
+    let (balance, admission) = tokio::join!(balance, admission);
+    let admission = admission?;
+    match balance {
+        Ok(balance) => {
+            request.extensions_mut().insert(BalanceHeaders {
+                usd: balance.usd,
+                diem: balance.diem,
+            });
+        }
+        // Headers are not worth failing a request that needs no money.
+        Err(error) => tracing::debug!(%error, "no balance for the headers"),
+    }
     if let Some(headers) = admission.headers {
         request.extensions_mut().insert(RateLimitHeaders(headers));
     }
