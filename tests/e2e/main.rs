@@ -20,6 +20,7 @@ mod media;
 mod media_jobs;
 mod metrics;
 mod python;
+mod responses;
 mod router;
 mod semantics;
 mod shutdown;

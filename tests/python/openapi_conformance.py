@@ -292,6 +292,19 @@ analytics = check(session.get(f"{api}/billing/usage-analytics", params={"lookbac
                   200).json(parse_float=Decimal)
 assert sum(day["USD"] for day in analytics["byDate"]) == spent, (analytics, spent)
 assert [k["apiKeyId"] for k in analytics["byKey"]] == [created["id"]], analytics
+# The Responses API, from the same chat path and charged the same way.
+answered = check(session.post(f"{api}/responses", headers=inference,
+                              json={"model": model, "input": "hello", "instructions": "Be brief."}), 200)
+answered = numbers(answered)
+assert answered["object"] == "response" and answered["output"][0]["type"] == "message", answered
+spent += answered["cost"]["usd"]
+continued = check(session.post(f"{api}/responses", headers=inference, json={
+    "model": model, "input": [{"role": "user", "content": [{"type": "input_text", "text": "again"}]}],
+    "previous_response_id": answered["id"]}), 200)
+spent += numbers(continued)["cost"]["usd"]
+check(session.post(f"{api}/responses", headers=inference,
+                   json={"model": model, "input": "x", "previous_response_id": "resp_nobody"}), 400)
+assert balance(admin)["balances"] == {"diem": 0, "usd": 100 - spent}, spent
 
 # Web search in a chat, and the augment routes, against a mock SearXNG that
 # also serves the page to scrape; each is billed its configured price.

@@ -86,6 +86,24 @@ impl Billing for BillingGrpc {
         ))
     }
 
+    async fn put_response(
+        &self,
+        request: Request<pb::StoredResponse>,
+    ) -> Result<Response<pb::PutResponseAck>, Status> {
+        Ok(Response::new(
+            self.0.put_response(request.into_inner()).await?,
+        ))
+    }
+
+    async fn get_response(
+        &self,
+        request: Request<pb::GetResponseRequest>,
+    ) -> Result<Response<pb::StoredResponse>, Status> {
+        Ok(Response::new(
+            self.0.get_response(request.into_inner()).await?,
+        ))
+    }
+
     async fn usage_analytics(
         &self,
         request: Request<pb::UsageAnalyticsRequest>,
@@ -213,6 +231,14 @@ impl BillingService for RemoteBilling {
         request: pb::UsageHistoryRequest,
     ) -> Result<pb::UsageHistoryResponse> {
         Ok(self.0.clone().usage_history(request).await?.into_inner())
+    }
+
+    async fn put_response(&self, request: pb::StoredResponse) -> Result<pb::PutResponseAck> {
+        Ok(self.0.clone().put_response(request).await?.into_inner())
+    }
+
+    async fn get_response(&self, request: pb::GetResponseRequest) -> Result<pb::StoredResponse> {
+        Ok(self.0.clone().get_response(request).await?.into_inner())
     }
 
     async fn usage_analytics(

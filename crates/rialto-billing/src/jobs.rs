@@ -396,13 +396,7 @@ impl JobStore {
     /// Deletes the media of jobs finished more than `retention` ago (they
     /// become `expired`), at most once a minute.
     async fn sweep(&self, now: i64) {
-        let last = self.last_sweep_ms.load(Ordering::Relaxed);
-        if now - last < SWEEP_EVERY_MS
-            || self
-                .last_sweep_ms
-                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
-                .is_err()
-        {
+        if !once_per(&self.last_sweep_ms, SWEEP_EVERY_MS, now) {
             return;
         }
         let before = now.saturating_sub(self.retention_ms);
@@ -500,6 +494,16 @@ fn read_failed(error: sqlx::Error) -> Error {
         ErrorCode::Unavailable,
         format!("the job table cannot be read: {error}"),
     )
+}
+
+/// Whether `every_ms` has passed since `last` (Unix ms), which it then
+/// becomes: of callers racing, one wins.
+pub(crate) fn once_per(last: &AtomicI64, every_ms: i64, now: i64) -> bool {
+    let before = last.load(Ordering::Relaxed);
+    now - before >= every_ms
+        && last
+            .compare_exchange(before, now, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
 }
 
 #[cfg(test)]

@@ -24,6 +24,7 @@ pub mod jobs;
 pub mod ledger;
 pub mod recovery;
 pub mod replicas;
+pub mod responses;
 pub mod solana;
 pub mod usage_queue;
 pub mod writer;
@@ -48,6 +49,10 @@ pub trait BillingService: Send + Sync + 'static {
         &self,
         request: pb::UsageHistoryRequest,
     ) -> Result<pb::UsageHistoryResponse>;
+    /// Keeps a response of `POST /responses` for `previous_response_id`.
+    async fn put_response(&self, request: pb::StoredResponse) -> Result<pb::PutResponseAck>;
+    /// The owner's stored response, or NotFound.
+    async fn get_response(&self, request: pb::GetResponseRequest) -> Result<pb::StoredResponse>;
     /// The owner's spend in a range by day, model, key and currency.
     async fn usage_analytics(
         &self,
@@ -284,6 +289,8 @@ pub struct LocalBilling {
     events: Option<rialto_core::bus::Bus>,
     /// Asynchronous media jobs.
     jobs: jobs::JobStore,
+    /// Responses kept for `previous_response_id`.
+    responses: responses::ResponseStore,
 }
 
 /// Subject of top-up events, after the bus prefix: one JSON object per
@@ -315,6 +322,7 @@ impl LocalBilling {
                 .collect(),
             x402: x402::X402::new(&config.x402, db.clone()),
             jobs: jobs::JobStore::new(db.clone(), config.media.retention_hours),
+            responses: responses::ResponseStore::new(db.clone()),
             book: start(
                 db.clone(),
                 (config.billing.stream_lease_secs as i64).saturating_mul(1000),
@@ -736,6 +744,15 @@ impl BillingService for LocalBilling {
             total: u64::try_from(total).unwrap_or(0),
             more,
         })
+    }
+
+    async fn put_response(&self, request: pb::StoredResponse) -> Result<pb::PutResponseAck> {
+        self.responses.put(request).await?;
+        Ok(pb::PutResponseAck {})
+    }
+
+    async fn get_response(&self, request: pb::GetResponseRequest) -> Result<pb::StoredResponse> {
+        self.responses.get(&request).await
     }
 
     async fn usage_analytics(

@@ -138,6 +138,22 @@ impl BillingService for ReplicatedBilling {
         .await
     }
 
+    async fn put_response(&self, request: pb::StoredResponse) -> Result<pb::PutResponseAck> {
+        let owner = request.owner.clone();
+        self.routed(&owner, request, |billing, request| async move {
+            billing.put_response(request).await
+        })
+        .await
+    }
+
+    async fn get_response(&self, request: pb::GetResponseRequest) -> Result<pb::StoredResponse> {
+        let owner = request.owner.clone();
+        self.routed(&owner, request, |billing, request| async move {
+            billing.get_response(request).await
+        })
+        .await
+    }
+
     async fn usage_analytics(
         &self,
         request: pb::UsageAnalyticsRequest,

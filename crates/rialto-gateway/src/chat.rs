@@ -330,15 +330,27 @@ pub async fn completions(
     payload: web::Payload,
 ) -> Result<HttpResponse, ApiError> {
     let principal = authenticate(&gateway, &request).await?;
+    let body = match read_body(&gateway, &request, payload).await {
+        Ok(body) => parse_json(&body),
+        Err(error) => Err(error),
+    };
+    match body {
+        Ok(body) => serve(&gateway, &request, &principal, body).await,
+        Err(error) => Err(error),
+    }
+}
+
+/// A chat request's whole path from its parsed body: validation,
+/// admission, the hold, the backend, the settlement; the answer as JSON or
+/// SSE. `/responses` comes here too, with the chat body it translated.
+pub(crate) async fn serve(
+    gateway: &web::Data<Gateway>,
+    request: &HttpRequest,
+    principal: &auth_pb::Principal,
+    body: Value,
+) -> Result<HttpResponse, ApiError> {
     let mut requested_model = None;
-    let result = complete_or_stream(
-        &gateway,
-        &request,
-        payload,
-        &principal,
-        &mut requested_model,
-    )
-    .await;
+    let result = complete_or_stream(gateway, request, body, principal, &mut requested_model).await;
     // An authenticated request refused before the limiter saw it (invalid,
     // too large) still gets its window's headers, when its model is known.
     let refused_early = result.as_ref().is_err_and(|e| {
@@ -355,7 +367,7 @@ pub async fn completions(
         match gateway
             .services
             .limiter
-            .peek(crate::caller(&principal), target)
+            .peek(crate::caller(principal), target)
             .await
         {
             Ok(Some(headers)) => {
@@ -371,12 +383,10 @@ pub async fn completions(
 async fn complete_or_stream(
     gateway: &web::Data<Gateway>,
     request: &HttpRequest,
-    payload: web::Payload,
+    mut body: Value,
     principal: &auth_pb::Principal,
     requested_model: &mut Option<String>,
 ) -> Result<HttpResponse, ApiError> {
-    let body = read_body(gateway, request, payload).await?;
-    let mut body = parse_json(&body)?;
     if let Some(model) = body.get("model").and_then(Value::as_str) {
         *requested_model = Some(model.to_owned());
     }

@@ -50,6 +50,7 @@ mod media;
 mod models;
 mod openapi;
 pub mod operator;
+mod responses;
 mod retouch;
 mod sources;
 mod usage;
@@ -359,6 +360,7 @@ pub fn configure(gateway: web::Data<Gateway>) -> impl FnOnce(&mut web::ServiceCo
             .service(
                 web::scope("/api/v1")
                     .route("/chat/completions", web::post().to(chat::completions))
+                    .route("/responses", web::post().to(responses::create))
                     .route("/embeddings", web::post().to(embeddings::create))
                     .route("/image/generate", web::post().to(images::generate))
                     .route("/images/generations", web::post().to(images::generations))
