@@ -518,6 +518,11 @@ async fn models_and_openapi(world: &World) {
     assert_eq!(model["model_spec"]["name"], "Mock Chat");
     assert_eq!(model["model_spec"]["pricing"]["input"]["usd"], 0.5);
     assert_eq!(model["model_spec"]["pricing"]["output"]["usd"], 1.5);
+    // When the build was made (no model here says when it was added).
+    assert!(
+        model["created"].as_i64().unwrap() > 1_700_000_000,
+        "{model}"
+    );
 
     let bogus = http
         .get(world.sandbox.api("/models?type=bogus"))

@@ -44,6 +44,9 @@ backends = [{{ kind = "local", path = "{gguf}", name = "local-busy", context_siz
 [[models]]
 id = "all-minilm-l6-v2"
 type = "embedding"
+embedding_dimensions = 384
+max_input_tokens = 256
+created = 1764000000
 aliases = ["text-embedding-3-small"]
 backends = [{{ kind = "local", path = "{embedder}", name = "local-minilm" }}]
 
@@ -155,6 +158,20 @@ async fn local_models(topology: Topology) {
     let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>();
     assert!(dot(&vectors[0], &vectors[1]) > dot(&vectors[0], &vectors[2]) + 0.3);
     assert!(body["usage"]["prompt_tokens"].as_u64().unwrap() > 10);
+    // `/models` says as much.
+    let listed: Value = http
+        .get(sandbox.api("/models?type=embedding"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let minilm = &listed["data"][0];
+    assert_eq!(minilm["created"], 1764000000);
+    assert_eq!(minilm["model_spec"]["embeddingDimensions"], 384);
+    assert_eq!(minilm["model_spec"]["maxInputTokens"], 256);
+    assert_eq!(minilm["model_spec"]["supportsCustomDimensions"], false);
 
     // Bad input is the caller's 400, in the spec's shape.
     let response = http

@@ -806,6 +806,20 @@ pub struct ModelConfig {
     /// `video`: price of one second of generated video (USD).
     #[serde(default)]
     pub usd_per_video_second: f64,
+    /// When the model was added (Unix seconds), `created` in `/models`;
+    /// the build's time when unset.
+    #[serde(default)]
+    pub created: Option<i64>,
+    /// `embedding`: the length of its vectors (`embeddingDimensions`).
+    #[serde(default)]
+    pub embedding_dimensions: Option<u64>,
+    /// `embedding`: the most tokens an input may have (`maxInputTokens`).
+    #[serde(default)]
+    pub max_input_tokens: Option<u64>,
+    /// `embedding`: whether its backends honour a request's `dimensions`
+    /// (`supportsCustomDimensions`).
+    #[serde(default)]
+    pub custom_dimensions: bool,
     /// `video`: the durations it makes, in seconds (the first is the
     /// default); 5 and 10 when empty.
     #[serde(default)]

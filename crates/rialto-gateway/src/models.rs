@@ -71,7 +71,14 @@ pub async fn list(
                 .as_ref()
                 .is_none_or(|caller| crate::keys::check_privacy(caller, m).is_ok())
         })
-        .map(|m| model_json(m, &gateway.brand.name, gateway.web_search.is_some()))
+        .map(|m| {
+            model_json(
+                m,
+                &gateway.brand.name,
+                gateway.web_search.is_some(),
+                built_at(&gateway.revision),
+            )
+        })
         .collect();
     Ok(HttpResponse::Ok().json(json!({"object": "list", "type": wanted, "data": data})))
 }
@@ -216,9 +223,17 @@ fn price_scaled(usd: f64, factor: u32) -> Value {
     json!({"usd": value, "diem": value})
 }
 
+/// The build's time (Unix seconds) from its revision, `<yyyymmdd>.<hhmmss>`:
+/// what `created` says of a model that does not say when it was added.
+fn built_at(revision: &str) -> i64 {
+    chrono::NaiveDateTime::parse_from_str(revision, "%Y%m%d.%H%M%S")
+        .map(|t| t.and_utc().timestamp())
+        .unwrap_or(0)
+}
+
 /// A model's `/models` entry; `web_search`: whether a search provider is
 /// configured (a model advertises search only with one).
-fn model_json(model: &ModelConfig, brand: &str, web_search: bool) -> Value {
+fn model_json(model: &ModelConfig, brand: &str, web_search: bool, built: i64) -> Value {
     let pricing = pricing(model);
     let mut spec = json!({
         "name": model.display_name(),
@@ -283,6 +298,15 @@ fn model_json(model: &ModelConfig, brand: &str, web_search: bool) -> Value {
                 "prompt_character_limit": model.prompt_character_limit.unwrap_or(2500),
             });
         }
+        "embedding" => {
+            if let Some(dimensions) = model.embedding_dimensions {
+                spec["embeddingDimensions"] = json!(dimensions);
+            }
+            if let Some(tokens) = model.max_input_tokens {
+                spec["maxInputTokens"] = json!(tokens);
+            }
+            spec["supportsCustomDimensions"] = json!(model.custom_dimensions);
+        }
         "tts" => {
             let formats = model.audio_formats();
             spec["voices"] = json!(model.voices);
@@ -310,7 +334,7 @@ fn model_json(model: &ModelConfig, brand: &str, web_search: bool) -> Value {
     let mut entry = json!({
         "id": model.id,
         "object": "model",
-        "created": 0,
+        "created": model.created.unwrap_or(built),
         "owned_by": brand,
         "type": model.model_type,
         "model_spec": spec,
