@@ -13,7 +13,7 @@ MODELS := models
 CHAT_MODEL := $(MODELS)/SmolLM2-135M-Instruct.Q4_1.gguf
 EMBEDDING_MODEL := $(MODELS)/all-minilm-l6-v2/model.safetensors
 
-.PHONY: help run test lint fmt build services venv toolchain native models speech clean bench bench-smoke bench-venv
+.PHONY: help run test lint fmt build services venv toolchain native models speech clean bench bench-smoke bench-venv devnet
 
 help: ## List the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -30,7 +30,7 @@ run: toolchain native models speech ## Build and start Rialto on its embedded de
 	@echo
 	exec $(TARGET_DIR)/release/rialto serve
 
-test: k8s-validate toolchain native models speech services venv bench-venv ## Every check: k8s-validate, fmt, clippy -D warnings, all tests, test-soak, bench-smoke, test-cluster (starts PostgreSQL/NATS if needed)
+test: k8s-validate toolchain native models speech services venv bench-venv devnet ## Every check: k8s-validate, fmt, clippy -D warnings, all tests, test-soak, bench-smoke, test-cluster (starts PostgreSQL/NATS if needed)
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 	$(CARGO) build --locked -p rialto -p rialto-bench
@@ -111,6 +111,13 @@ services: ## Start PostgreSQL (127.0.0.1:5432) and NATS JetStream (127.0.0.1:422
 	  start-stop-daemon --start --oknodo --background --exec /usr/sbin/nats-server -- -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server -l /var/log/nats-server.log; \
 	  for i in $$(seq 1 30); do (exec 3<>/dev/tcp/127.0.0.1/4222) 2>/dev/null && break; sleep 1; done; \
 	fi
+
+devnet: tests/devnet/node_modules/.installed ## A local Ethereum devnet (ganache 7.9.2 from npm) for the crypto RPC proxy's test
+
+tests/devnet/node_modules/.installed: tests/devnet/package.json tests/devnet/package-lock.json
+	command -v npm >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -yq nodejs npm; }
+	cd tests/devnet && npm ci --no-audit --no-fund --ignore-scripts
+	touch $@
 
 venv: $(VENV)/.installed ## Python venv with the official openai SDK and schemathesis (for the end-to-end SDK and fuzzing tests)
 

@@ -2,7 +2,8 @@
 //! doubles: the networks list, single calls and batches priced per credit
 //! (errors cheaper), the allow-list refusing a batch whole, failover between
 //! a network's nodes, and a balance that covers exactly five calls serving
-//! five of ten racing.
+//! five of ten racing. Then a real node: ganache, a local Ethereum devnet
+//! from npm (`make devnet`), behind the proxy.
 
 use futures_util::future::join_all;
 use reqwest::{Method, Response};
@@ -279,4 +280,132 @@ async fn proxied_and_priced_one_process() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn proxied_and_priced_split() {
     proxied_and_priced(Topology::Split).await;
+}
+
+/// A real devnet: ganache (npm, `make devnet`) on a free port, killed when
+/// dropped.
+struct Devnet {
+    child: std::process::Child,
+    url: String,
+}
+
+impl Devnet {
+    async fn start() -> Devnet {
+        let bin = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("devnet/node_modules/.bin/ganache");
+        assert!(
+            bin.exists(),
+            "{} is missing: run make devnet",
+            bin.display()
+        );
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = std::process::Command::new(bin)
+            .args(["--port", &port.to_string(), "--chain.chainId", "31337"])
+            .args(["--wallet.deterministic", "--logging.quiet"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let url = format!("http://127.0.0.1:{port}");
+        let devnet = Devnet { child, url };
+        let http = rialto_test_kit::sandbox::http_client().unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            let answer = http
+                .post(&devnet.url)
+                .json(&json!({"jsonrpc": "2.0", "method": "eth_chainId", "id": 1}))
+                .send()
+                .await;
+            if answer.is_ok_and(|a| a.status().is_success()) {
+                return devnet;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "ganache never answered"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        }
+    }
+}
+
+impl Drop for Devnet {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The proxy in front of a real node: a chain's id, a funded account's
+/// balance and a batch the node partly refuses (priced as errors).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_real_devnet_behind_the_proxy() {
+    let devnet = Devnet::start().await;
+    let config = format!(
+        r#"
+[crypto_rpc]
+usd_per_credit = 0.001
+
+[[crypto_rpc.networks]]
+slug = "local-devnet"
+urls = ["{}"]
+"#,
+        devnet.url
+    );
+    let sandbox = Sandbox::builder(Topology::OneProcess)
+        .config(&config)
+        .start()
+        .await
+        .unwrap();
+    let account = sandbox
+        .create_unfunded_account("devnet", "standard")
+        .await
+        .unwrap();
+    sandbox.credit(&account.id, "1", "seed").await.unwrap();
+    let key = &account.admin_key;
+    let answer: Value = rpc(
+        &sandbox,
+        key,
+        "local-devnet",
+        &json!({"jsonrpc": "2.0", "method": "eth_chainId", "id": 1}),
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    assert_eq!(answer["result"], "0x7a69");
+    // Ganache's first deterministic account holds 1,000 ETH; trace_block
+    // is not a method it has: an error, 5 credits instead of 40.
+    let answers: Value = rpc(
+        &sandbox,
+        key,
+        "local-devnet",
+        &json!([
+            {"jsonrpc": "2.0", "method": "eth_getBalance", "id": "balance",
+                "params": ["0x90F8bf6A479f320ead074411a4B0e7944Ea8c9C1", "latest"]},
+            {"jsonrpc": "2.0", "method": "eth_blockNumber", "id": "block"},
+            {"jsonrpc": "2.0", "method": "trace_block", "params": ["latest"], "id": "trace"},
+        ]),
+    )
+    .await
+    .json()
+    .await
+    .unwrap();
+    let by_id = |id: &str| {
+        answers
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|a| a["id"] == id)
+            .unwrap()
+            .clone()
+    };
+    assert_eq!(by_id("balance")["result"], "0x3635c9adc5dea00000");
+    assert!(by_id("block")["result"].is_string());
+    assert!(by_id("trace")["error"].is_object());
+    // $0.02 + $0.02 + $0.02 + $0.005.
+    assert_eq!(usd(&sandbox, key).await, "0.935");
 }
