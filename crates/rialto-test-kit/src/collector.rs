@@ -4,11 +4,9 @@
 //! on a thread of its own and stops when dropped.
 
 use std::net::{SocketAddr, TcpListener};
-use std::sync::{Arc, Mutex, mpsc};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
 
-use actix_web::dev::ServerHandle;
-use actix_web::{App, HttpResponse, HttpServer, web};
+use actix_web::{HttpResponse, web};
 use anyhow::Context as _;
 use serde_json::Value;
 
@@ -32,8 +30,7 @@ struct State {
 pub struct OtlpCollector {
     addr: SocketAddr,
     state: Arc<State>,
-    handle: ServerHandle,
-    done: mpsc::Receiver<()>,
+    _served: crate::server::Served,
 }
 
 impl OtlpCollector {
@@ -42,44 +39,16 @@ impl OtlpCollector {
         let addr = listener.local_addr()?;
         let state = Arc::new(State::default());
         let data = web::Data::from(Arc::clone(&state));
-        let (handle_tx, handle_rx) = tokio::sync::oneshot::channel();
-        let (done_tx, done) = mpsc::channel::<()>();
-        std::thread::Builder::new()
-            .name("otlp-collector".into())
-            .spawn(move || {
-                let _done_tx = done_tx;
-                actix_web::rt::System::new().block_on(async move {
-                    let server = HttpServer::new(move || {
-                        App::new()
-                            .app_data(data.clone())
-                            .app_data(web::PayloadConfig::new(16 * 1024 * 1024))
-                            .route("/v1/traces", web::post().to(traces))
-                    })
-                    .workers(1)
-                    .disable_signals()
-                    .shutdown_timeout(1)
-                    .listen(listener);
-                    match server {
-                        Ok(server) => {
-                            let server = server.run();
-                            let _ = handle_tx.send(Ok(server.handle()));
-                            let _ = server.await;
-                        }
-                        Err(e) => {
-                            let _ = handle_tx.send(Err(e));
-                        }
-                    }
-                });
-            })?;
-        let handle = handle_rx
-            .await
-            .context("collector thread exited before starting")?
-            .context("starting the collector")?;
+        let served = crate::server::serve("otlp-collector", listener, move |app| {
+            app.app_data(data.clone())
+                .app_data(web::PayloadConfig::new(16 * 1024 * 1024))
+                .route("/v1/traces", web::post().to(traces));
+        })
+        .await?;
         Ok(Self {
             addr,
             state,
-            handle,
-            done,
+            _served: served,
         })
     }
 
@@ -95,13 +64,6 @@ impl OtlpCollector {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
-    }
-}
-
-impl Drop for OtlpCollector {
-    fn drop(&mut self) {
-        drop(self.handle.stop(false));
-        let _ = self.done.recv_timeout(Duration::from_secs(2));
     }
 }
 

@@ -5,11 +5,9 @@
 //! a thread of its own and stops when dropped.
 
 use std::net::{SocketAddr, TcpListener};
-use std::sync::{Arc, Mutex, mpsc};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
 
-use actix_web::dev::ServerHandle;
-use actix_web::{App, HttpResponse, HttpServer, web};
+use actix_web::{HttpResponse, web};
 use anyhow::Context as _;
 use serde_json::{Value, json};
 
@@ -40,8 +38,7 @@ struct State {
 pub struct Facilitator {
     addr: SocketAddr,
     state: Arc<State>,
-    handle: ServerHandle,
-    done: mpsc::Receiver<()>,
+    _served: crate::server::Served,
 }
 
 impl Facilitator {
@@ -52,44 +49,16 @@ impl Facilitator {
         let state = Arc::new(State::default());
         *lock(&state.behaviour) = Some(Behaviour::Accept);
         let data = web::Data::from(Arc::clone(&state));
-        let (handle_tx, handle_rx) = tokio::sync::oneshot::channel();
-        let (done_tx, done) = mpsc::channel::<()>();
-        std::thread::Builder::new()
-            .name("facilitator".into())
-            .spawn(move || {
-                let _done_tx = done_tx;
-                actix_web::rt::System::new().block_on(async move {
-                    let server = HttpServer::new(move || {
-                        App::new()
-                            .app_data(data.clone())
-                            .route("/verify", web::post().to(verify))
-                            .route("/settle", web::post().to(settle))
-                    })
-                    .workers(1)
-                    .disable_signals()
-                    .shutdown_timeout(1)
-                    .listen(listener);
-                    match server {
-                        Ok(server) => {
-                            let server = server.run();
-                            let _ = handle_tx.send(Ok(server.handle()));
-                            let _ = server.await;
-                        }
-                        Err(e) => {
-                            let _ = handle_tx.send(Err(e));
-                        }
-                    }
-                });
-            })?;
-        let handle = handle_rx
-            .await
-            .context("facilitator thread exited before starting")?
-            .context("starting the facilitator")?;
+        let served = crate::server::serve("facilitator", listener, move |app| {
+            app.app_data(data.clone())
+                .route("/verify", web::post().to(verify))
+                .route("/settle", web::post().to(settle));
+        })
+        .await?;
         Ok(Self {
             addr,
             state,
-            handle,
-            done,
+            _served: served,
         })
     }
 
@@ -119,13 +88,6 @@ impl Facilitator {
             .filter(|(path, _)| path == "verify")
             .map(|(_, body)| body.clone())
             .collect()
-    }
-}
-
-impl Drop for Facilitator {
-    fn drop(&mut self) {
-        drop(self.handle.stop(false));
-        let _ = self.done.recv_timeout(Duration::from_secs(2));
     }
 }
 

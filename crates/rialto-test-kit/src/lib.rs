@@ -28,6 +28,7 @@ pub mod mock_video;
 pub mod rpc_node;
 pub mod sandbox;
 pub mod searxng;
+mod server;
 
 pub use collector::{CollectedSpan, OtlpCollector};
 pub use facilitator::{Behaviour, Facilitator};

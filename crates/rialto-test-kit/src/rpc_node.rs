@@ -3,16 +3,14 @@
 //! that grows with every call, balances), `error` for any other method, and
 //! can be made to fail (503) to test failover. It records every call.
 //!
-//! Like [`MockUpstream`](crate::MockUpstream) it runs an actix-web server on
-//! a thread of its own and stops when dropped.
+//! Like every double here it serves on a thread of its own and stops when
+//! dropped.
 
 use std::net::{SocketAddr, TcpListener};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, mpsc};
-use std::time::Duration;
+use std::sync::{Arc, Mutex};
 
-use actix_web::dev::ServerHandle;
-use actix_web::{App, HttpResponse, HttpServer, web};
+use actix_web::{HttpResponse, web};
 use anyhow::Context as _;
 use serde_json::{Value, json};
 
@@ -29,8 +27,7 @@ struct State {
 pub struct RpcNode {
     addr: SocketAddr,
     state: Arc<State>,
-    handle: ServerHandle,
-    done: mpsc::Receiver<()>,
+    _served: crate::server::Served,
 }
 
 impl RpcNode {
@@ -44,43 +41,14 @@ impl RpcNode {
             ..State::default()
         });
         let data = web::Data::from(Arc::clone(&state));
-        let (handle_tx, handle_rx) = tokio::sync::oneshot::channel();
-        let (done_tx, done) = mpsc::channel::<()>();
-        std::thread::Builder::new()
-            .name("rpc-node".into())
-            .spawn(move || {
-                let _done_tx = done_tx;
-                actix_web::rt::System::new().block_on(async move {
-                    let server = HttpServer::new(move || {
-                        App::new()
-                            .app_data(data.clone())
-                            .route("/", web::post().to(call))
-                    })
-                    .workers(1)
-                    .disable_signals()
-                    .shutdown_timeout(1)
-                    .listen(listener);
-                    match server {
-                        Ok(server) => {
-                            let server = server.run();
-                            let _ = handle_tx.send(Ok(server.handle()));
-                            let _ = server.await;
-                        }
-                        Err(e) => {
-                            let _ = handle_tx.send(Err(e));
-                        }
-                    }
-                });
-            })?;
-        let handle = handle_rx
-            .await
-            .context("RPC node thread exited before starting")?
-            .context("starting the RPC node")?;
+        let served = crate::server::serve("rpc-node", listener, move |app| {
+            app.app_data(data.clone()).route("/", web::post().to(call));
+        })
+        .await?;
         Ok(Self {
             addr,
             state,
-            handle,
-            done,
+            _served: served,
         })
     }
 
@@ -101,13 +69,6 @@ impl RpcNode {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
-    }
-}
-
-impl Drop for RpcNode {
-    fn drop(&mut self) {
-        drop(self.handle.stop(false));
-        let _ = self.done.recv_timeout(Duration::from_secs(2));
     }
 }
 

@@ -12,11 +12,10 @@
 //! stops when dropped.
 
 use std::net::{SocketAddr, TcpListener};
-use std::sync::{Arc, Mutex, MutexGuard, mpsc};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use actix_web::dev::ServerHandle;
-use actix_web::{App, HttpResponse, HttpServer, web};
+use actix_web::{HttpResponse, web};
 use anyhow::Context as _;
 use serde_json::json;
 
@@ -42,8 +41,7 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 pub struct MockSearxng {
     addr: SocketAddr,
     state: Arc<State>,
-    handle: ServerHandle,
-    done: mpsc::Receiver<()>,
+    _served: crate::server::Served,
 }
 
 impl MockSearxng {
@@ -54,44 +52,16 @@ impl MockSearxng {
         let state = Arc::new(State::default());
         *lock(&state.addr) = Some(addr);
         let data = web::Data::from(Arc::clone(&state));
-        let (handle_tx, handle_rx) = tokio::sync::oneshot::channel();
-        let (done_tx, done) = mpsc::channel::<()>();
-        std::thread::Builder::new()
-            .name("mock-searxng".into())
-            .spawn(move || {
-                let _done_tx = done_tx;
-                actix_web::rt::System::new().block_on(async move {
-                    let server = HttpServer::new(move || {
-                        App::new()
-                            .app_data(data.clone())
-                            .route("/search", web::get().to(search))
-                            .route("/pages/{name}", web::get().to(page))
-                    })
-                    .workers(1)
-                    .disable_signals()
-                    .shutdown_timeout(1)
-                    .listen(listener);
-                    match server {
-                        Ok(server) => {
-                            let server = server.run();
-                            let _ = handle_tx.send(Ok(server.handle()));
-                            let _ = server.await;
-                        }
-                        Err(e) => {
-                            let _ = handle_tx.send(Err(e));
-                        }
-                    }
-                });
-            })?;
-        let handle = handle_rx
-            .await
-            .context("the mock SearXNG's thread exited before starting")?
-            .context("starting the mock SearXNG")?;
+        let served = crate::server::serve("mock-searxng", listener, move |app| {
+            app.app_data(data.clone())
+                .route("/search", web::get().to(search))
+                .route("/pages/{name}", web::get().to(page));
+        })
+        .await?;
         Ok(Self {
             addr,
             state,
-            handle,
-            done,
+            _served: served,
         })
     }
 
@@ -123,15 +93,6 @@ impl MockSearxng {
     /// Searches take `delay` before answering.
     pub fn delay(&self, delay: Duration) {
         *lock(&self.state.delay) = delay;
-    }
-}
-
-impl Drop for MockSearxng {
-    fn drop(&mut self) {
-        let handle = self.handle.clone();
-        // Stops the server; its thread ends, and `done` disconnects.
-        drop(handle.stop(false));
-        let _ = self.done.recv_timeout(Duration::from_secs(5));
     }
 }
 
