@@ -574,3 +574,53 @@ async fn a_key_updated_through_one_gateway_holds_on_the_other() {
 async fn a_key_deleted_through_one_gateway_is_refused_by_the_other() {
     a_change_through_one_gateway_reaches_the_other(Change::Delete, 401).await;
 }
+
+/// Migrations as their own step: a server that may not migrate
+/// (`database.migrate_on_start = false`) and `rialto admin` refuse a
+/// database `rialto migrate` has not brought up to date; `migrate --check`
+/// says so, `migrate` applies them once, and then all of them run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrations_are_their_own_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("rialto.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[database]\nurl = \"sqlite://{}/fresh.db\"\nmigrate_on_start = false\n\
+             [gateway]\nlisten = \"127.0.0.1:0\"\n[grpc]\nlisten = \"127.0.0.1:0\"\n",
+            dir.path().display()
+        ),
+    )
+    .unwrap();
+    let rialto = |args: &[&str]| {
+        std::process::Command::new(rialto_test_kit::sandbox::rialto_binary().unwrap())
+            .arg("--config")
+            .arg(&config)
+            .args(args)
+            .output()
+            .unwrap()
+    };
+    let check = rialto(&["migrate", "--check"]);
+    assert_eq!(check.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&check.stderr).contains("run `rialto migrate`"));
+    let admin = rialto(&["admin", "accounts", "create", "--name", "early"]);
+    assert!(!admin.status.success());
+    assert!(String::from_utf8_lossy(&admin.stderr).contains("run `rialto migrate`"));
+    let serve = rialto(&["serve"]);
+    assert!(!serve.status.success(), "a server on an old schema started");
+    assert!(String::from_utf8_lossy(&serve.stderr).contains("run `rialto migrate`"));
+
+    let migrated = rialto(&["migrate"]);
+    assert!(migrated.status.success());
+    let applied = String::from_utf8_lossy(&migrated.stdout).to_string();
+    assert!(applied.contains("applied 20261122000001_"), "{applied}");
+    let again = rialto(&["migrate"]);
+    assert!(!String::from_utf8_lossy(&again.stdout).contains("applied"));
+    assert_eq!(rialto(&["migrate", "--check"]).status.code(), Some(0));
+    let admin = rialto(&["admin", "accounts", "create", "--name", "later"]);
+    assert!(
+        admin.status.success(),
+        "{}",
+        String::from_utf8_lossy(&admin.stderr)
+    );
+}

@@ -512,6 +512,13 @@ pub struct DatabaseConfig {
     /// `sqlite://path/to/file.db` or `postgres://user@host:port/db`.
     pub url: String,
     pub max_connections: u32,
+    /// Whether `rialto serve` applies pending migrations as it starts (the
+    /// embedded default); when false it refuses a schema behind the binary,
+    /// and `rialto migrate` (a Kubernetes Job) applies them.
+    pub migrate_on_start: bool,
+    /// The URL `rialto migrate` connects with, when the user that may
+    /// change the schema is not the one that serves; `url` when unset.
+    pub migrate_url: Option<String>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
@@ -1018,6 +1025,8 @@ impl Default for DatabaseConfig {
         Self {
             url: "sqlite://data/rialto.db".to_owned(),
             max_connections: 16,
+            migrate_on_start: true,
+            migrate_url: None,
         }
     }
 }

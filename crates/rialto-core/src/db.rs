@@ -1,5 +1,6 @@
 //! The database, chosen by URL scheme: `sqlite://` (the embedded default) or
-//! `postgres://`. Migrations in `migrations/` are portable SQL applied at start.
+//! `postgres://`. Migrations in `migrations/` are portable SQL, applied at
+//! start by `connect` or as their own step (`rialto migrate`).
 
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
@@ -31,6 +32,69 @@ impl Database {
     /// Connects, creating a SQLite file and its folder when missing, and
     /// applies pending migrations.
     pub async fn connect(url: &str, max_connections: u32) -> Result<Self, sqlx::Error> {
+        let db = Self::open(url, max_connections).await?;
+        db.migrate().await?;
+        Ok(db)
+    }
+
+    /// Connects, creating a SQLite file and its folder when missing, and
+    /// requires the schema to be this binary's: a process that must not
+    /// migrate (`database.migrate_on_start = false`, `rialto admin`) refuses
+    /// a database `rialto migrate` has not brought up to date.
+    pub async fn connect_migrated(url: &str, max_connections: u32) -> Result<Self, sqlx::Error> {
+        let db = Self::open(url, max_connections).await?;
+        let missing = db.pending_migrations().await?;
+        if let Some(first) = missing.first() {
+            return Err(sqlx::Error::Configuration(
+                format!(
+                    "the database's schema is behind this binary ({} migration(s) to apply, the \
+                     first {first}): run `rialto migrate`",
+                    missing.len()
+                )
+                .into(),
+            ));
+        }
+        Ok(db)
+    }
+
+    /// Applies the migrations this binary has and the database lacks
+    /// (PostgreSQL serialises concurrent migrators with a lock).
+    pub async fn migrate(&self) -> Result<(), sqlx::Error> {
+        sqlx::migrate!("./migrations").run(&self.pool).await?;
+        Ok(())
+    }
+
+    /// The migrations (`<version>_<description>`) this binary has that the
+    /// database has not applied, oldest first.
+    pub async fn pending_migrations(&self) -> Result<Vec<String>, sqlx::Error> {
+        use sqlx::migrate::Migrate;
+        let migrator = sqlx::migrate!("./migrations");
+        let mut conn = self.pool.acquire().await?;
+        // Read only: a database never migrated has no table yet (and the
+        // serving user may not be allowed to create one), so nothing is
+        // applied.
+        let applied: std::collections::HashSet<i64> =
+            match conn.list_applied_migrations(&migrator.table_name).await {
+                Ok(applied) => applied.into_iter().map(|m| m.version).collect(),
+                Err(sqlx::migrate::MigrateError::Execute(sqlx::Error::Database(_))) => {
+                    Default::default()
+                }
+                Err(error) => return Err(sqlx::Error::Migrate(Box::new(error))),
+            };
+        Ok(migrator
+            .iter()
+            .filter(|m| !applied.contains(&m.version))
+            .map(|m| format!("{}_{}", m.version, m.description))
+            .collect())
+    }
+
+    /// Connects without touching or checking the schema (`rialto migrate`).
+    pub async fn open_unmigrated(url: &str, max_connections: u32) -> Result<Self, sqlx::Error> {
+        Self::open(url, max_connections).await
+    }
+
+    /// Connects without touching the schema.
+    async fn open(url: &str, max_connections: u32) -> Result<Self, sqlx::Error> {
         install_default_drivers();
         let (kind, url, sqlite_file) = if url.starts_with("sqlite:") {
             let (url, file) = prepare_sqlite_url(url)?;
@@ -82,7 +146,6 @@ impl Database {
             })
             .connect(&url)
             .await?;
-        sqlx::migrate!("./migrations").run(&pool).await?;
         Ok(Self {
             pool,
             kind,

@@ -6,7 +6,9 @@
 //!   `gateway,auth,limiter,billing,router`) runs only those; the others are
 //!   reached over gRPC at the addresses in `[remote]`.
 //! - `rialto admin accounts create --name NAME [--tier TIER]` creates an account and its
-//!   first ADMIN key directly in the configured database.
+//!   first ADMIN key directly in the configured database (never migrating it).
+//! - `rialto migrate [--check] [--wait SECS]` applies the database migrations
+//!   (a step of its own where `database.migrate_on_start` is false).
 //!
 //! This crate is wiring only: which service is local and which is remote is
 //! decided here and nowhere else.
@@ -46,6 +48,10 @@ enum Command {
         #[command(subcommand)]
         command: AdminCommand,
     },
+    /// Apply the database migrations this binary has and the database
+    /// lacks (with `database.migrate_url` when set), and print what was
+    /// applied; `--check` applies nothing and fails while some are missing.
+    Migrate(MigrateArgs),
     /// Print the build revision.
     Version,
     /// Read a document on stdin, print its text (the gateway runs this in a
@@ -64,6 +70,19 @@ struct ServeArgs {
     /// Comma-separated services to run here: gateway,auth,limiter,billing,router.
     #[arg(long, value_delimiter = ',')]
     services: Option<Vec<String>>,
+}
+
+#[derive(Args)]
+struct MigrateArgs {
+    /// Apply nothing: exit 0 when the schema is this binary's, 1 otherwise
+    /// (with --wait, once it is, or when the time is up).
+    #[arg(long)]
+    check: bool,
+    /// Seconds to keep trying while the database cannot be reached (or,
+    /// with --check, while migrations are missing): an init container
+    /// waits for the migration Job this way.
+    #[arg(long, default_value_t = 0)]
+    wait: u64,
 }
 
 #[derive(Subcommand)]
@@ -164,6 +183,7 @@ fn main() -> std::process::ExitCode {
                     command: AccountsCommand::Stake { id, diem_per_day },
                 },
         } => set_stake(config, id, diem_per_day),
+        Command::Migrate(args) => migrate(&config, &args),
         Command::Version => {
             println!("{REVISION}");
             Ok(())
@@ -179,6 +199,53 @@ fn main() -> std::process::ExitCode {
     }
 }
 
+/// `rialto migrate [--check] [--wait SECS]`.
+fn migrate(config: &Config, args: &MigrateArgs) -> anyhow::Result<()> {
+    use anyhow::Context as _;
+    let url = config
+        .database
+        .migrate_url
+        .as_deref()
+        .unwrap_or(&config.database.url);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(args.wait);
+        loop {
+            let attempt = async {
+                let db = rialto_core::db::Database::open_unmigrated(url, 1).await?;
+                let pending = db.pending_migrations().await?;
+                if args.check {
+                    return Ok(pending);
+                }
+                db.migrate().await.context("applying the migrations")?;
+                for migration in &pending {
+                    println!("applied {migration}");
+                }
+                Ok(Vec::new())
+            };
+            let outcome: anyhow::Result<Vec<String>> = attempt.await;
+            let done = matches!(&outcome, Ok(pending) if pending.is_empty());
+            if done || std::time::Instant::now() >= deadline {
+                return match outcome {
+                    Ok(pending) if pending.is_empty() => {
+                        println!("the schema is up to date");
+                        Ok(())
+                    }
+                    Ok(pending) => anyhow::bail!(
+                        "{} migration(s) to apply, the first {}: run `rialto migrate`",
+                        pending.len(),
+                        pending[0]
+                    ),
+                    Err(error) => Err(error.context("cannot reach the database")),
+                };
+            }
+            tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+        }
+    })
+}
+
 /// Runs one administrative command against the configured database, on a
 /// runtime of its own.
 fn with_database<F, Fut>(config: &Config, command: F) -> anyhow::Result<()>
@@ -190,7 +257,8 @@ where
         .enable_all()
         .build()?;
     runtime.block_on(async {
-        let db = rialto_core::db::Database::connect(
+        // Administration never changes the schema: `rialto migrate` does.
+        let db = rialto_core::db::Database::connect_migrated(
             &config.database.url,
             config.database.max_connections,
         )

@@ -203,14 +203,13 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
         .iter()
         .any(|s| here.contains(s))
     {
-        Some(
-            rialto_core::db::Database::connect(
-                &config.database.url,
-                config.database.max_connections,
-            )
-            .await
-            .with_context(|| "cannot open the database (database.url)")?,
-        )
+        let (url, pool) = (&config.database.url, config.database.max_connections);
+        let db = if config.database.migrate_on_start {
+            rialto_core::db::Database::connect(url, pool).await
+        } else {
+            rialto_core::db::Database::connect_migrated(url, pool).await
+        };
+        Some(db.with_context(|| "cannot open the database (database.url)")?)
     } else {
         None
     };
