@@ -11,7 +11,8 @@ both_topologies!(
     key_lifecycle,
     key_routes_need_an_admin_key,
     operator_api_is_guarded,
-    key_updates_and_model_privacy
+    key_updates_and_model_privacy,
+    operator_lists_and_suspends_accounts
 );
 
 async fn chat(world: &World, key: &str) -> reqwest::Response {
@@ -622,5 +623,110 @@ async fn migrations_are_their_own_step() {
         admin.status.success(),
         "{}",
         String::from_utf8_lossy(&admin.stderr)
+    );
+}
+
+/// `GET /admin/v1/accounts` (search, paging), `GET /admin/v1/accounts/{id}`
+/// with its balance, and suspending an account: its keys are refused on the
+/// next request, on every gateway, until it is resumed.
+async fn operator_lists_and_suspends_accounts(world: &World) {
+    let sandbox = &world.sandbox;
+    let operator = |method: reqwest::Method, path: &str| {
+        sandbox
+            .http()
+            .request(method, format!("{}/admin/v1{path}", sandbox.url))
+            .bearer_auth(&sandbox.operator_token)
+            .send()
+    };
+    let first = sandbox.create_account("Zebra Works").await.unwrap();
+    let second = sandbox.create_account("zebra_two").await.unwrap();
+    sandbox.create_account("other").await.unwrap();
+
+    let listed: Value = operator(reqwest::Method::GET, "/accounts?search=ZEBRA&limit=1")
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(listed["total"], 2, "{listed}");
+    assert_eq!(listed["data"].as_array().unwrap().len(), 1);
+    assert_eq!(listed["data"][0]["id"], second.id.as_str(), "newest first");
+    let page: Value = operator(reqwest::Method::GET, "/accounts?search=zebra&offset=1")
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(page["data"][0]["name"], "Zebra Works");
+    // `_` is a character, not LIKE's wildcard.
+    let literal: Value = operator(reqwest::Method::GET, "/accounts?search=a_w")
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(literal["total"], 0, "{literal}");
+    assert_eq!(
+        operator(reqwest::Method::GET, "/accounts?limit=0")
+            .await
+            .unwrap()
+            .status(),
+        400
+    );
+
+    let one: Value = operator(reqwest::Method::GET, &format!("/accounts/{}", first.id))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(one["name"], "Zebra Works");
+    assert_eq!(one["suspended"], false);
+    assert!(one["balance"]["usd"].is_string(), "{one}");
+    assert_eq!(
+        operator(reqwest::Method::GET, "/accounts/nobody")
+            .await
+            .unwrap()
+            .status(),
+        404
+    );
+
+    assert_eq!(chat(world, &first.admin_key).await.status(), 200);
+    let suspended: Value = operator(
+        reqwest::Method::POST,
+        &format!("/accounts/{}/suspend", first.id),
+    )
+    .await
+    .unwrap()
+    .json()
+    .await
+    .unwrap();
+    assert_eq!(suspended["suspended"], true);
+    assert!(suspended["suspendedAt"].is_string());
+    assert_eq!(chat(world, &first.admin_key).await.status(), 401);
+    let keys = sandbox
+        .call(reqwest::Method::GET, "/api_keys", &first.admin_key, None)
+        .await
+        .unwrap();
+    assert_eq!(keys.status(), 401);
+    // Another account is not touched.
+    assert_eq!(chat(world, &second.admin_key).await.status(), 200);
+    let resumed: Value = operator(
+        reqwest::Method::POST,
+        &format!("/accounts/{}/resume", first.id),
+    )
+    .await
+    .unwrap()
+    .json()
+    .await
+    .unwrap();
+    assert_eq!(resumed["suspended"], false);
+    assert_eq!(chat(world, &first.admin_key).await.status(), 200);
+    assert_eq!(
+        operator(reqwest::Method::POST, "/accounts/nobody/suspend")
+            .await
+            .unwrap()
+            .status(),
+        404
     );
 }

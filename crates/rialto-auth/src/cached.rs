@@ -231,6 +231,25 @@ impl AuthService for CachedAuth {
         self.inner.create_web3_key(request).await
     }
 
+    async fn list_accounts(
+        &self,
+        request: pb::ListAccountsRequest,
+    ) -> Result<pb::ListAccountsResponse> {
+        self.inner.list_accounts(request).await
+    }
+
+    async fn set_account_suspended(
+        &self,
+        request: pb::SetAccountSuspendedRequest,
+    ) -> Result<pb::Account> {
+        // Cached principals of its keys: as for a deletion, the next
+        // request asks again.
+        let revocation = Revocation::Account(request.account_id.clone());
+        let changed = self.inner.set_account_suspended(request).await;
+        self.cache.revoke(&revocation);
+        changed
+    }
+
     async fn put_character_review(
         &self,
         request: pb::PutCharacterReviewRequest,
@@ -393,6 +412,18 @@ mod tests {
             unused()
         }
         async fn create_web3_key(&self, _: pb::CreateWeb3KeyRequest) -> Result<pb::CreatedKey> {
+            unused()
+        }
+        async fn list_accounts(
+            &self,
+            _: pb::ListAccountsRequest,
+        ) -> Result<pb::ListAccountsResponse> {
+            unused()
+        }
+        async fn set_account_suspended(
+            &self,
+            _: pb::SetAccountSuspendedRequest,
+        ) -> Result<pb::Account> {
             unused()
         }
         async fn put_character_review(

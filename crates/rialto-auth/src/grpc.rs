@@ -116,6 +116,24 @@ impl Auth for AuthGrpc {
         ))
     }
 
+    async fn list_accounts(
+        &self,
+        request: Request<pb::ListAccountsRequest>,
+    ) -> Result<Response<pb::ListAccountsResponse>, Status> {
+        Ok(Response::new(
+            self.0.list_accounts(request.into_inner()).await?,
+        ))
+    }
+
+    async fn set_account_suspended(
+        &self,
+        request: Request<pb::SetAccountSuspendedRequest>,
+    ) -> Result<Response<pb::Account>, Status> {
+        Ok(Response::new(
+            self.0.set_account_suspended(request.into_inner()).await?,
+        ))
+    }
+
     async fn create_web3_key(
         &self,
         request: Request<pb::CreateWeb3KeyRequest>,
@@ -228,6 +246,25 @@ impl AuthService for RemoteAuth {
 
     async fn create_web3_key(&self, request: pb::CreateWeb3KeyRequest) -> Result<pb::CreatedKey> {
         Ok(self.0.clone().create_web3_key(request).await?.into_inner())
+    }
+
+    async fn list_accounts(
+        &self,
+        request: pb::ListAccountsRequest,
+    ) -> Result<pb::ListAccountsResponse> {
+        Ok(self.0.clone().list_accounts(request).await?.into_inner())
+    }
+
+    async fn set_account_suspended(
+        &self,
+        request: pb::SetAccountSuspendedRequest,
+    ) -> Result<pb::Account> {
+        Ok(self
+            .0
+            .clone()
+            .set_account_suspended(request)
+            .await?
+            .into_inner())
     }
 
     async fn put_character_review(

@@ -59,6 +59,17 @@ pub trait AuthService: Send + Sync + 'static {
     /// Changes the account's rate-limit tier; its keys see it at once here
     /// and within the cache's re-check on other auth replicas.
     async fn set_account_tier(&self, request: pb::SetAccountTierRequest) -> Result<pb::Account>;
+    /// Accounts a page at a time, newest first, found by name or id.
+    async fn list_accounts(
+        &self,
+        request: pb::ListAccountsRequest,
+    ) -> Result<pb::ListAccountsResponse>;
+    /// Suspends (its keys stop authenticating, everywhere at once) or
+    /// resumes an account.
+    async fn set_account_suspended(
+        &self,
+        request: pb::SetAccountSuspendedRequest,
+    ) -> Result<pb::Account>;
     /// Verifies a Sign-In-With-X header and consumes its nonce; a refusal is
     /// an answer (with its code), not an error.
     async fn sign_in(&self, request: pb::SignInRequest) -> Result<pb::SignInResponse>;

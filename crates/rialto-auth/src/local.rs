@@ -331,7 +331,7 @@ impl Inner {
             "SELECT k.id, k.account_id, k.key_type, k.expires_at_ms, k.secret_sha256, \
              a.tier, a.wallet, k.limit_usd_nanos, k.limit_diem_nanos, k.limit_period, \
              k.model_privacy FROM api_keys k JOIN accounts a ON a.id = k.account_id \
-             WHERE k.secret_sha256 = $1",
+             WHERE k.secret_sha256 = $1 AND a.suspended_at_ms IS NULL",
         )
         .bind(hex::encode(digest))
         .fetch_optional(self.db.pool())
@@ -538,7 +538,7 @@ fn recheck_sql(size: usize) -> &'static str {
                      a.tier, a.wallet, k.limit_usd_nanos, k.limit_diem_nanos, \
                      k.limit_period, k.model_privacy \
                      FROM api_keys k JOIN accounts a ON a.id = k.account_id \
-                     WHERE k.secret_sha256 IN ({placeholders})"
+                     WHERE k.secret_sha256 IN ({placeholders}) AND a.suspended_at_ms IS NULL"
                 )
             })
             .collect()
@@ -647,6 +647,19 @@ macro_rules! record_columns {
          last_used_at_ms, last6_chars, limit_usd_nanos, limit_diem_nanos, limit_period, \
          model_privacy"
     };
+}
+
+fn account_from_row(row: &sqlx::any::AnyRow) -> Result<pb::Account> {
+    Ok(pb::Account {
+        id: row.try_get("id")?,
+        name: row.try_get("name")?,
+        tier: row.try_get("tier")?,
+        created_at_ms: row.try_get("created_at_ms")?,
+        wallet: row
+            .try_get::<Option<String>, _>("wallet")?
+            .unwrap_or_default(),
+        suspended_at_ms: row.try_get("suspended_at_ms")?,
+    })
 }
 
 /// The columns [`review_from_row`] reads, as a literal for `concat!`.
@@ -924,21 +937,87 @@ impl AuthService for LocalAuth {
     }
 
     async fn get_account(&self, request: pb::GetAccountRequest) -> Result<pb::Account> {
-        let row =
-            sqlx::query("SELECT id, name, tier, created_at_ms, wallet FROM accounts WHERE id = $1")
-                .bind(&request.account_id)
-                .fetch_optional(self.inner.db.pool())
-                .await?
-                .ok_or_else(|| Error::new(ErrorCode::NotFound, "Account not found"))?;
-        Ok(pb::Account {
-            id: row.try_get("id")?,
-            name: row.try_get("name")?,
-            tier: row.try_get("tier")?,
-            created_at_ms: row.try_get("created_at_ms")?,
-            wallet: row
-                .try_get::<Option<String>, _>("wallet")?
-                .unwrap_or_default(),
+        let row = sqlx::query(
+            "SELECT id, name, tier, created_at_ms, wallet, suspended_at_ms FROM accounts \
+             WHERE id = $1",
+        )
+        .bind(&request.account_id)
+        .fetch_optional(self.inner.db.pool())
+        .await?
+        .ok_or_else(|| Error::new(ErrorCode::NotFound, "Account not found"))?;
+        account_from_row(&row)
+    }
+
+    async fn list_accounts(
+        &self,
+        request: pb::ListAccountsRequest,
+    ) -> Result<pb::ListAccountsResponse> {
+        // LIKE's wildcards in the search are literal.
+        let search: String = request
+            .search
+            .trim()
+            .to_lowercase()
+            .chars()
+            .flat_map(|c| match c {
+                '\\' | '%' | '_' => vec!['\\', c],
+                c => vec![c],
+            })
+            .collect();
+        let pattern = format!("%{search}%");
+        let total: i64 = sqlx::query(
+            "SELECT CAST(COUNT(*) AS BIGINT) FROM accounts \
+             WHERE LOWER(name) LIKE $1 ESCAPE '\\' OR LOWER(id) LIKE $1 ESCAPE '\\'",
+        )
+        .bind(&pattern)
+        .fetch_one(self.inner.db.pool())
+        .await?
+        .try_get(0)?;
+        let rows = sqlx::query(
+            "SELECT id, name, tier, created_at_ms, wallet, suspended_at_ms FROM accounts \
+             WHERE LOWER(name) LIKE $1 ESCAPE '\\' OR LOWER(id) LIKE $1 ESCAPE '\\' \
+             ORDER BY created_at_ms DESC, id LIMIT $2 OFFSET $3",
+        )
+        .bind(&pattern)
+        .bind(i64::from(request.limit.clamp(1, 500)))
+        .bind(i64::try_from(request.offset).unwrap_or(i64::MAX))
+        .fetch_all(self.inner.db.pool())
+        .await?;
+        Ok(pb::ListAccountsResponse {
+            accounts: rows.iter().map(account_from_row).collect::<Result<_>>()?,
+            total: u64::try_from(total).unwrap_or(0),
         })
+    }
+
+    async fn set_account_suspended(
+        &self,
+        request: pb::SetAccountSuspendedRequest,
+    ) -> Result<pb::Account> {
+        let updated = sqlx::query(
+            "UPDATE accounts SET suspended_at_ms = CASE WHEN $2 = 1 \
+             THEN COALESCE(suspended_at_ms, $3) ELSE NULL END WHERE id = $1",
+        )
+        .bind(&request.account_id)
+        .bind(i64::from(request.suspended))
+        .bind(now_ms())
+        .execute(self.inner.db.pool())
+        .await?
+        .rows_affected();
+        if updated == 0 {
+            return Err(Error::new(ErrorCode::NotFound, "Account not found"));
+        }
+        // Its keys are cached as principals: every replica drops them, and
+        // a suspended account's keys no longer resolve.
+        self.announce(Revocation::Account(request.account_id.clone()))
+            .await;
+        tracing::info!(
+            account_id = request.account_id,
+            suspended = request.suspended,
+            "account suspension changed"
+        );
+        self.get_account(pb::GetAccountRequest {
+            account_id: request.account_id,
+        })
+        .await
     }
 
     async fn set_account_tier(&self, request: pb::SetAccountTierRequest) -> Result<pb::Account> {

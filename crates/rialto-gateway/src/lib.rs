@@ -442,6 +442,16 @@ pub fn configure(gateway: web::Data<Gateway>) -> impl FnOnce(&mut web::ServiceCo
             .service(
                 web::scope("/admin/v1")
                     .route("/accounts", web::post().to(operator::create_account))
+                    .route("/accounts", web::get().to(operator::list_accounts))
+                    .route("/accounts/{id}", web::get().to(operator::get_account))
+                    .route(
+                        "/accounts/{id}/suspend",
+                        web::post().to(operator::suspend_account),
+                    )
+                    .route(
+                        "/accounts/{id}/resume",
+                        web::post().to(operator::resume_account),
+                    )
                     .route(
                         "/accounts/{id}/credits",
                         web::post().to(operator::credit_account),

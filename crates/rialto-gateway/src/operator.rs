@@ -238,3 +238,146 @@ pub fn account_json(created: &pb::CreateAccountResponse) -> Value {
         }
     })
 }
+
+/// An account in the operator API's listing shape.
+fn account_summary(account: &pb::Account) -> Value {
+    let time = |ms: i64| {
+        chrono::DateTime::<chrono::Utc>::from_timestamp_millis(ms)
+            .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true))
+    };
+    json!({
+        "id": account.id,
+        "name": account.name,
+        "tier": account.tier,
+        "wallet": Some(&account.wallet).filter(|w| !w.is_empty()),
+        "createdAt": time(account.created_at_ms),
+        "suspended": account.suspended_at_ms.is_some(),
+        "suspendedAt": account.suspended_at_ms.and_then(time),
+    })
+}
+
+#[derive(Debug, serde::Deserialize)]
+pub struct AccountsQuery {
+    search: Option<String>,
+    limit: Option<String>,
+    offset: Option<String>,
+}
+
+/// `GET /admin/v1/accounts?search&limit&offset`: accounts, newest first,
+/// found by name or id (case-insensitive), with the total that match.
+pub async fn list_accounts(
+    gateway: web::Data<Gateway>,
+    request: HttpRequest,
+    query: web::Query<AccountsQuery>,
+) -> Result<HttpResponse, ApiError> {
+    check_operator(&gateway, &request)?;
+    let mut details = Details::new();
+    let limit = match query.limit.as_deref().map(str::parse::<u32>) {
+        None => 50,
+        Some(Ok(n @ 1..=500)) => n,
+        Some(_) => {
+            details.push(&["limit"], "Expected an integer from 1 to 500");
+            50
+        }
+    };
+    let offset = match query.offset.as_deref().map(str::parse::<u64>) {
+        None => 0,
+        Some(Ok(n)) => n,
+        Some(Err(_)) => {
+            details.push(&["offset"], "Expected a non-negative integer");
+            0
+        }
+    };
+    let search = query.search.clone().unwrap_or_default();
+    if search.chars().count() > 200 {
+        details.push(&["search"], "String must contain at most 200 character(s)");
+    }
+    details.into_result()?;
+    let listed = gateway
+        .services
+        .auth
+        .list_accounts(pb::ListAccountsRequest {
+            search,
+            limit,
+            offset,
+        })
+        .await?;
+    let data: Vec<Value> = listed.accounts.iter().map(account_summary).collect();
+    Ok(HttpResponse::Ok().json(json!({
+        "object": "list",
+        "data": data,
+        "total": listed.total,
+        "limit": limit,
+        "offset": offset,
+    })))
+}
+
+/// `GET /admin/v1/accounts/{id}`: the account and its balances.
+pub async fn get_account(
+    gateway: web::Data<Gateway>,
+    request: HttpRequest,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    check_operator(&gateway, &request)?;
+    let account = gateway
+        .services
+        .auth
+        .get_account(pb::GetAccountRequest {
+            account_id: path.into_inner(),
+        })
+        .await?;
+    let owner = if account.wallet.is_empty() {
+        rialto_billing::account_owner(&account.id)
+    } else {
+        rialto_billing::wallet_owner(&account.wallet)
+    };
+    let balance = gateway
+        .services
+        .billing
+        .get_balance(billing_pb::GetBalanceRequest { owner })
+        .await?;
+    let mut body = account_summary(&account);
+    body["balance"] = json!({
+        "usd": balance.usd, "diem": balance.diem,
+        "usdHeld": balance.usd_held, "diemHeld": balance.diem_held,
+        "diemPerDay": balance.diem_per_day,
+    });
+    Ok(HttpResponse::Ok().json(body))
+}
+
+/// `POST /admin/v1/accounts/{id}/suspend`: the account's keys stop
+/// authenticating, on every gateway and auth replica at once.
+pub async fn suspend_account(
+    gateway: web::Data<Gateway>,
+    request: HttpRequest,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    set_suspended(&gateway, &request, path.into_inner(), true).await
+}
+
+/// `POST /admin/v1/accounts/{id}/resume`: its keys authenticate again.
+pub async fn resume_account(
+    gateway: web::Data<Gateway>,
+    request: HttpRequest,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    set_suspended(&gateway, &request, path.into_inner(), false).await
+}
+
+async fn set_suspended(
+    gateway: &Gateway,
+    request: &HttpRequest,
+    account_id: String,
+    suspended: bool,
+) -> Result<HttpResponse, ApiError> {
+    check_operator(gateway, request)?;
+    let account = gateway
+        .services
+        .auth
+        .set_account_suspended(pb::SetAccountSuspendedRequest {
+            account_id,
+            suspended,
+        })
+        .await?;
+    Ok(HttpResponse::Ok().json(account_summary(&account)))
+}
