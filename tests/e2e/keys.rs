@@ -729,4 +729,70 @@ async fn operator_lists_and_suspends_accounts(world: &World) {
             .status(),
         404
     );
+
+    // The operator makes, lists and revokes an account's keys.
+    let made = sandbox
+        .http()
+        .post(format!(
+            "{}/admin/v1/accounts/{}/keys",
+            sandbox.url, first.id
+        ))
+        .bearer_auth(&sandbox.operator_token)
+        .json(&json!({"apiKeyType": "INFERENCE", "description": "from the operator"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(made.status(), 200);
+    let made: Value = made.json().await.unwrap();
+    let secret = made["data"]["apiKey"].as_str().unwrap().to_owned();
+    assert_eq!(chat(world, &secret).await.status(), 200);
+    let keys: Value = operator(
+        reqwest::Method::GET,
+        &format!("/accounts/{}/keys", first.id),
+    )
+    .await
+    .unwrap()
+    .json()
+    .await
+    .unwrap();
+    let descriptions: Vec<&str> = keys["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["description"].as_str().unwrap())
+        .collect();
+    assert!(descriptions.contains(&"from the operator"), "{keys}");
+    assert!(
+        !keys.to_string().contains(&secret[21..]),
+        "no secrets listed"
+    );
+    let revoked = operator(
+        reqwest::Method::DELETE,
+        &format!(
+            "/accounts/{}/keys/{}",
+            first.id,
+            made["data"]["id"].as_str().unwrap()
+        ),
+    )
+    .await
+    .unwrap();
+    assert_eq!(revoked.status(), 200);
+    assert_eq!(chat(world, &secret).await.status(), 401);
+    let hits: Value = operator(
+        reqwest::Method::GET,
+        &format!("/accounts/{}/limit-hits", first.id),
+    )
+    .await
+    .unwrap()
+    .json()
+    .await
+    .unwrap();
+    assert_eq!(hits["object"], "list");
+    assert_eq!(
+        operator(reqwest::Method::GET, "/accounts/nobody/keys")
+            .await
+            .unwrap()
+            .status(),
+        404
+    );
 }

@@ -116,6 +116,35 @@ pub async fn create(
     Ok(created_json(created))
 }
 
+/// A key for `account_id` from a `POST /api_keys` body (the operator's
+/// `POST /admin/v1/accounts/{id}/keys`), answered as that route answers.
+pub(crate) async fn create_for(
+    gateway: &Gateway,
+    account_id: String,
+    body: &Value,
+) -> Result<HttpResponse, ApiError> {
+    let create = validate_create(body, CREATE_FIELDS, None)?;
+    let created = gateway
+        .services
+        .auth
+        .create_api_key(pb::CreateApiKeyRequest {
+            account_id,
+            key_type: create.key_type as i32,
+            description: create.description,
+            expires_at_ms: create.expires_at_ms,
+            limit: create.limit,
+            model_privacy: create.model_privacy,
+        })
+        .await?;
+    Ok(created_json(created))
+}
+
+/// An account's keys in the listing shape (what they spent is not read).
+pub(crate) fn records_json(records: &[pb::ApiKeyRecord]) -> Vec<Value> {
+    let spend = HashMap::new();
+    records.iter().map(|r| record_json(r, &spend)).collect()
+}
+
 /// A created key in the hosted shape: its secret is in this answer only.
 fn created_json(created: pb::CreatedKey) -> HttpResponse {
     let record = created.record.unwrap_or_default();

@@ -448,6 +448,16 @@ pub fn configure(gateway: web::Data<Gateway>) -> impl FnOnce(&mut web::ServiceCo
                         "/accounts/{id}/suspend",
                         web::post().to(operator::suspend_account),
                     )
+                    .route("/accounts/{id}/keys", web::get().to(operator::list_keys))
+                    .route("/accounts/{id}/keys", web::post().to(operator::create_key))
+                    .route(
+                        "/accounts/{id}/keys/{key}",
+                        web::delete().to(operator::revoke_key),
+                    )
+                    .route(
+                        "/accounts/{id}/limit-hits",
+                        web::get().to(operator::limit_hits),
+                    )
                     .route(
                         "/accounts/{id}/resume",
                         web::post().to(operator::resume_account),

@@ -355,12 +355,14 @@ pub async fn log(
     request: HttpRequest,
 ) -> Result<HttpResponse, ApiError> {
     let principal = authenticate_endpoint(&gateway, &request, true).await?;
-    let hits = gateway
-        .services
-        .limiter
-        .recent_hits(&principal.account_id)
-        .await?;
-    let data: Vec<Value> = hits
+    let data = hits_json(&gateway, &principal.account_id).await?;
+    Ok(HttpResponse::Ok().json(json!({"object": "list", "data": data})))
+}
+
+/// An account's last limit hits, newest first, in the hosted shape.
+pub(crate) async fn hits_json(gateway: &Gateway, account_id: &str) -> Result<Vec<Value>, ApiError> {
+    let hits = gateway.services.limiter.recent_hits(account_id).await?;
+    Ok(hits
         .into_iter()
         .map(|hit| {
             let timestamp = DateTime::from_timestamp_millis(hit.at_ms)
@@ -374,8 +376,7 @@ pub async fn log(
                 "timestamp": timestamp,
             })
         })
-        .collect();
-    Ok(HttpResponse::Ok().json(json!({"object": "list", "data": data})))
+        .collect())
 }
 
 #[cfg(test)]

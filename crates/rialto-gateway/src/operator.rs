@@ -381,3 +381,81 @@ async fn set_suspended(
         .await?;
     Ok(HttpResponse::Ok().json(account_summary(&account)))
 }
+
+/// The account of the path, or the operator API's 404.
+async fn existing_account(gateway: &Gateway, account_id: &str) -> Result<pb::Account, ApiError> {
+    Ok(gateway
+        .services
+        .auth
+        .get_account(pb::GetAccountRequest {
+            account_id: account_id.to_owned(),
+        })
+        .await?)
+}
+
+/// `GET /admin/v1/accounts/{id}/keys`: the account's keys (never their
+/// secrets).
+pub async fn list_keys(
+    gateway: web::Data<Gateway>,
+    request: HttpRequest,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    check_operator(&gateway, &request)?;
+    let account = existing_account(&gateway, &path).await?;
+    let keys = gateway
+        .services
+        .auth
+        .list_api_keys(pb::ListApiKeysRequest {
+            account_id: account.id,
+        })
+        .await?
+        .keys;
+    Ok(
+        HttpResponse::Ok()
+            .json(json!({"object": "list", "data": crate::keys::records_json(&keys)})),
+    )
+}
+
+/// `POST /admin/v1/accounts/{id}/keys`: a key for the account, from the
+/// body `POST /api_keys` takes, answered as it answers (the secret once).
+pub async fn create_key(
+    gateway: web::Data<Gateway>,
+    request: HttpRequest,
+    path: web::Path<String>,
+    payload: web::Payload,
+) -> Result<HttpResponse, ApiError> {
+    check_operator(&gateway, &request)?;
+    let body = parse_json(&read_body(&gateway, &request, payload).await?)?;
+    let account = existing_account(&gateway, &path).await?;
+    crate::keys::create_for(&gateway, account.id, &body).await
+}
+
+/// `DELETE /admin/v1/accounts/{id}/keys/{key}`: revokes the key on every
+/// gateway at once, as the owner's own `DELETE /api_keys` does.
+pub async fn revoke_key(
+    gateway: web::Data<Gateway>,
+    request: HttpRequest,
+    path: web::Path<(String, String)>,
+) -> Result<HttpResponse, ApiError> {
+    check_operator(&gateway, &request)?;
+    let (account_id, id) = path.into_inner();
+    gateway
+        .services
+        .auth
+        .delete_api_key(pb::DeleteApiKeyRequest { account_id, id })
+        .await?;
+    Ok(HttpResponse::Ok().json(json!({"success": true})))
+}
+
+/// `GET /admin/v1/accounts/{id}/limit-hits`: the account's last 50 rate
+/// limit hits, newest first, as `/api_keys/rate_limits/log` shows them.
+pub async fn limit_hits(
+    gateway: web::Data<Gateway>,
+    request: HttpRequest,
+    path: web::Path<String>,
+) -> Result<HttpResponse, ApiError> {
+    check_operator(&gateway, &request)?;
+    let account = existing_account(&gateway, &path).await?;
+    let data = crate::limits::hits_json(&gateway, &account.id).await?;
+    Ok(HttpResponse::Ok().json(json!({"object": "list", "data": data})))
+}
