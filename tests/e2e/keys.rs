@@ -795,4 +795,24 @@ async fn operator_lists_and_suspends_accounts(world: &World) {
             .status(),
         404
     );
+
+    // The backends' snapshot, from the router (over gRPC when split).
+    let backends: Value = operator(reqwest::Method::GET, "/backends")
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let of = |model: &str| {
+        backends["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|b| b["model"] == model)
+            .cloned()
+            .unwrap_or_else(|| panic!("{model} missing: {backends}"))
+    };
+    assert_eq!(of("mock-chat")["state"], "closed");
+    assert_eq!(of("mock-chat")["inFlight"], 0);
+    assert!(of("dead-chat")["state"].is_string());
 }

@@ -443,6 +443,7 @@ pub fn configure(gateway: web::Data<Gateway>) -> impl FnOnce(&mut web::ServiceCo
                 web::scope("/admin/v1")
                     .route("/accounts", web::post().to(operator::create_account))
                     .route("/accounts", web::get().to(operator::list_accounts))
+                    .route("/backends", web::get().to(operator::backends))
                     .route("/accounts/{id}", web::get().to(operator::get_account))
                     .route(
                         "/accounts/{id}/suspend",

@@ -459,3 +459,18 @@ pub async fn limit_hits(
     let data = crate::limits::hits_json(&gateway, &account.id).await?;
     Ok(HttpResponse::Ok().json(json!({"object": "list", "data": data})))
 }
+
+/// `GET /admin/v1/backends`: every model's backends, their circuit
+/// (`closed`, `half_open`, `open`, `down`) and requests in flight.
+pub async fn backends(
+    gateway: web::Data<Gateway>,
+    request: HttpRequest,
+) -> Result<HttpResponse, ApiError> {
+    check_operator(&gateway, &request)?;
+    let backends = gateway.services.router.backends().await?.backends;
+    let data: Vec<Value> = backends
+        .iter()
+        .map(|b| json!({"model": b.model, "backend": b.backend, "state": b.state, "inFlight": b.in_flight}))
+        .collect();
+    Ok(HttpResponse::Ok().json(json!({"object": "list", "data": data})))
+}

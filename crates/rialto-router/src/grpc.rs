@@ -39,6 +39,13 @@ impl Router for RouterGrpc {
     type ChatStreamStream = StatusStream;
     type MediaStreamStream = MediaStatusStream;
 
+    async fn backends(
+        &self,
+        _: Request<pb::BackendsRequest>,
+    ) -> Result<Response<pb::BackendsResponse>, Status> {
+        Ok(Response::new(self.0.backends().await?))
+    }
+
     async fn chat(
         &self,
         request: Request<pb::ChatRequest>,
@@ -123,5 +130,14 @@ impl RouterService for RemoteRouter {
     async fn media_stream(&self, request: pb::MediaRequest) -> Result<MediaStream> {
         let stream = self.0.clone().media_stream(request).await?.into_inner();
         Ok(Box::pin(stream.map(|event| event.map_err(Error::from))))
+    }
+
+    async fn backends(&self) -> Result<pb::BackendsResponse> {
+        Ok(self
+            .0
+            .clone()
+            .backends(pb::BackendsRequest {})
+            .await?
+            .into_inner())
     }
 }

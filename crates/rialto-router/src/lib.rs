@@ -92,6 +92,8 @@ pub trait RouterService: Send + Sync + 'static {
     /// A media call relayed as it arrives; errors before a backend
     /// accepted it are returned here, later ones end the stream.
     async fn media_stream(&self, request: pb::MediaRequest) -> Result<MediaStream>;
+    /// Every backend's circuit and requests in flight, by model.
+    async fn backends(&self) -> Result<pb::BackendsResponse>;
 }
 
 /// A cloneable handle on the router, local or remote.

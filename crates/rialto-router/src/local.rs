@@ -1066,6 +1066,26 @@ async fn upstream_error(response: reqwest::Response) -> (String, Option<String>)
 
 #[async_trait]
 impl RouterService for LocalRouter {
+    async fn backends(&self) -> Result<pb::BackendsResponse> {
+        let backends = self
+            .backend_health()
+            .into_iter()
+            .map(|health| pb::BackendStatus {
+                model: health.model,
+                backend: health.backend,
+                state: match health.state {
+                    health::CircuitState::Closed => "closed",
+                    health::CircuitState::HalfOpen => "half_open",
+                    health::CircuitState::Open => "open",
+                    health::CircuitState::Down => "down",
+                }
+                .to_owned(),
+                in_flight: health.in_flight as u64,
+            })
+            .collect();
+        Ok(pb::BackendsResponse { backends })
+    }
+
     async fn chat(&self, chat: Chat) -> Result<pb::ChatResponse> {
         let strip = stripping(&chat.parameters);
         let served = self.dispatch_chat(chat, false).await?;
