@@ -796,6 +796,20 @@ async fn operator_lists_and_suspends_accounts(world: &World) {
         404
     );
 
+    // The account's spend, as its own /billing/usage-analytics reads it.
+    let usage: Value = operator(
+        reqwest::Method::GET,
+        &format!("/accounts/{}/usage?lookback=1d", first.id),
+    )
+    .await
+    .unwrap()
+    .json()
+    .await
+    .unwrap();
+    assert_eq!(usage["lookback"], "1d");
+    assert_eq!(usage["byModel"][0]["modelName"], "Mock Chat", "{usage}");
+    assert!(usage["byDate"][0]["USD"].as_f64().unwrap() > 0.0, "{usage}");
+
     // The backends' snapshot, from the router (over gRPC when split).
     let backends: Value = operator(reqwest::Method::GET, "/backends")
         .await

@@ -460,6 +460,10 @@ pub fn configure(gateway: web::Data<Gateway>) -> impl FnOnce(&mut web::ServiceCo
                         web::get().to(operator::limit_hits),
                     )
                     .route(
+                        "/accounts/{id}/usage",
+                        web::get().to(operator::account_usage),
+                    )
+                    .route(
                         "/accounts/{id}/resume",
                         web::post().to(operator::resume_account),
                     )

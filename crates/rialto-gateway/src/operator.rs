@@ -474,3 +474,17 @@ pub async fn backends(
         .collect();
     Ok(HttpResponse::Ok().json(json!({"object": "list", "data": data})))
 }
+
+/// `GET /admin/v1/accounts/{id}/usage?lookback=7d` (or `startDate` and
+/// `endDate`): the account's spend by day, model and key, the shape of
+/// `/billing/usage-analytics`.
+pub async fn account_usage(
+    gateway: web::Data<Gateway>,
+    request: HttpRequest,
+    path: web::Path<String>,
+    query: web::Query<crate::usage::AnalyticsQuery>,
+) -> Result<HttpResponse, ApiError> {
+    check_operator(&gateway, &request)?;
+    let account = existing_account(&gateway, &path).await?;
+    crate::usage::account_analytics(&gateway, &account, &query).await
+}

@@ -575,14 +575,43 @@ pub async fn analytics(
     query: web::Query<AnalyticsQuery>,
 ) -> Result<HttpResponse, ApiError> {
     let today = chrono::Utc::now().timestamp_millis().div_euclid(DAY_MS);
-    let (first, last, label) = analytics_range(&query, today)?;
+    let range = analytics_range(&query, today)?;
     let principal = authenticate_endpoint(&gateway, &request, true).await?;
+    let owner = crate::ledger_owner(&principal);
+    analytics_of(&gateway, &owner, &principal.account_id, range).await
+}
+
+/// The operator's `GET /admin/v1/accounts/{id}/usage`: the account's
+/// analytics, as its own ADMIN key reads them.
+pub(crate) async fn account_analytics(
+    gateway: &Gateway,
+    account: &rialto_proto::auth::v1::Account,
+    query: &AnalyticsQuery,
+) -> Result<HttpResponse, ApiError> {
+    let today = chrono::Utc::now().timestamp_millis().div_euclid(DAY_MS);
+    let range = analytics_range(query, today)?;
+    let owner = if account.wallet.is_empty() {
+        rialto_billing::account_owner(&account.id)
+    } else {
+        rialto_billing::wallet_owner(&account.wallet)
+    };
+    analytics_of(gateway, &owner, &account.id, range).await
+}
+
+/// The analytics of `owner` (whose keys are `account_id`'s) over the days
+/// of `range`.
+async fn analytics_of(
+    gateway: &Gateway,
+    owner: &str,
+    account_id: &str,
+    (first, last, label): (i64, i64, String),
+) -> Result<HttpResponse, ApiError> {
     let (groups, keys) = tokio::join!(
         gateway
             .services
             .billing
             .usage_analytics(billing_pb::UsageAnalyticsRequest {
-                owner: crate::ledger_owner(&principal),
+                owner: owner.to_owned(),
                 start_ms: first * DAY_MS,
                 end_ms: (last + 1) * DAY_MS,
             }),
@@ -590,7 +619,7 @@ pub async fn analytics(
             .services
             .auth
             .list_api_keys(rialto_proto::auth::v1::ListApiKeysRequest {
-                account_id: principal.account_id.clone(),
+                account_id: account_id.to_owned(),
             }),
     );
     let groups = groups?.groups;
