@@ -53,6 +53,13 @@ async fn metrics_after_a_chat(world: &World) {
     ] {
         assert!(text.contains(expected), "{expected} missing from:\n{text}");
     }
+    let version = response_version(&text);
+    assert!(
+        text.lines().any(|l| l.starts_with("rialto_build_info{")
+            && l.contains(&format!("revision=\"{version}\""))
+            && l.ends_with(" 1")),
+        "{text}"
+    );
     if sandbox.grpc_addr("router").is_none() {
         assert!(
             text.contains(r#"rialto_backend_circuit_state{model="mock-chat""#),
@@ -107,4 +114,23 @@ async fn metrics_on_their_own_port() {
         .await
         .unwrap();
     assert_eq!(public.status(), 404);
+}
+
+/// The revision a build_info line names (any build: the test only checks
+/// that it has the shape `<yyyymmdd>.<hhmmss>`).
+fn response_version(text: &str) -> String {
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("rialto_build_info{"))
+        .unwrap_or_else(|| panic!("no rialto_build_info in:\n{text}"));
+    let revision = line
+        .split("revision=\"")
+        .nth(1)
+        .unwrap()
+        .split('"')
+        .next()
+        .unwrap();
+    let (day, time) = revision.split_once('.').unwrap();
+    assert!(day.len() == 8 && time.len() == 6, "{revision}");
+    revision.to_owned()
 }

@@ -101,6 +101,13 @@ pub struct MoveLabels {
     pub cause: &'static str,
 }
 
+/// The build a process runs (`rialto_build_info`).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BuildLabels {
+    /// `<yyyymmdd>.<hhmmss>`, as `x-<brand>-version` says it.
+    pub revision: String,
+}
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ServiceLabels {
     pub service: &'static str,
@@ -163,6 +170,9 @@ pub struct Metrics {
     /// Log lines dropped because stdout fell behind (set at scrape time by
     /// `telemetry`).
     pub log_lines_dropped: Counter,
+    /// 1, labelled with the build's revision: what an upgrade's dashboards
+    /// and alerts join on.
+    pub build_info: Family<BuildLabels, Gauge>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -201,6 +211,7 @@ impl Metrics {
         let ownership_moves = Family::default();
         let replica_away_seconds = Family::new_with_constructor(AwayBuckets);
         let log_lines_dropped = Counter::default();
+        let build_info = Family::default();
         let web_searches = Family::default();
         let pages_scraped = Family::default();
         registry.register(
@@ -312,6 +323,11 @@ impl Metrics {
             "Log lines dropped because stdout fell 128,000 lines behind",
             log_lines_dropped.clone(),
         );
+        registry.register(
+            "build_info",
+            "1, labelled with the revision of the build this process runs",
+            build_info.clone(),
+        );
         Self {
             registry,
             hooks: Mutex::new(Vec::new()),
@@ -336,6 +352,7 @@ impl Metrics {
             web_searches,
             pages_scraped,
             log_lines_dropped,
+            build_info,
         }
     }
 

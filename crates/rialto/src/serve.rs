@@ -31,6 +31,12 @@ use crate::REVISION;
 pub fn run(config: Config, services: Option<Vec<String>>) -> anyhow::Result<()> {
     let here = selected_services(&config, services)?;
     refuse_open_exposure(&config, &here)?;
+    rialto_core::metrics::metrics()
+        .build_info
+        .get_or_create(&rialto_core::metrics::BuildLabels {
+            revision: crate::REVISION.to_owned(),
+        })
+        .set(1);
     // `rialto-gateway`, `rialto-billing`, or `rialto` for all in one.
     let name = if here.len() == SERVICES.len() {
         "rialto".to_owned()
