@@ -124,20 +124,20 @@ pub async fn set_tier(
 }
 
 /// The ledger owner of an account that exists (404 otherwise): a mistyped
-/// id must not swallow money. A wallet's account is the wallet's ledger.
+/// id must not swallow money.
 async fn existing_account_owner(gateway: &Gateway, account_id: &str) -> Result<String, ApiError> {
-    let account = gateway
-        .services
-        .auth
-        .get_account(pb::GetAccountRequest {
-            account_id: account_id.to_owned(),
-        })
-        .await?;
-    Ok(if account.wallet.is_empty() {
-        rialto_billing::account_owner(account_id)
+    Ok(ledger_owner_of(
+        &existing_account(gateway, account_id).await?,
+    ))
+}
+
+/// An account's ledger owner: a wallet account's is the wallet's ledger.
+pub(crate) fn ledger_owner_of(account: &pb::Account) -> String {
+    if account.wallet.is_empty() {
+        rialto_billing::account_owner(&account.id)
     } else {
         rialto_billing::wallet_owner(&account.wallet)
-    })
+    }
 }
 
 /// `PUT /admin/v1/accounts/{id}/stake {"diem_per_day": "25"}`: the DIEM the
@@ -319,18 +319,8 @@ pub async fn get_account(
     path: web::Path<String>,
 ) -> Result<HttpResponse, ApiError> {
     check_operator(&gateway, &request)?;
-    let account = gateway
-        .services
-        .auth
-        .get_account(pb::GetAccountRequest {
-            account_id: path.into_inner(),
-        })
-        .await?;
-    let owner = if account.wallet.is_empty() {
-        rialto_billing::account_owner(&account.id)
-    } else {
-        rialto_billing::wallet_owner(&account.wallet)
-    };
+    let account = existing_account(&gateway, &path).await?;
+    let owner = ledger_owner_of(&account);
     let balance = gateway
         .services
         .billing

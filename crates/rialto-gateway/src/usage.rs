@@ -590,11 +590,7 @@ pub(crate) async fn account_analytics(
 ) -> Result<HttpResponse, ApiError> {
     let today = chrono::Utc::now().timestamp_millis().div_euclid(DAY_MS);
     let range = analytics_range(query, today)?;
-    let owner = if account.wallet.is_empty() {
-        rialto_billing::account_owner(&account.id)
-    } else {
-        rialto_billing::wallet_owner(&account.wallet)
-    };
+    let owner = crate::operator::ledger_owner_of(account);
     analytics_of(gateway, &owner, &account.id, range).await
 }
 
