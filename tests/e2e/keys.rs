@@ -642,29 +642,14 @@ async fn operator_lists_and_suspends_accounts(world: &World) {
     let second = sandbox.create_account("zebra_two").await.unwrap();
     sandbox.create_account("other").await.unwrap();
 
-    let listed: Value = operator(reqwest::Method::GET, "/accounts?search=ZEBRA&limit=1")
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let listed = operator_get(sandbox, "/accounts?search=ZEBRA&limit=1").await;
     assert_eq!(listed["total"], 2, "{listed}");
     assert_eq!(listed["data"].as_array().unwrap().len(), 1);
     assert_eq!(listed["data"][0]["id"], second.id.as_str(), "newest first");
-    let page: Value = operator(reqwest::Method::GET, "/accounts?search=zebra&offset=1")
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let page = operator_get(sandbox, "/accounts?search=zebra&offset=1").await;
     assert_eq!(page["data"][0]["name"], "Zebra Works");
     // `_` is a character, not LIKE's wildcard.
-    let literal: Value = operator(reqwest::Method::GET, "/accounts?search=a_w")
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let literal = operator_get(sandbox, "/accounts?search=a_w").await;
     assert_eq!(literal["total"], 0, "{literal}");
     assert_eq!(
         operator(reqwest::Method::GET, "/accounts?limit=0")
@@ -674,12 +659,7 @@ async fn operator_lists_and_suspends_accounts(world: &World) {
         400
     );
 
-    let one: Value = operator(reqwest::Method::GET, &format!("/accounts/{}", first.id))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let one = operator_get(sandbox, &format!("/accounts/{}", first.id)).await;
     assert_eq!(one["name"], "Zebra Works");
     assert_eq!(one["suspended"], false);
     assert!(one["balance"]["usd"].is_string(), "{one}");
@@ -746,15 +726,7 @@ async fn operator_lists_and_suspends_accounts(world: &World) {
     let made: Value = made.json().await.unwrap();
     let secret = made["data"]["apiKey"].as_str().unwrap().to_owned();
     assert_eq!(chat(world, &secret).await.status(), 200);
-    let keys: Value = operator(
-        reqwest::Method::GET,
-        &format!("/accounts/{}/keys", first.id),
-    )
-    .await
-    .unwrap()
-    .json()
-    .await
-    .unwrap();
+    let keys = operator_get(sandbox, &format!("/accounts/{}/keys", first.id)).await;
     let descriptions: Vec<&str> = keys["data"]
         .as_array()
         .unwrap()
@@ -778,15 +750,7 @@ async fn operator_lists_and_suspends_accounts(world: &World) {
     .unwrap();
     assert_eq!(revoked.status(), 200);
     assert_eq!(chat(world, &secret).await.status(), 401);
-    let hits: Value = operator(
-        reqwest::Method::GET,
-        &format!("/accounts/{}/limit-hits", first.id),
-    )
-    .await
-    .unwrap()
-    .json()
-    .await
-    .unwrap();
+    let hits = operator_get(sandbox, &format!("/accounts/{}/limit-hits", first.id)).await;
     assert_eq!(hits["object"], "list");
     assert_eq!(
         operator(reqwest::Method::GET, "/accounts/nobody/keys")
@@ -797,26 +761,17 @@ async fn operator_lists_and_suspends_accounts(world: &World) {
     );
 
     // The account's spend, as its own /billing/usage-analytics reads it.
-    let usage: Value = operator(
-        reqwest::Method::GET,
+    let usage = operator_get(
+        sandbox,
         &format!("/accounts/{}/usage?lookback=1d", first.id),
     )
-    .await
-    .unwrap()
-    .json()
-    .await
-    .unwrap();
+    .await;
     assert_eq!(usage["lookback"], "1d");
     assert_eq!(usage["byModel"][0]["modelName"], "Mock Chat", "{usage}");
     assert!(usage["byDate"][0]["USD"].as_f64().unwrap() > 0.0, "{usage}");
 
     // The backends' snapshot, from the router (over gRPC when split).
-    let backends: Value = operator(reqwest::Method::GET, "/backends")
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let backends = operator_get(sandbox, "/backends").await;
     let of = |model: &str| {
         backends["data"]
             .as_array()
@@ -829,4 +784,17 @@ async fn operator_lists_and_suspends_accounts(world: &World) {
     assert_eq!(of("mock-chat")["state"], "closed");
     assert_eq!(of("mock-chat")["inFlight"], 0);
     assert!(of("dead-chat")["state"].is_string());
+}
+
+/// An operator API `GET` (`/admin/v1<path>`), answered 200 with JSON.
+async fn operator_get(sandbox: &rialto_test_kit::Sandbox, path: &str) -> Value {
+    let response = sandbox
+        .http()
+        .get(format!("{}/admin/v1{path}", sandbox.url))
+        .bearer_auth(&sandbox.operator_token)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200, "{path}");
+    response.json().await.unwrap()
 }

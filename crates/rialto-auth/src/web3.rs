@@ -22,18 +22,17 @@ const ASKS: &str = " asks you to sign this message to create an API key for your
 /// What the token is for: a signature over another message is not one.
 const PURPOSE: &str = "generate_web3_key";
 
-/// A token for `domain`, valid from `now_ms` for [`TOKEN_LIFETIME_MS`].
-pub fn issue_token(domain: &str, now_ms: i64) -> String {
+/// A token for `domain`, valid from `now_ms` for [`TOKEN_LIFETIME_MS`];
+/// none when the operating system has no randomness to give.
+pub fn issue_token(domain: &str, now_ms: i64) -> Option<String> {
     let mut nonce = [0u8; 16];
-    // The OS's generator failing is not something a request can recover
-    // from; a nonce of zeros would still be refused the second time.
-    let _ = getrandom::fill(&mut nonce);
-    format!(
+    getrandom::fill(&mut nonce).ok()?;
+    Some(format!(
         "{domain}{ASKS}\n\nPurpose: {PURPOSE}\nNonce: {}\nIssued At: {}\nExpiration Time: {}",
         hex::encode(nonce),
         rfc3339(now_ms),
         rfc3339(now_ms.saturating_add(TOKEN_LIFETIME_MS)),
-    )
+    ))
 }
 
 fn rfc3339(ms: i64) -> String {
@@ -153,7 +152,7 @@ mod tests {
 
     #[test]
     fn a_signed_token_verifies_once_per_nonce_and_names_the_wallet() {
-        let token = issue_token("api.example.com", NOW);
+        let token = issue_token("api.example.com", NOW).unwrap();
         let (address, signature) = signed(&token);
         let verified = verify(
             &address.to_lowercase(),
@@ -165,18 +164,22 @@ mod tests {
         .unwrap();
         assert_eq!(verified.address, address, "checksummed");
         assert_eq!(verified.expires_at_ms, NOW + TOKEN_LIFETIME_MS);
-        assert_ne!(issue_token("api.example.com", NOW), token, "a new nonce");
+        assert_ne!(
+            issue_token("api.example.com", NOW).unwrap(),
+            token,
+            "a new nonce"
+        );
     }
 
     #[test]
     fn tokens_that_are_not_ours_expired_or_signed_by_another_are_refused() {
-        let token = issue_token("api.example.com", NOW);
+        let token = issue_token("api.example.com", NOW).unwrap();
         let (address, signature) = signed(&token);
         let check = |token: &str, signature: &str, now: i64| {
             verify(&address, signature, token, &policy(), now).map(|_| ())
         };
         assert!(check(&token, &signature, NOW + TOKEN_LIFETIME_MS).is_err());
-        let elsewhere = issue_token("evil.example", NOW);
+        let elsewhere = issue_token("evil.example", NOW).unwrap();
         let (_, elsewhere_signature) = signed(&elsewhere);
         assert!(check(&elsewhere, &elsewhere_signature, NOW).is_err());
         let stretched = token.replace(
@@ -185,7 +188,7 @@ mod tests {
         );
         let (_, stretched_signature) = signed(&stretched);
         assert!(check(&stretched, &stretched_signature, NOW).is_err());
-        let other = issue_token("api.example.com", NOW);
+        let other = issue_token("api.example.com", NOW).unwrap();
         assert!(check(&other, &signature, NOW).is_err(), "signed another");
         assert!(check(&token, "0x1234", NOW).is_err());
     }

@@ -210,8 +210,7 @@ pub async fn stamp(
         let stamp = &gateway.stamp;
         headers.insert(stamp.version_name.clone(), stamp.version.clone());
         headers.insert(stamp.host_name_name.clone(), stamp.host_name.clone());
-        let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
-        if let Ok(value) = HeaderValue::from_str(&now) {
+        if let Some(value) = timestamp_now() {
             headers.insert(stamp.timestamp.clone(), value);
         }
         if let Some(time) = client_time {
@@ -228,6 +227,26 @@ pub async fn stamp(
         );
     });
     Ok(response)
+}
+
+thread_local! {
+    /// The last `x-<brand>-timestamp` this thread formatted, by its
+    /// millisecond: responses of one millisecond share it.
+    static TIMESTAMP: RefCell<(i64, Option<HeaderValue>)> = const { RefCell::new((0, None)) };
+}
+
+/// The server's time as `x-<brand>-timestamp` says it (ISO 8601, ms).
+fn timestamp_now() -> Option<HeaderValue> {
+    let now = chrono::Utc::now();
+    let ms = now.timestamp_millis();
+    TIMESTAMP.with(|cached| {
+        let mut cached = cached.borrow_mut();
+        if cached.0 != ms || cached.1.is_none() {
+            let text = now.to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+            *cached = (ms, HeaderValue::from_str(&text).ok());
+        }
+        cached.1.clone()
+    })
 }
 
 /// What this thread has resolved for the HTTP metrics: the route pattern of

@@ -591,6 +591,23 @@ pub async fn audio_retrieve(
     retrieve(gateway, request, payload, Kind::Audio).await
 }
 
+/// What `retrieve` and `complete` start with: the body's job reference
+/// (`delete_media_on_completion` where `deletable`), its model, and the
+/// caller admitted in the kind's polling window.
+async fn polled<'g>(
+    gateway: &'g Gateway,
+    request: &HttpRequest,
+    payload: web::Payload,
+    kind: Kind,
+    deletable: bool,
+) -> Result<(auth_pb::Principal, String, bool, &'g crate::ModelEntry), ApiError> {
+    let body = object_body(gateway, request, payload).await?;
+    let (model_id, queue_id, delete) = job_reference(&body, deletable)?;
+    let model = media::model_of(gateway, Some(&model_id), kind.model_types(), false)?;
+    let principal = admit_poll(gateway, request, kind, model).await?;
+    Ok((principal, queue_id, delete, model))
+}
+
 /// `retrieve`: the status while the job runs, the media once it is done.
 async fn retrieve(
     gateway: web::Data<Gateway>,
@@ -598,10 +615,8 @@ async fn retrieve(
     payload: web::Payload,
     kind: Kind,
 ) -> Result<HttpResponse, ApiError> {
-    let body = object_body(&gateway, &request, payload).await?;
-    let (model_id, queue_id, delete) = job_reference(&body, true)?;
-    let model = media::model_of(&gateway, Some(&model_id), kind.model_types(), false)?;
-    let principal = admit_poll(&gateway, &request, kind, model).await?;
+    let (principal, queue_id, delete, model) =
+        polled(&gateway, &request, payload, kind, true).await?;
     let job = gateway
         .services
         .billing
@@ -648,10 +663,8 @@ fn job_failure(gateway: &Gateway, job: &billing_pb::Job) -> ApiError {
             "true".to_owned(),
         );
     }
-    ApiError::new(
-        ErrorCode::UpstreamFailed,
-        format!("Inference processing failed: {}", job.error),
-    )
+    // Rendered as the spec's "Inference processing failed: <error>".
+    ApiError::new(ErrorCode::UpstreamFailed, job.error.clone())
 }
 
 pub async fn video_complete(
@@ -678,10 +691,7 @@ async fn complete(
     payload: web::Payload,
     kind: Kind,
 ) -> Result<HttpResponse, ApiError> {
-    let body = object_body(&gateway, &request, payload).await?;
-    let (model_id, queue_id, _) = job_reference(&body, false)?;
-    let model = media::model_of(&gateway, Some(&model_id), kind.model_types(), false)?;
-    let principal = admit_poll(&gateway, &request, kind, model).await?;
+    let (principal, queue_id, _, model) = polled(&gateway, &request, payload, kind, false).await?;
     gateway
         .services
         .billing

@@ -100,20 +100,7 @@ pub async fn create(
 ) -> Result<HttpResponse, ApiError> {
     let principal = authenticate_endpoint(&gateway, &request, true).await?;
     let body = parse_json(&read_body(&gateway, &request, payload).await?)?;
-    let create = validate_create(&body, CREATE_FIELDS, None)?;
-    let created = gateway
-        .services
-        .auth
-        .create_api_key(pb::CreateApiKeyRequest {
-            account_id: principal.account_id,
-            key_type: create.key_type as i32,
-            description: create.description,
-            expires_at_ms: create.expires_at_ms,
-            limit: create.limit,
-            model_privacy: create.model_privacy,
-        })
-        .await?;
-    Ok(created_json(created))
+    create_for(&gateway, principal.account_id, &body).await
 }
 
 /// A key for `account_id` from a `POST /api_keys` body (the operator's
@@ -127,14 +114,7 @@ pub(crate) async fn create_for(
     let created = gateway
         .services
         .auth
-        .create_api_key(pb::CreateApiKeyRequest {
-            account_id,
-            key_type: create.key_type as i32,
-            description: create.description,
-            expires_at_ms: create.expires_at_ms,
-            limit: create.limit,
-            model_privacy: create.model_privacy,
-        })
+        .create_api_key(create.request(account_id))
         .await?;
     Ok(created_json(created))
 }
@@ -166,14 +146,15 @@ fn created_json(created: pb::CreatedKey) -> HttpResponse {
 
 /// `GET /api_keys/generate_web3_key` (public): the token a wallet signs to
 /// get a key, valid 15 minutes (see `rialto_auth::web3`).
-pub async fn web3_token(gateway: web::Data<Gateway>) -> HttpResponse {
+pub async fn web3_token(gateway: web::Data<Gateway>) -> Result<HttpResponse, ApiError> {
     let domain = gateway
         .wallet
         .domains
         .first()
         .map_or("localhost", String::as_str);
-    let token = rialto_auth::web3::issue_token(domain, chrono::Utc::now().timestamp_millis());
-    HttpResponse::Ok().json(json!({"success": true, "data": {"token": token}}))
+    let token = rialto_auth::web3::issue_token(domain, chrono::Utc::now().timestamp_millis())
+        .ok_or_else(|| rialto_core::Error::internal("no randomness for a token's nonce"))?;
+    Ok(HttpResponse::Ok().json(json!({"success": true, "data": {"token": token}})))
 }
 
 /// Members `POST /api_keys/generate_web3_key` accepts.
@@ -223,14 +204,8 @@ pub async fn create_web3(
             address,
             signature,
             token,
-            key: Some(pb::CreateApiKeyRequest {
-                account_id: String::new(),
-                key_type: settings.key_type as i32,
-                description: settings.description,
-                expires_at_ms: settings.expires_at_ms,
-                limit: settings.limit,
-                model_privacy: settings.model_privacy,
-            }),
+            // The account is the wallet's, which auth decides.
+            key: Some(settings.request(String::new())),
         })
         .await?;
     Ok(created_json(created))
@@ -469,6 +444,20 @@ struct CreateKey {
     expires_at_ms: Option<i64>,
     limit: Option<pb::ConsumptionLimit>,
     model_privacy: String,
+}
+
+impl CreateKey {
+    /// The auth request that makes this key in `account_id`.
+    fn request(self, account_id: String) -> pb::CreateApiKeyRequest {
+        pb::CreateApiKeyRequest {
+            account_id,
+            key_type: self.key_type as i32,
+            description: self.description,
+            expires_at_ms: self.expires_at_ms,
+            limit: self.limit,
+            model_privacy: self.model_privacy,
+        }
+    }
 }
 
 /// A new key's settings from a create request's members (`fields` are the

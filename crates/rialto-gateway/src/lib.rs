@@ -610,15 +610,15 @@ async fn read_body(
     // Every body read here is JSON: a body declared as something else is the
     // spec's 415 (no Content-Type at all is read as JSON).
     if let Some(content_type) = request.headers().get(actix_web::http::header::CONTENT_TYPE) {
-        let essence = content_type
-            .to_str()
-            .unwrap_or_default()
-            .split(';')
+        let essence = content_type.as_bytes();
+        let essence = essence
+            .split(|&b| b == b';')
             .next()
             .unwrap_or_default()
-            .trim()
-            .to_ascii_lowercase();
-        if essence != "application/json" && !essence.ends_with("+json") {
+            .trim_ascii();
+        let json = essence.eq_ignore_ascii_case(b"application/json")
+            || essence.len() >= 5 && essence[essence.len() - 5..].eq_ignore_ascii_case(b"+json");
+        if !json {
             return Err(ApiError::new(
                 ErrorCode::UnsupportedMediaType,
                 "Invalid request content-type: send the body as JSON, with Content-Type: \

@@ -137,10 +137,6 @@ struct Context {
     billing: rialto_billing::BillingClient,
 }
 
-fn invalid(path: &[&str], why: impl Into<String>) -> ApiError {
-    crate::augment::invalid_at(path, why)
-}
-
 /// The request's members as a chat request, with the stored conversation of
 /// `previous_response_id` first.
 async fn translate(
@@ -330,7 +326,7 @@ async fn stored_conversation(
     let stored = match stored {
         Ok(stored) => stored,
         Err(error) if error.code == ErrorCode::NotFound => {
-            return Err(invalid(
+            return Err(crate::augment::invalid_at(
                 &["previous_response_id"],
                 format!("Previous response with id '{id}' not found."),
             ));
@@ -378,7 +374,6 @@ fn input_messages(items: &[Value], details: &mut Details) -> Vec<Value> {
     let mut messages: Vec<Value> = Vec::with_capacity(items.len());
     for (i, item) in items.iter().enumerate() {
         let index = i.to_string();
-        let at = |field: &str| ["input".to_owned(), index.clone(), field.to_owned()];
         let Some(object) = item.as_object() else {
             details.push(&["input", &index], "Expected an input item object");
             continue;
@@ -393,10 +388,8 @@ fn input_messages(items: &[Value], details: &mut Details) -> Vec<Value> {
                     Some(role @ ("user" | "assistant" | "system")) => role,
                     Some("developer") => "system",
                     _ => {
-                        let path = at("role");
-                        let path: Vec<&str> = path.iter().map(String::as_str).collect();
                         details.push(
-                            &path,
+                            &["input", &index, "role"],
                             "Expected 'user' | 'assistant' | 'system' | 'developer'",
                         );
                         continue;
@@ -407,16 +400,15 @@ fn input_messages(items: &[Value], details: &mut Details) -> Vec<Value> {
                     Some(Value::Array(parts)) => match content_parts(parts, role == "assistant") {
                         Ok(content) => content,
                         Err(why) => {
-                            let path = at("content");
-                            let path: Vec<&str> = path.iter().map(String::as_str).collect();
-                            details.push(&path, why);
+                            details.push(&["input", &index, "content"], why);
                             continue;
                         }
                     },
                     _ => {
-                        let path = at("content");
-                        let path: Vec<&str> = path.iter().map(String::as_str).collect();
-                        details.push(&path, "Expected a string or an array of content parts");
+                        details.push(
+                            &["input", &index, "content"],
+                            "Expected a string or an array of content parts",
+                        );
                         continue;
                     }
                 };
