@@ -399,17 +399,18 @@ async fn operator_api_is_guarded(world: &World) {
     assert_eq!(body["details"]["name"]["_errors"][0], "Required");
 }
 
-/// `rialto admin accounts create` writes to the same database the server uses.
+/// `rialto admin` goes through the server's operator API: what it does is
+/// what the server then serves (the full command set is in `admin_cli`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cli_creates_accounts() {
     let world = world(Topology::OneProcess, Storage::Sqlite).await;
-    let output = world
-        .sandbox
-        .command()
-        .unwrap()
-        .args(["admin", "accounts", "create", "--name", "from-cli"])
-        .output()
-        .unwrap();
+    let sandbox = &world.sandbox;
+    let admin = async |args: &[&str]| {
+        let mut all = vec!["--url", sandbox.url.as_str(), "--output", "json"];
+        all.extend_from_slice(args);
+        crate::admin_cli::rialto_admin(sandbox.config_path(), &all).await
+    };
+    let output = admin(&["accounts", "create", "--name", "from-cli"]).await;
     assert!(
         output.status.success(),
         "{}",
@@ -421,41 +422,29 @@ async fn cli_creates_accounts() {
     // No credit yet: the chat is refused for payment.
     assert_eq!(chat(&world, key).await.status(), 402);
     let id = created["id"].as_str().unwrap();
-    let credit = || {
-        world
-            .sandbox
-            .command()
-            .unwrap()
-            .args(["admin", "accounts", "credit", "--id", id])
-            .args(["--usd", "5.00", "--reference", "cli-1"])
-            .output()
-            .unwrap()
-    };
-    let first: Value = serde_json::from_slice(&credit().stdout).unwrap();
+    let credit = [
+        "accounts",
+        "credit",
+        "--id",
+        id,
+        "--usd",
+        "5.00",
+        "--reference",
+        "cli-1",
+    ];
+    let first: Value = serde_json::from_slice(&admin(&credit).await.stdout).unwrap();
     assert_eq!(first["applied"], true);
     assert_eq!(first["balance"]["usd"], "5");
-    let again: Value = serde_json::from_slice(&credit().stdout).unwrap();
+    let again: Value = serde_json::from_slice(&admin(&credit).await.stdout).unwrap();
     assert_eq!(again["applied"], false, "the same reference credits once");
     assert_eq!(again["balance"]["usd"], "5");
     assert_eq!(chat(&world, key).await.status(), 200);
-    let tiered = world
-        .sandbox
-        .command()
-        .unwrap()
-        .args(["admin", "accounts", "tier", "--id", id, "--tier", "partner"])
-        .output()
-        .unwrap();
+    let tiered = admin(&["accounts", "tier", "--id", id, "--tier", "partner"]).await;
     let tiered: Value = serde_json::from_slice(&tiered.stdout).unwrap();
     assert_eq!(tiered["tier"], "partner");
-    let unknown = world
-        .sandbox
-        .command()
-        .unwrap()
-        .args(["admin", "accounts", "tier", "--id", id, "--tier", "gold"])
-        .output()
-        .unwrap();
-    assert!(!unknown.status.success());
-    assert!(String::from_utf8_lossy(&unknown.stderr).contains("unknown tier"));
+    let unknown = admin(&["accounts", "tier", "--id", id, "--tier", "gold"]).await;
+    assert_eq!(unknown.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&unknown.stderr).contains("Unknown tier"));
 }
 
 /// The same lifecycle on PostgreSQL, in both topologies.
@@ -577,9 +566,11 @@ async fn a_key_deleted_through_one_gateway_is_refused_by_the_other() {
 }
 
 /// Migrations as their own step: a server that may not migrate
-/// (`database.migrate_on_start = false`) and `rialto admin` refuse a
-/// database `rialto migrate` has not brought up to date; `migrate --check`
-/// says so, `migrate` applies them once, and then all of them run.
+/// (`database.migrate_on_start = false`) refuses a database `rialto
+/// migrate` has not brought up to date, and `rialto admin`, which never
+/// opens the database, has no server to call; `migrate --check` says so,
+/// `migrate` applies them once, and then the server starts and the CLI
+/// works through it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrations_are_their_own_step() {
     let dir = tempfile::tempdir().unwrap();
@@ -588,7 +579,10 @@ async fn migrations_are_their_own_step() {
         &config,
         format!(
             "[database]\nurl = \"sqlite://{}/fresh.db\"\nmigrate_on_start = false\n\
-             [gateway]\nlisten = \"127.0.0.1:0\"\n[grpc]\nlisten = \"127.0.0.1:0\"\n",
+             [gateway]\nlisten = \"127.0.0.1:0\"\nworkers = 1\n[grpc]\nlisten = \"127.0.0.1:0\"\n\
+             [operator]\ntoken = \"migrations-token\"\n\
+             [[models]]\nid = \"dead-chat\"\nname = \"Dead Chat\"\n\
+             backends = [{{ kind = \"openai\", url = \"http://127.0.0.1:9/v1\" }}]\n",
             dir.path().display()
         ),
     )
@@ -604,9 +598,25 @@ async fn migrations_are_their_own_step() {
     let check = rialto(&["migrate", "--check"]);
     assert_eq!(check.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&check.stderr).contains("run `rialto migrate`"));
-    let admin = rialto(&["admin", "accounts", "create", "--name", "early"]);
-    assert!(!admin.status.success());
-    assert!(String::from_utf8_lossy(&admin.stderr).contains("run `rialto migrate`"));
+    // No server yet: the CLI says so and leaves the database alone.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let nowhere = format!("http://127.0.0.1:{port}");
+    let early = crate::admin_cli::rialto_admin(
+        &config,
+        &["--url", &nowhere, "accounts", "create", "--name", "early"],
+    )
+    .await;
+    assert!(!early.status.success());
+    assert!(String::from_utf8_lossy(&early.stderr).contains("is not reachable"));
+    assert_eq!(
+        rialto(&["migrate", "--check"]).status.code(),
+        Some(1),
+        "rialto admin migrated the database"
+    );
     let serve = rialto(&["serve"]);
     assert!(!serve.status.success(), "a server on an old schema started");
     assert!(String::from_utf8_lossy(&serve.stderr).contains("run `rialto migrate`"));
@@ -618,7 +628,19 @@ async fn migrations_are_their_own_step() {
     let again = rialto(&["migrate"]);
     assert!(!String::from_utf8_lossy(&again.stdout).contains("applied"));
     assert_eq!(rialto(&["migrate", "--check"]).status.code(), Some(0));
-    let admin = rialto(&["admin", "accounts", "create", "--name", "later"]);
+    let server = crate::admin_cli::Server::start(&config, dir.path()).await;
+    let admin = crate::admin_cli::rialto_admin(
+        &config,
+        &[
+            "--url",
+            &server.url,
+            "accounts",
+            "create",
+            "--name",
+            "later",
+        ],
+    )
+    .await;
     assert!(
         admin.status.success(),
         "{}",

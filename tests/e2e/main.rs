@@ -6,6 +6,8 @@
 // failed unwrap is a failed assertion.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+mod admin_cli;
+mod balance;
 mod billing;
 mod characters;
 mod chat;
@@ -13,6 +15,7 @@ mod crash;
 mod crypto_rpc;
 mod documents;
 mod fuzz;
+mod internal_tls;
 mod keys;
 mod limits;
 mod local_models;
@@ -20,8 +23,10 @@ mod media;
 mod media_jobs;
 mod metrics;
 mod python;
+mod reload;
 mod responses;
 mod router;
+mod secrets;
 mod semantics;
 mod shutdown;
 mod sign_in;

@@ -60,12 +60,63 @@ async fn metrics_after_a_chat(world: &World) {
             && l.ends_with(" 1")),
         "{text}"
     );
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("rialto_process_start_time_seconds ")),
+        "{text}"
+    );
     if sandbox.grpc_addr("router").is_none() {
         assert!(
             text.contains(r#"rialto_backend_circuit_state{model="mock-chat""#),
             "{text}"
         );
         assert!(text.contains(r#"rialto_backend_requests_total{model="mock-chat""#));
+        // One process: the pool, the top spenders and the stream timing
+        // are this process's too.
+        assert!(text.contains(r#"rialto_db_pool_connections{pool="main",state="idle"}"#));
+        assert!(
+            text.contains(r#"rialto_db_pool_max_connections{pool="main"} 8"#),
+            "{text}"
+        );
+        let spender = format!(
+            r#"rialto_top_owner_spend_usd{{owner="account:{}"}} "#,
+            account.id
+        );
+        let spent: f64 = text
+            .lines()
+            .find_map(|l| l.strip_prefix(spender.as_str()))
+            .unwrap_or_else(|| panic!("{spender} missing from:\n{text}"))
+            .parse()
+            .unwrap();
+        assert!(spent > 0.0, "{spent}");
+        let stream = json!({"model": "mock-chat", "stream": true,
+            "messages": [{"role": "user", "content": "hello"}]});
+        let streamed = sandbox
+            .call(
+                reqwest::Method::POST,
+                "/chat/completions",
+                &key,
+                Some(&stream),
+            )
+            .await
+            .unwrap();
+        assert_eq!(streamed.status(), 200);
+        streamed.text().await.unwrap();
+        let text = sandbox
+            .http()
+            .get(format!("{}/metrics", sandbox.url))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        for expected in [
+            r#"rialto_time_to_first_token_seconds_count{model="mock-chat",backend="mock-chat/0"} 1"#,
+            r#"rialto_time_per_output_token_seconds_count{model="mock-chat",backend="mock-chat/0"} 1"#,
+        ] {
+            assert!(text.contains(expected), "{expected} missing from:\n{text}");
+        }
     }
     // Raw paths never become labels: an unknown path is `unmatched`.
     let _ = sandbox

@@ -19,6 +19,7 @@ async fn one_chat_request_is_one_trace_across_every_service() {
         .env("OTEL_EXPORTER_OTLP_ENDPOINT", &collector.endpoint())
         // Export every 100 ms instead of every 5 s.
         .env("OTEL_BSP_SCHEDULE_DELAY", "100")
+        .env("RIALTO_LOG__FORMAT", "json")
         .start()
         .await
         .unwrap();
@@ -29,6 +30,8 @@ async fn one_chat_request_is_one_trace_across_every_service() {
         .unwrap();
 
     let trace_id = "4bf92f3577b34da6a3ce929d0e0e4736";
+    // The first attempt fails and is retried: two attempt spans.
+    mock.fail_next(1, 503);
     let response = sandbox
         .http()
         .post(sandbox.api("/chat/completions"))
@@ -71,6 +74,75 @@ async fn one_chat_request_is_one_trace_across_every_service() {
                     && span.name == "rialto.router.v1.Router/Chat"),
                 "{spans:#?}"
             );
+            // OpenTelemetry's semantic conventions: HTTP and GenAI on the
+            // gateway's span, RPC on the services'.
+            let gateway = spans
+                .iter()
+                .find(|span| {
+                    span.service == "rialto-gateway" && span.parent_span_id == "00f067aa0ba902b7"
+                })
+                .unwrap();
+            for (key, value) in [
+                ("http.request.method", "POST"),
+                ("url.path", "/api/v1/chat/completions"),
+                ("http.route", "/api/v1/chat/completions"),
+                ("http.response.status_code", "200"),
+                ("gen_ai.operation.name", "chat"),
+                ("gen_ai.request.model", "mock-chat"),
+                ("gen_ai.response.model", "mock-chat"),
+            ] {
+                assert_eq!(gateway.attribute(key), Some(value), "{key} in {gateway:#?}");
+            }
+            for key in ["gen_ai.usage.input_tokens", "gen_ai.usage.output_tokens"] {
+                let tokens: u64 = gateway
+                    .attribute(key)
+                    .unwrap_or_default()
+                    .parse()
+                    .unwrap_or(0);
+                assert!(tokens > 0, "{key} in {gateway:#?}");
+            }
+            let router = spans
+                .iter()
+                .find(|span| {
+                    span.service == "rialto-router" && span.name == "rialto.router.v1.Router/Chat"
+                })
+                .unwrap();
+            // One client span per backend attempt, under the router's.
+            let attempts: Vec<_> = spans
+                .iter()
+                .filter(|span| span.service == "rialto-router" && span.name == "chat mock-model")
+                .collect();
+            assert_eq!(attempts.len(), 2, "{spans:#?}");
+            let outcomes: Vec<_> = attempts
+                .iter()
+                .map(|span| span.attribute("rialto.outcome").unwrap_or_default())
+                .collect();
+            assert!(outcomes.contains(&"retry") && outcomes.contains(&"ok"), "{outcomes:?}");
+            for attempt in &attempts {
+                assert_eq!(attempt.attribute("gen_ai.operation.name"), Some("chat"));
+                assert_eq!(attempt.attribute("gen_ai.request.model"), Some("mock-model"));
+                assert!(attempt.attribute("server.address").is_some_and(|a| a.starts_with("127.0.0.1:")));
+            }
+            // A JSON log line of the request leads to its trace.
+            let logs = sandbox.logs();
+            let line = logs
+                .lines()
+                .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+                .find(|line| {
+                    line["fields"]["message"] == "request served" && line["trace_id"] == trace_id
+                });
+            assert!(
+                line.is_some(),
+                "no JSON line of the request with its trace_id in:\n{logs}"
+            );
+            for (key, value) in [
+                ("rpc.system", "grpc"),
+                ("rpc.service", "rialto.router.v1.Router"),
+                ("rpc.method", "Chat"),
+                ("rpc.grpc.status_code", "0"),
+            ] {
+                assert_eq!(router.attribute(key), Some(value), "{key} in {router:#?}");
+            }
             break;
         }
         assert!(

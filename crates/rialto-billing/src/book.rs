@@ -30,6 +30,7 @@
 
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -137,6 +138,10 @@ pub(crate) struct Owner {
     pub name: Arc<str>,
     state: Mutex<Option<State>>,
     loading: tokio::sync::Mutex<()>,
+    /// USD nanos settled for this owner since its entry was made (for
+    /// `rialto_top_owner_spend_usd`; moved to `Shared::retired_spend`
+    /// when the entry leaves memory).
+    spent_nanos: AtomicI64,
 }
 
 impl Owner {
@@ -147,6 +152,7 @@ impl Owner {
             name: name.into(),
             state: Mutex::new(None),
             loading: tokio::sync::Mutex::new(()),
+            spent_nanos: AtomicI64::new(0),
         }
     }
 
@@ -179,6 +185,10 @@ pub(crate) struct Shared {
     lease_ms: i64,
     /// This replica among several (failover): which owners are its own.
     pub(crate) membership: std::sync::OnceLock<rialto_core::membership::Membership>,
+    /// Spend of owners dropped from memory since the process started, for
+    /// [`Book::export_top_spenders`] (taken only when an owner is dropped
+    /// and at a scrape).
+    retired_spend: Mutex<HashMap<Arc<str>, i64>>,
 }
 
 impl Book {
@@ -204,6 +214,7 @@ impl Book {
                 db,
                 lease_ms,
                 membership: std::sync::OnceLock::new(),
+                retired_spend: Mutex::new(HashMap::new()),
             }),
         }
     }
@@ -226,6 +237,7 @@ impl Book {
             name: name.clone(),
             state: Mutex::new(None),
             loading: tokio::sync::Mutex::new(()),
+            spent_nanos: AtomicI64::new(0),
         });
         shard.insert(name, created.clone());
         created
@@ -250,6 +262,57 @@ impl Book {
         {
             shard.remove(&entry.name);
         }
+        drop(shard);
+        let spent = entry.spent_nanos.swap(0, Ordering::Relaxed);
+        if spent > 0 {
+            *shared
+                .retired_spend
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .entry(entry.name.clone())
+                .or_default() += spent;
+        }
+    }
+
+    /// Sets `rialto_top_owner_spend_usd{owner}` at every scrape: the `top`
+    /// owners by USD settled here since the process started (what they
+    /// settled while in memory, and before, while they were dropped).
+    pub fn export_top_spenders(&self, top: usize) {
+        if top == 0 {
+            return;
+        }
+        let shared = Arc::downgrade(&self.shared);
+        rialto_core::metrics::metrics().on_scrape(move |m| {
+            let Some(shared) = shared.upgrade() else {
+                return;
+            };
+            let mut spend: HashMap<Arc<str>, i64> = shared
+                .retired_spend
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            for shard in shared.shards.iter() {
+                let shard = shard.lock().unwrap_or_else(|e| e.into_inner());
+                for (name, entry) in shard.iter() {
+                    let spent = entry.spent_nanos.load(Ordering::Relaxed);
+                    if spent > 0 {
+                        *spend.entry(name.clone()).or_default() += spent;
+                    }
+                }
+            }
+            let mut ranked: Vec<(Arc<str>, i64)> = spend.into_iter().collect();
+            ranked.sort_unstable_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+            ranked.truncate(top);
+            // Owners that left the top leave the scrape.
+            m.top_owner_spend_usd.clear();
+            for (owner, nanos) in ranked {
+                m.top_owner_spend_usd
+                    .get_or_create(&rialto_core::metrics::OwnerLabels {
+                        owner: owner.to_string(),
+                    })
+                    .set(nanos as f64 / 1e9);
+            }
+        });
     }
 
     /// Drops from memory every owner `dropped` names (`live` turns false
@@ -545,7 +608,13 @@ impl Book {
             .with_owner(owner, |entry, state| {
                 let (record, outcome) = decide_settle(entry, state, order);
                 match record {
-                    Some(record) => Ok((outcome, queue(&self.shared.writer, state, record, true)?)),
+                    Some(record) => {
+                        let written = queue(&self.shared.writer, state, record, true)?;
+                        entry
+                            .spent_nanos
+                            .fetch_add(order.cost.max(0), Ordering::Relaxed);
+                        Ok((outcome, written))
+                    }
                     None => Ok((outcome, None)),
                 }
             })

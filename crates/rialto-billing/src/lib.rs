@@ -7,11 +7,14 @@
 //! plus its completion budget, at the model's prices), after it billing
 //! settles the real usage against the hold, DIEM first, and releases the
 //! rest. Amounts cross the interface as decimal strings; the ledger counts
-//! integer nano-units.
+//! integer nano-units. The prices follow configuration reloads
+//! ([`LocalBilling::reload`]): a hold keeps the amount it reserved, and a
+//! settlement is priced at the prices in force when it settles.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
+use arc_swap::ArcSwap;
 use async_trait::async_trait;
 use rialto_core::config::price_decimal;
 use rialto_core::{Error, ErrorCode, ModelConfig, Result};
@@ -32,7 +35,7 @@ pub mod x402;
 
 /// Billing in domain terms.
 #[async_trait]
-pub trait BillingService: Send + Sync + 'static {
+pub trait BillingService: std::any::Any + Send + Sync {
     /// The cost of `usage` on `model_id`.
     async fn quote(&self, request: pb::QuoteRequest) -> Result<pb::Cost>;
     /// Reserves the most a request can cost, or says the balance can't.
@@ -91,6 +94,12 @@ impl BillingClient {
     pub fn new(service: impl BillingService) -> Self {
         Self(Arc::new(service))
     }
+
+    /// The billing of this process, when this client is it (a
+    /// configuration reload changes its prices).
+    pub fn local(&self) -> Option<&LocalBilling> {
+        (self.0.as_ref() as &dyn std::any::Any).downcast_ref()
+    }
 }
 
 impl std::ops::Deref for BillingClient {
@@ -105,6 +114,14 @@ impl std::fmt::Debug for BillingClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("BillingClient")
     }
+}
+
+/// Each model's prices, by id.
+fn price_table(models: &[ModelConfig]) -> HashMap<String, Prices> {
+    models
+        .iter()
+        .map(|m| (m.id.clone(), Prices::from_model(m)))
+        .collect()
 }
 
 /// USD prices of one model per million tokens.
@@ -278,7 +295,9 @@ fn key_cap(limit: &pb::KeyLimit, now_ms: i64) -> Result<ledger::KeyCap> {
 /// In-process billing over the configured price table and the ledger.
 #[derive(Debug)]
 pub struct LocalBilling {
-    prices: HashMap<String, Prices>,
+    /// Each model's prices, replaced whole by a configuration reload
+    /// ([`LocalBilling::reload`]); read once per call, without a lock.
+    prices: ArcSwap<HashMap<String, Prices>>,
     ledger: ledger::Ledger,
     hold_ttl_ms: i64,
     /// The owners this process decides for, in memory ([`book`]), and
@@ -315,11 +334,7 @@ impl LocalBilling {
         start: fn(rialto_core::db::Database, i64) -> book::Book,
     ) -> Self {
         Self {
-            prices: config
-                .models
-                .iter()
-                .map(|m| (m.id.clone(), Prices::from_model(m)))
-                .collect(),
+            prices: ArcSwap::from_pointee(price_table(&config.models)),
             x402: x402::X402::new(&config.x402, db.clone()),
             jobs: jobs::JobStore::new(db.clone(), config.media.retention_hours),
             responses: responses::ResponseStore::new(db.clone()),
@@ -386,15 +401,31 @@ impl LocalBilling {
         &self.ledger
     }
 
-    fn prices(&self, model_id: &str) -> Result<&Prices> {
-        static NO_TOKENS: Prices = Prices::FREE;
+    fn prices(&self, model_id: &str) -> Result<Prices> {
         if model_id.starts_with(AUGMENT_PREFIX) || model_id.starts_with(CRYPTO_RPC_PREFIX) {
             // An augment endpoint's or an RPC call's charge is all extra.
-            return Ok(&NO_TOKENS);
+            return Ok(Prices::FREE);
         }
         self.prices
+            .load()
             .get(model_id)
+            .cloned()
             .ok_or_else(|| Error::new(ErrorCode::ModelNotFound, "Specified model not found"))
+    }
+
+    /// Puts the prices of `config`'s catalog in force, at once for every
+    /// call that starts after it. A hold records its amount, not its
+    /// prices: holds already placed keep what they reserved, and a
+    /// settlement is priced at the prices in force when it is settled. A
+    /// model the new catalog drops keeps its last prices here, so what is
+    /// still running on it (a long stream) settles and checkpoints; the
+    /// gateway no longer admits requests for it.
+    pub fn reload(&self, config: &rialto_core::Config) {
+        let mut table = price_table(&config.models);
+        for (id, prices) in self.prices.load().iter() {
+            table.entry(id.clone()).or_insert_with(|| prices.clone());
+        }
+        self.prices.store(Arc::new(table));
     }
 }
 
@@ -703,6 +734,7 @@ impl BillingService for LocalBilling {
             let (records, total) = self.ledger.usage_history(&query).await?;
             (records, total, false)
         };
+        let prices = self.prices.load();
         let entries = records
             .into_iter()
             .map(|r| {
@@ -710,8 +742,7 @@ impl BillingService for LocalBilling {
                 let completion = u64::try_from(r.completion_tokens).unwrap_or(0);
                 let tokens = prompt.saturating_add(completion);
                 // The request's blended USD price per million tokens.
-                let price = self
-                    .prices
+                let price = prices
                     .get(&r.model_id)
                     .filter(|_| tokens > 0)
                     .map(|p| {
@@ -991,6 +1022,76 @@ mod tests {
         // 612 * 0.15 / 1e6 + 146 * 0.6 / 1e6 = 0.0000918 + 0.0000876
         assert_eq!(cost.usd, "0.0001794");
         assert_eq!(cost.diem, "0");
+    }
+
+    /// A reload changes the prices of what follows: an open hold keeps its
+    /// amount, its settlement is priced at the prices in force, and a model
+    /// the new catalog drops still settles at its last prices.
+    #[tokio::test]
+    async fn a_reload_prices_what_follows_and_keeps_open_holds() {
+        let (_dir, billing) = billing(&config(1.0, 1.0)).await;
+        let client = BillingClient::new(billing);
+        let billing = client.local().expect("a local billing is found again");
+        let owner = "account:r".to_owned();
+        billing
+            .credit(pb::CreditRequest {
+                owner: owner.clone(),
+                usd: "1".into(),
+                diem: "0".into(),
+                reference: "seed".into(),
+            })
+            .await
+            .unwrap();
+        let hold = |id: &str| pb::HoldRequest {
+            owner: owner.clone(),
+            request_id: id.into(),
+            model_id: "m".into(),
+            prompt_tokens: 10,
+            max_completion_tokens: 990,
+            ..Default::default()
+        };
+        let before = billing.hold(hold("h1")).await.unwrap();
+        assert_eq!(before.held_usd, "0.001");
+        billing.reload(&config(3.0, 3.0));
+        let after = billing.hold(hold("h2")).await.unwrap();
+        assert_eq!(after.held_usd, "0.003");
+        let quote = |model: &str| pb::QuoteRequest {
+            model_id: model.into(),
+            usage: Some(pb::Usage {
+                prompt_tokens: 1_000_000,
+                ..Default::default()
+            }),
+        };
+        assert_eq!(billing.quote(quote("m")).await.unwrap().usd, "3");
+        // h1 was held at the old prices; it settles at the new ones.
+        let settle = |id: &str| pb::SettleRequest {
+            request_id: id.into(),
+            model_id: "m".into(),
+            usage: Some(pb::Usage {
+                prompt_tokens: 10,
+                completion_tokens: 90,
+                ..Default::default()
+            }),
+            owner: owner.clone(),
+            ..Default::default()
+        };
+        assert_eq!(billing.settle(settle("h1")).await.unwrap().usd, "0.0003");
+        // The catalog drops `m` for `n`: `n` is priced, and `m`, still
+        // running, settles at its last prices.
+        let renamed = rialto_core::Config::from_toml(
+            "[[models]]\nid = \"n\"\ninput_usd_per_mtok = 5\noutput_usd_per_mtok = 5\n",
+        )
+        .unwrap();
+        billing.reload(&renamed);
+        assert_eq!(billing.quote(quote("n")).await.unwrap().usd, "5");
+        assert_eq!(billing.settle(settle("h2")).await.unwrap().usd, "0.0003");
+        billing.book().flush().await.unwrap();
+        let balance = billing.ledger().balance(&owner).await.unwrap();
+        assert_eq!(balance.usd, 1_000_000_000 - 600_000);
+        assert_eq!(
+            balance,
+            billing.ledger().journal_sums(&owner).await.unwrap()
+        );
     }
 
     #[test]

@@ -8,13 +8,24 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use figment::Figment;
 use figment::providers::{Env, Format, Serialized, Toml};
 use rust_decimal::Decimal;
 use secrecy::{ExposeSecret, SecretString};
 use serde::{Deserialize, Serialize};
+
+/// Whether a database URL carries a password (`postgres://user:pw@host`).
+fn url_has_password(url: &str) -> bool {
+    let Some((_, rest)) = url.split_once("://") else {
+        return false;
+    };
+    let authority = rest.split(['/', '?']).next().unwrap_or_default();
+    authority
+        .rsplit_once('@')
+        .is_some_and(|(user_info, _)| user_info.contains(':'))
+}
 
 /// Environment variable naming the configuration file.
 pub const CONFIG_ENV: &str = "RIALTO_CONFIG";
@@ -30,6 +41,7 @@ pub struct Config {
     pub grpc: GrpcConfig,
     pub database: DatabaseConfig,
     pub operator: OperatorConfig,
+    pub secrets: SecretsConfig,
     pub remote: RemoteConfig,
     pub router: RouterConfig,
     pub log: LogConfig,
@@ -184,6 +196,12 @@ pub struct WebSearchConfig {
     /// Environment variable holding the provider's API key (Brave's
     /// subscription token), read at start.
     pub api_key_env: Option<String>,
+    /// A file holding the API key (a mounted Secret), re-read when it
+    /// changes; instead of `api_key_env`.
+    pub api_key_file: Option<PathBuf>,
+    /// The key read from `api_key_file` at load.
+    #[serde(skip)]
+    pub api_key: Option<SecretString>,
     /// Results a search puts in the prompt (and `/augment/search` returns
     /// when the caller sets no `limit`); 1 to 20.
     pub max_results: usize,
@@ -203,6 +221,8 @@ impl Default for WebSearchConfig {
             provider: String::new(),
             url: String::new(),
             api_key_env: None,
+            api_key_file: None,
+            api_key: None,
             max_results: 10,
             timeout_ms: 5_000,
             usd_per_search: 0.0,
@@ -293,7 +313,7 @@ impl Default for ShutdownConfig {
 }
 
 /// Prometheus metrics (`[metrics]`).
-#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MetricsConfig {
     /// Where `GET /metrics` is served, on its own port (in Kubernetes,
@@ -301,6 +321,19 @@ pub struct MetricsConfig {
     /// serves `/metrics` on its own port, and a process without a gateway
     /// serves none.
     pub listen: String,
+    /// How many ledger owners `rialto_top_owner_spend_usd` shows: the top
+    /// spenders since the process started (a bounded label, never one
+    /// series per account). 0: none.
+    pub top_spenders: usize,
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        Self {
+            listen: String::new(),
+            top_spenders: 20,
+        }
+    }
 }
 
 /// A character (`[[characters]]`): a persona whose system prompt a chat
@@ -500,6 +533,10 @@ pub struct GrpcConfig {
     /// the gRPC port is reachable by anyone but Rialto's own processes.
     #[serde(skip_serializing)]
     pub token: Option<SecretString>,
+    /// A file holding the token, re-read when it changes; instead of `token`.
+    pub token_file: Option<PathBuf>,
+    /// TLS on the internal gRPC interfaces (`[grpc.tls]`): off unless set.
+    pub tls: GrpcTlsConfig,
     /// This replica's address exactly as `remote.limiter` or
     /// `remote.billing` lists it (a StatefulSet pod's DNS name), which names
     /// its heartbeats. Empty: the entry that is `http://<listen>`.
@@ -519,6 +556,11 @@ pub struct DatabaseConfig {
     /// The URL `rialto migrate` connects with, when the user that may
     /// change the schema is not the one that serves; `url` when unset.
     pub migrate_url: Option<String>,
+    /// A file holding `url` (a mounted Secret), re-read when it changes: new
+    /// connections use the new URL (a rotated password).
+    pub url_file: Option<PathBuf>,
+    /// A file holding `migrate_url`.
+    pub migrate_url_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
@@ -527,6 +569,39 @@ pub struct OperatorConfig {
     /// Bearer token of the operator API (`/admin/v1`); the API is off when unset.
     #[serde(skip_serializing)]
     pub token: Option<SecretString>,
+    /// A file holding the token (a mounted Secret), read at start and again
+    /// whenever it changes; instead of `token`.
+    pub token_file: Option<PathBuf>,
+}
+
+/// TLS between Rialto's processes (`[grpc.tls]`), with certificates from
+/// files (a mounted Secret, such as cert-manager's `tls.crt`, `tls.key`,
+/// `ca.crt`). A process that serves gRPC with `cert_file` and `key_file`
+/// serves TLS only; a process calls an `https://` entry of `[remote]` over
+/// TLS, trusting `ca_file`. The shared `grpc.token` still authenticates
+/// the caller.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct GrpcTlsConfig {
+    /// This process's certificate chain (PEM), for its gRPC server.
+    pub cert_file: Option<PathBuf>,
+    /// Its private key (PEM).
+    pub key_file: Option<PathBuf>,
+    /// The certificate authority (PEM) that signed the servers' certificates,
+    /// for `https://` entries of `[remote]`.
+    pub ca_file: Option<PathBuf>,
+}
+
+/// Where secrets may be written (`[secrets]`).
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SecretsConfig {
+    /// Refuse a secret written in the configuration file itself
+    /// (`operator.token`, `grpc.token`, a password in `database.url`, a
+    /// backend's `api_key`): where the file is a ConfigMap every pod and
+    /// reader of the namespace sees, secrets come from `*_file` or the
+    /// environment.
+    pub refuse_inline: bool,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -538,6 +613,10 @@ pub struct RemoteConfig {
     pub limiter: String,
     pub billing: String,
     pub router: String,
+    /// How often a name in `auth` or `router` (a headless Service) is
+    /// resolved again: each call goes to one of the addresses it lists
+    /// that accept connections, so new pods get traffic within this time.
+    pub resolve_every_ms: u64,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -870,6 +949,10 @@ pub struct BackendConfig {
     /// the key stays out of the config file.
     #[serde(default)]
     pub api_key_env: Option<String>,
+    /// A file holding the bearer token (a mounted Secret), re-read when it
+    /// changes, so a rotated key needs no restart.
+    #[serde(default)]
+    pub api_key_file: Option<PathBuf>,
     /// Extra headers sent with every request to this backend.
     #[serde(default)]
     pub headers: std::collections::BTreeMap<String, String>,
@@ -922,7 +1005,8 @@ fn default_tier() -> String {
 }
 
 /// Top-level keys of [`Config`], the only ones `RIALTO_*` variables may set.
-const TOP_LEVEL_KEYS: [&str; 22] = [
+const TOP_LEVEL_KEYS: [&str; 23] = [
+    "secrets",
     "web_search",
     "web_scraping",
     "text_parser",
@@ -959,6 +1043,7 @@ impl Default for Config {
             grpc: GrpcConfig::default(),
             database: DatabaseConfig::default(),
             operator: OperatorConfig::default(),
+            secrets: SecretsConfig::default(),
             remote: RemoteConfig::default(),
             router: RouterConfig::default(),
             log: LogConfig::default(),
@@ -1015,6 +1100,8 @@ impl Default for GrpcConfig {
         Self {
             listen: SocketAddr::from(([127, 0, 0, 1], 9090)),
             token: None,
+            token_file: None,
+            tls: GrpcTlsConfig::default(),
             advertise: String::new(),
         }
     }
@@ -1027,6 +1114,8 @@ impl Default for DatabaseConfig {
             max_connections: 16,
             migrate_on_start: true,
             migrate_url: None,
+            url_file: None,
+            migrate_url_file: None,
         }
     }
 }
@@ -1035,6 +1124,7 @@ impl Default for RemoteConfig {
     fn default() -> Self {
         let local = "http://127.0.0.1:9090".to_owned();
         Self {
+            resolve_every_ms: 5_000,
             auth: local.clone(),
             limiter: local.clone(),
             billing: local.clone(),
@@ -1267,10 +1357,13 @@ impl Config {
                 ));
             }
         }
-        if search.provider == "brave" && search.api_key_env.as_deref().unwrap_or("").is_empty() {
+        if search.provider == "brave"
+            && search.api_key_env.as_deref().unwrap_or("").is_empty()
+            && search.api_key_file.is_none()
+        {
             return invalid(
-                "web_search.provider \"brave\" needs web_search.api_key_env (the variable \
-                 holding the subscription token)"
+                "web_search.provider \"brave\" needs web_search.api_key_file (a file holding \
+                 the subscription token) or web_search.api_key_env (a variable holding it)"
                     .into(),
             );
         }
@@ -1323,6 +1416,22 @@ pub enum ConfigError {
 }
 
 impl Config {
+    /// Where the embedded default keeps the operator token it made itself:
+    /// beside the SQLite database (`data/operator-token`). `rialto serve`
+    /// writes it when the gateway runs with no `operator.token` nor
+    /// `operator.token_file`, and `rialto admin` reads it, so a laptop needs
+    /// no token set up by hand. `None` on PostgreSQL, where an operator
+    /// configures the token.
+    pub fn embedded_operator_token_path(&self) -> Option<PathBuf> {
+        let path = self.database.url.strip_prefix("sqlite://")?;
+        let path = path.split('?').next().unwrap_or(path);
+        if path.is_empty() || path == ":memory:" {
+            return None;
+        }
+        let folder = Path::new(path).parent().unwrap_or(Path::new(""));
+        Some(folder.join("operator-token"))
+    }
+
     /// Defaults, then `file` (or the file named by `RIALTO_CONFIG`), then
     /// `RIALTO_<SECTION>__<KEY>` variables.
     pub fn load(file: Option<&Path>) -> Result<Self, ConfigError> {
@@ -1348,7 +1457,124 @@ impl Config {
                 })
                 .split("__"),
         );
-        Self::from_figment(figment)
+        let mut config = Self::from_figment(figment.clone())?;
+        config.refuse_inline_secrets(&figment)?;
+        config.read_secret_files()?;
+        Ok(config)
+    }
+
+    /// With `secrets.refuse_inline`, a secret whose value the configuration
+    /// file itself holds is an error naming the key and its `_file`.
+    fn refuse_inline_secrets(&self, figment: &Figment) -> Result<(), ConfigError> {
+        if !self.secrets.refuse_inline {
+            return Ok(());
+        }
+        let from_file = |key: &str| {
+            figment
+                .find_metadata(key)
+                .is_some_and(|meta| matches!(meta.source, Some(figment::Source::File(_))))
+        };
+        let refuse = |key: &str, instead: &str| {
+            Err(ConfigError::Invalid(format!(
+                "{key} is written in the configuration file, and secrets.refuse_inline is set: \
+                 put the secret in a file (a mounted Secret) and name it with {instead}, or set \
+                 it in the environment"
+            )))
+        };
+        if self.operator.token.is_some() && from_file("operator.token") {
+            return refuse("operator.token", "operator.token_file");
+        }
+        if self.grpc.token.is_some() && from_file("grpc.token") {
+            return refuse("grpc.token", "grpc.token_file");
+        }
+        if url_has_password(&self.database.url) && from_file("database.url") {
+            return refuse("database.url (its password)", "database.url_file");
+        }
+        if self
+            .database
+            .migrate_url
+            .as_deref()
+            .is_some_and(url_has_password)
+            && from_file("database.migrate_url")
+        {
+            return refuse(
+                "database.migrate_url (its password)",
+                "database.migrate_url_file",
+            );
+        }
+        // Only the file can hold a backend (the environment sets no arrays).
+        for model in &self.models {
+            for (index, backend) in model.backends.iter().enumerate() {
+                if backend.api_key.is_some() {
+                    return refuse(
+                        &format!("models {:?}: backend {index}: api_key", model.id),
+                        "api_key_file (or api_key_env)",
+                    );
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Puts the content of each `*_file` in its key: the values in force at
+    /// start (watchers re-read the files later, see [`crate::secrets`]).
+    fn read_secret_files(&mut self) -> Result<(), ConfigError> {
+        fn read(key: &str, path: &Path) -> Result<SecretString, ConfigError> {
+            crate::secrets::read_file(path).map_err(|error| {
+                ConfigError::Invalid(format!("{key} = {:?}: {error}", path.display()))
+            })
+        }
+        fn both(key: &str) -> ConfigError {
+            ConfigError::Invalid(format!("set {key} or {key}_file, not both"))
+        }
+        if let Some(path) = &self.operator.token_file {
+            if self.operator.token.is_some() {
+                return Err(both("operator.token"));
+            }
+            self.operator.token = Some(read("operator.token_file", path)?);
+        }
+        if let Some(path) = &self.grpc.token_file {
+            if self.grpc.token.is_some() {
+                return Err(both("grpc.token"));
+            }
+            self.grpc.token = Some(read("grpc.token_file", path)?);
+        }
+        if let Some(path) = &self.database.url_file {
+            self.database.url = read("database.url_file", path)?.expose_secret().to_owned();
+        }
+        if let Some(path) = &self.database.migrate_url_file {
+            if self.database.migrate_url.is_some() {
+                return Err(both("database.migrate_url"));
+            }
+            // Optional: a Secret without the key leaves the file out, and
+            // `rialto migrate` uses `url`.
+            match crate::secrets::read_file(path) {
+                Ok(url) => self.database.migrate_url = Some(url.expose_secret().to_owned()),
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => {}
+                Err(_) => {
+                    read("database.migrate_url_file", path)?;
+                }
+            }
+        }
+        if let Some(path) = &self.web_search.api_key_file {
+            self.web_search.api_key = Some(read("web_search.api_key_file", path)?);
+        }
+        for model in &mut self.models {
+            for (index, backend) in model.backends.iter_mut().enumerate() {
+                let Some(path) = &backend.api_key_file else {
+                    continue;
+                };
+                if backend.api_key.is_some() || backend.api_key_env.is_some() {
+                    return Err(ConfigError::Invalid(format!(
+                        "models {:?}: backend {index}: set one of api_key, api_key_env and api_key_file",
+                        model.id
+                    )));
+                }
+                let key = format!("models {:?}: backend {index}: api_key_file", model.id);
+                backend.api_key = Some(read(&key, path)?);
+            }
+        }
+        Ok(())
     }
 
     /// Parses a TOML document on top of the defaults (tests, examples).
@@ -1677,6 +1903,97 @@ pub fn price_decimal(price: f64) -> Decimal {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A folder of its own under the temporary directory, removed by the caller.
+    fn scratch(name: &str) -> PathBuf {
+        let folder =
+            std::env::temp_dir().join(format!("rialto-config-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&folder).unwrap();
+        folder
+    }
+
+    #[test]
+    fn secrets_come_from_their_files() {
+        let folder = scratch("files");
+        std::fs::write(folder.join("operator"), "op-token\n").unwrap();
+        std::fs::write(folder.join("grpc"), "grpc-token").unwrap();
+        std::fs::write(folder.join("db"), "postgres://u:pw@db:5432/rialto\n").unwrap();
+        std::fs::write(folder.join("key"), "sk-upstream\n").unwrap();
+        let file = folder.join("rialto.toml");
+        std::fs::write(
+            &file,
+            format!(
+                r#"
+[secrets]
+refuse_inline = true
+[operator]
+token_file = "{0}/operator"
+[grpc]
+token_file = "{0}/grpc"
+[database]
+url_file = "{0}/db"
+migrate_url_file = "{0}/absent"
+[[models]]
+id = "m"
+backends = [{{ kind = "openai", url = "http://127.0.0.1:1/v1", api_key_file = "{0}/key" }}]
+"#,
+                folder.display()
+            ),
+        )
+        .unwrap();
+        let config = Config::load(Some(&file)).unwrap();
+        assert_eq!(config.operator.token.unwrap().expose_secret(), "op-token");
+        assert_eq!(config.grpc.token.unwrap().expose_secret(), "grpc-token");
+        assert_eq!(config.database.url, "postgres://u:pw@db:5432/rialto");
+        assert_eq!(config.database.migrate_url, None, "an absent optional file");
+        let key = config.models[0].backends[0].api_key.as_ref().unwrap();
+        assert_eq!(key.expose_secret(), "sk-upstream");
+
+        std::fs::write(folder.join("operator"), "\n").unwrap();
+        let error = Config::load(Some(&file)).unwrap_err().to_string();
+        assert!(
+            error.contains("operator.token_file") && error.contains("empty"),
+            "{error}"
+        );
+        std::fs::remove_dir_all(&folder).unwrap();
+    }
+
+    #[test]
+    fn refuse_inline_refuses_each_secret_written_in_the_file() {
+        let folder = scratch("inline");
+        let file = folder.join("rialto.toml");
+        let cases = [
+            ("[operator]\ntoken = \"t\"", "operator.token_file"),
+            ("[grpc]\ntoken = \"t\"", "grpc.token_file"),
+            (
+                "[database]\nurl = \"postgres://u:pw@h/db\"",
+                "database.url_file",
+            ),
+            (
+                "[[models]]\nid = \"m\"\nbackends = [{ kind = \"openai\", url = \"http://h/v1\", api_key = \"k\" }]",
+                "api_key_file",
+            ),
+        ];
+        for (text, instead) in cases {
+            std::fs::write(&file, format!("[secrets]\nrefuse_inline = true\n{text}\n")).unwrap();
+            let error = Config::load(Some(&file)).unwrap_err().to_string();
+            assert!(
+                error.contains(instead) && error.contains("refuse_inline"),
+                "{error}"
+            );
+            // Without the setting, the same file loads.
+            std::fs::write(&file, format!("{text}\n")).unwrap();
+            Config::load(Some(&file)).unwrap();
+        }
+        // A URL without a password is no secret.
+        std::fs::write(
+            &file,
+            "[secrets]\nrefuse_inline = true\n[database]\nurl = \"postgres://rialto@db/rialto\"\n",
+        )
+        .unwrap();
+        Config::load(Some(&file)).unwrap();
+        std::fs::remove_dir_all(&folder).unwrap();
+    }
 
     #[test]
     fn the_example_configuration_is_valid() {

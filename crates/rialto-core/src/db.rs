@@ -158,6 +158,42 @@ impl Database {
         &self.pool
     }
 
+    /// Opens new connections with `url` from now on (a rotated password,
+    /// `database.url_file`); open connections stay until they close. Only
+    /// on PostgreSQL: a SQLite database cannot move while it serves.
+    pub fn set_url(&self, url: &str) -> Result<(), sqlx::Error> {
+        let postgres = url.starts_with("postgres://") || url.starts_with("postgresql://");
+        if self.kind != DatabaseKind::Postgres || !postgres {
+            return Err(sqlx::Error::Configuration(
+                "only a PostgreSQL database's URL can change while serving".into(),
+            ));
+        }
+        self.pool
+            .set_connect_options(sqlx::any::AnyConnectOptions::from_str(url)?);
+        Ok(())
+    }
+
+    /// Sets `rialto_db_pool_connections{pool, state}` and
+    /// `rialto_db_pool_max_connections{pool}` from the pool at every scrape.
+    pub fn export_pool_metrics(&self, name: &'static str) {
+        use crate::metrics::{PoolLabels, PoolNameLabels};
+        let pool = self.pool.clone();
+        crate::metrics::metrics().on_scrape(move |m| {
+            let size = i64::from(pool.size());
+            let idle = i64::try_from(pool.num_idle()).unwrap_or(i64::MAX);
+            let state = |state| PoolLabels { pool: name, state };
+            m.db_pool_connections
+                .get_or_create(&state("in_use"))
+                .set((size - idle).max(0));
+            m.db_pool_connections
+                .get_or_create(&state("idle"))
+                .set(idle);
+            m.db_pool_max_connections
+                .get_or_create(&PoolNameLabels { pool: name })
+                .set(i64::from(pool.options().get_max_connections()));
+        });
+    }
+
     pub fn kind(&self) -> DatabaseKind {
         self.kind
     }

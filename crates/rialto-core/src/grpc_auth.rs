@@ -8,36 +8,52 @@
 
 use std::sync::Arc;
 
+use arc_swap::ArcSwapOption;
 use secrecy::{ExposeSecret, SecretString};
-use subtle::ConstantTimeEq;
 use tonic::metadata::{AsciiMetadataValue, MetadataValue};
 use tonic::service::Interceptor;
 use tonic::{Request, Status};
 
-/// Adds the token to outgoing calls.
-#[derive(Clone, Default)]
-pub struct ClientToken(Option<AsciiMetadataValue>);
+use crate::secrets::LiveSecret;
 
-/// Checks the token on incoming calls.
+/// Adds the token to outgoing calls. Clones share the value, which
+/// [`ClientToken::replace`] changes when `grpc.token_file` does.
 #[derive(Clone, Default)]
-pub struct ServerToken(Option<Arc<SecretString>>);
+pub struct ClientToken(Arc<ArcSwapOption<AsciiMetadataValue>>);
+
+/// Checks the token on incoming calls (the one in force, or the one it
+/// replaced during a rotation: see [`crate::secrets`]).
+#[derive(Clone, Default)]
+pub struct ServerToken(Option<LiveSecret>);
+
+fn header_value(token: &SecretString) -> Result<AsciiMetadataValue, crate::config::ConfigError> {
+    MetadataValue::try_from(format!("Bearer {}", token.expose_secret())).map_err(|_| {
+        crate::config::ConfigError::Invalid("grpc.token must be printable ASCII".into())
+    })
+}
 
 impl ClientToken {
     pub fn new(token: Option<&SecretString>) -> Result<Self, crate::config::ConfigError> {
-        token
-            .map(|t| {
-                MetadataValue::try_from(format!("Bearer {}", t.expose_secret())).map_err(|_| {
-                    crate::config::ConfigError::Invalid("grpc.token must be printable ASCII".into())
-                })
-            })
-            .transpose()
-            .map(Self)
+        let value = token.map(header_value).transpose()?;
+        Ok(Self(Arc::new(ArcSwapOption::from_pointee(value))))
+    }
+
+    /// Sends `token` from the next call on; refuses one that is not a
+    /// valid header value.
+    pub fn replace(&self, token: &SecretString) -> Result<(), crate::config::ConfigError> {
+        self.0.store(Some(Arc::new(header_value(token)?)));
+        Ok(())
     }
 }
 
 impl ServerToken {
     pub fn new(token: Option<&SecretString>) -> Self {
-        Self(token.map(|t| Arc::new(t.clone())))
+        Self(token.map(|t| LiveSecret::new(t.clone())))
+    }
+
+    /// The secret this server checks, for a watcher of its file.
+    pub fn secret(&self) -> Option<&LiveSecret> {
+        self.0.as_ref()
     }
 }
 
@@ -55,10 +71,10 @@ impl std::fmt::Debug for ServerToken {
 
 impl Interceptor for ClientToken {
     fn call(&mut self, mut request: Request<()>) -> Result<Request<()>, Status> {
-        if let Some(value) = &self.0 {
+        if let Some(value) = &*self.0.load() {
             request
                 .metadata_mut()
-                .insert("authorization", value.clone());
+                .insert("authorization", AsciiMetadataValue::clone(value));
         }
         // The caller's trace goes on in the service's process.
         for (name, value) in crate::telemetry::inject_current() {
@@ -81,11 +97,7 @@ impl Interceptor for ServerToken {
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer "))
             .unwrap_or_default();
-        if bool::from(
-            presented
-                .as_bytes()
-                .ct_eq(expected.expose_secret().as_bytes()),
-        ) {
+        if !presented.is_empty() && expected.accepts(presented.as_bytes()) {
             Ok(request)
         } else {
             Err(Status::unauthenticated("missing or wrong grpc token"))
@@ -107,6 +119,37 @@ mod tests {
         let mut server = ServerToken::new(Some(&secret("s3cret")));
         let request = client.call(Request::new(())).unwrap();
         assert!(server.call(request).is_ok());
+    }
+
+    #[test]
+    fn a_rotated_token_opens_at_once_and_the_old_one_for_a_while() {
+        let mut old_client = ClientToken::new(Some(&secret("old"))).unwrap();
+        let mut new_client = old_client.clone();
+        let mut server = ServerToken::new(Some(&secret("old")));
+        new_client.replace(&secret("new")).unwrap();
+        assert!(
+            server
+                .call(new_client.call(Request::new(())).unwrap())
+                .is_err()
+        );
+        server.secret().unwrap().replace(secret("new"));
+        assert!(
+            server
+                .call(new_client.call(Request::new(())).unwrap())
+                .is_ok()
+        );
+        // A clone shares the value: every channel of the process rotates.
+        assert!(
+            server
+                .call(old_client.call(Request::new(())).unwrap())
+                .is_ok()
+        );
+        let mut stale = ClientToken::new(Some(&secret("old"))).unwrap();
+        assert!(
+            server.call(stale.call(Request::new(())).unwrap()).is_ok(),
+            "the grace"
+        );
+        assert!(new_client.replace(&secret("bad\ntoken")).is_err());
     }
 
     #[test]

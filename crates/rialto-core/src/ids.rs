@@ -18,6 +18,14 @@ pub fn random_bytes<const N: usize>() -> [u8; N] {
     bytes
 }
 
+/// A secret token: 32 random bytes from the operating system, in hex. No
+/// fallback: a machine whose generator fails cannot make secrets.
+pub fn random_token() -> Result<String, getrandom::Error> {
+    let mut bytes = [0u8; 32];
+    getrandom::fill(&mut bytes)?;
+    Ok(hex::encode(bytes))
+}
+
 /// A request id (the `CF-RAY` value): 32 lowercase hex digits, the
 /// milliseconds since the Unix epoch (12 digits) and then 80 random bits.
 ///

@@ -24,6 +24,7 @@ pub mod ids;
 pub mod membership;
 pub mod metrics;
 pub mod placement;
+pub mod secrets;
 pub mod telemetry;
 
 pub use brand::Brand;

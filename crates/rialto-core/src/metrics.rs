@@ -108,6 +108,35 @@ pub struct BuildLabels {
     pub revision: String,
 }
 
+/// A database pool's connections by state (`rialto_db_pool_connections`).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolLabels {
+    /// The pool's owner: `main` (every service of the process shares it).
+    pub pool: &'static str,
+    /// `in_use` or `idle`.
+    pub state: &'static str,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolNameLabels {
+    pub pool: &'static str,
+}
+
+/// A ledger owner among the top spenders (`rialto_top_owner_spend_usd`).
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OwnerLabels {
+    /// `account:<id>` or `wallet:<address>`.
+    pub owner: String,
+}
+
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SecretReloadLabels {
+    /// The configuration key of the file (`grpc.token_file`).
+    pub secret: &'static str,
+    /// `applied` or `refused`.
+    pub outcome: &'static str,
+}
+
 #[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ServiceLabels {
     pub service: &'static str,
@@ -132,6 +161,26 @@ pub struct LatencyBuckets;
 impl MetricConstructor<Histogram> for LatencyBuckets {
     fn new_metric(&self) -> Histogram {
         Histogram::new(exponential_buckets(0.0005, 2.0, 18))
+    }
+}
+
+/// Time to first token: 10 ms to ~82 s, doubling.
+#[derive(Clone)]
+pub struct FirstTokenBuckets;
+
+impl MetricConstructor<Histogram> for FirstTokenBuckets {
+    fn new_metric(&self) -> Histogram {
+        Histogram::new(exponential_buckets(0.01, 2.0, 14))
+    }
+}
+
+/// Time per output token: 0.5 ms to ~1 s, doubling.
+#[derive(Clone)]
+pub struct TokenGapBuckets;
+
+impl MetricConstructor<Histogram> for TokenGapBuckets {
+    fn new_metric(&self) -> Histogram {
+        Histogram::new(exponential_buckets(0.0005, 2.0, 12))
     }
 }
 
@@ -173,6 +222,19 @@ pub struct Metrics {
     /// 1, labelled with the build's revision: what an upgrade's dashboards
     /// and alerts join on.
     pub build_info: Family<BuildLabels, Gauge>,
+    /// Unix seconds this process started (a restart shows as a change).
+    pub process_start_time: Gauge<f64, AtomicU64>,
+    /// A streamed answer's first token, from the router's call (per backend attempt that answered).
+    pub time_to_first_token: Family<BackendLabels, Histogram, FirstTokenBuckets>,
+    /// A streamed answer's time between output tokens after the first.
+    pub time_per_output_token: Family<BackendLabels, Histogram, TokenGapBuckets>,
+    pub db_pool_connections: Family<PoolLabels, Gauge>,
+    pub db_pool_max_connections: Family<PoolNameLabels, Gauge>,
+    /// Spend since the process started of the top owners by it (billing's
+    /// scrape hook sets them; bounded by `metrics.top_spenders`).
+    pub top_owner_spend_usd: Family<OwnerLabels, Gauge<f64, AtomicU64>>,
+    pub config_reloads: Family<OutcomeLabels, Counter>,
+    pub secret_reloads: Family<SecretReloadLabels, Counter>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -328,6 +390,59 @@ impl Metrics {
             "1, labelled with the revision of the build this process runs",
             build_info.clone(),
         );
+        let process_start_time = Gauge::<f64, AtomicU64>::default();
+        process_start_time.set(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64()),
+        );
+        registry.register(
+            "process_start_time_seconds",
+            "Unix time this process started",
+            process_start_time.clone(),
+        );
+        let time_to_first_token = Family::new_with_constructor(FirstTokenBuckets);
+        registry.register(
+            "time_to_first_token_seconds",
+            "Streamed answers: from the router's call to the backend's first token, by model and backend",
+            time_to_first_token.clone(),
+        );
+        let time_per_output_token = Family::new_with_constructor(TokenGapBuckets);
+        registry.register(
+            "time_per_output_token_seconds",
+            "Streamed answers: the time between output tokens after the first, by model and backend",
+            time_per_output_token.clone(),
+        );
+        let db_pool_connections = Family::default();
+        registry.register(
+            "db_pool_connections",
+            "Database connections of the pool by state (in_use, idle)",
+            db_pool_connections.clone(),
+        );
+        let db_pool_max_connections = Family::default();
+        registry.register(
+            "db_pool_max_connections",
+            "The pool's most connections (database.max_connections)",
+            db_pool_max_connections.clone(),
+        );
+        let top_owner_spend_usd = Family::default();
+        registry.register(
+            "top_owner_spend_usd",
+            "USD settled since this process started, for the top ledger owners by it (bounded)",
+            top_owner_spend_usd.clone(),
+        );
+        let config_reloads = Family::default();
+        registry.register(
+            "config_reloads",
+            "Configuration reloads by outcome (applied, refused)",
+            config_reloads.clone(),
+        );
+        let secret_reloads = Family::default();
+        registry.register(
+            "secret_reloads",
+            "Secret files re-read after a change, by secret and outcome (applied, refused)",
+            secret_reloads.clone(),
+        );
         Self {
             registry,
             hooks: Mutex::new(Vec::new()),
@@ -353,7 +468,27 @@ impl Metrics {
             pages_scraped,
             log_lines_dropped,
             build_info,
+            process_start_time,
+            time_to_first_token,
+            time_per_output_token,
+            db_pool_connections,
+            db_pool_max_connections,
+            top_owner_spend_usd,
+            config_reloads,
+            secret_reloads,
         }
+    }
+
+    pub fn count_secret_reload(&self, secret: &'static str, outcome: &'static str) {
+        self.secret_reloads
+            .get_or_create(&SecretReloadLabels { secret, outcome })
+            .inc();
+    }
+
+    pub fn count_config_reload(&self, outcome: &'static str) {
+        self.config_reloads
+            .get_or_create(&OutcomeLabels { outcome })
+            .inc();
     }
 
     /// Runs `hook` before every scrape, to set gauges from live state.

@@ -108,7 +108,15 @@ pub fn init(format: &str, level: &str, service: &str) {
     // A second init (tests) is harmless: keep the first subscriber (the new
     // writer's thread stops with its guard, dropped here).
     let installed = if format == "json" {
-        registry.with(fmt.json()).try_init()
+        let (format, slot) = WithTraceIds::new(tracing_subscriber::fmt::format().json());
+        let dispatch = tracing::Dispatch::new(
+            registry.with(
+                fmt.fmt_fields(tracing_subscriber::fmt::format::JsonFields::new())
+                    .event_format(format),
+            ),
+        );
+        let _ = slot.set(dispatch.downgrade());
+        dispatch.try_init()
     } else {
         registry.with(fmt).try_init()
     };
@@ -120,6 +128,78 @@ pub fn init(format: &str, level: &str, service: &str) {
             metrics.log_lines_dropped.inc_by(now.saturating_sub(seen));
         });
         *LOG_WORKER.lock().unwrap_or_else(|e| e.into_inner()) = Some(LogWorker { guard, dropped });
+    }
+}
+
+/// A JSON line formatter that puts the current span's `trace_id` and
+/// `span_id` first, when spans are exported: a log line leads to its trace
+/// in the tracing backend. Without an exporter the line is the inner
+/// format's, unchanged.
+pub struct WithTraceIds<F> {
+    inner: F,
+    /// The subscriber this formatter is part of, where the spans' trace
+    /// contexts are (a formatter cannot ask for the current dispatcher: it
+    /// runs inside it).
+    dispatch: std::sync::Arc<OnceLock<tracing::dispatcher::WeakDispatch>>,
+}
+
+impl<F> WithTraceIds<F> {
+    /// The formatter, and the slot to put its subscriber's dispatcher in
+    /// once built.
+    pub fn new(
+        inner: F,
+    ) -> (
+        Self,
+        std::sync::Arc<OnceLock<tracing::dispatcher::WeakDispatch>>,
+    ) {
+        let dispatch = std::sync::Arc::new(OnceLock::new());
+        (
+            Self {
+                inner,
+                dispatch: dispatch.clone(),
+            },
+            dispatch,
+        )
+    }
+}
+
+impl<S, N, F> tracing_subscriber::fmt::FormatEvent<S, N> for WithTraceIds<F>
+where
+    F: tracing_subscriber::fmt::FormatEvent<S, N>,
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+    N: for<'a> tracing_subscriber::fmt::FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        ctx: &tracing_subscriber::fmt::FmtContext<'_, S, N>,
+        mut writer: tracing_subscriber::fmt::format::Writer<'_>,
+        event: &tracing::Event<'_>,
+    ) -> std::fmt::Result {
+        use opentelemetry::trace::TraceContextExt as _;
+        // No span, or no exporter: nothing to link to.
+        let ids = ctx.lookup_current().and_then(|span| {
+            let dispatch = self.dispatch.get()?.upgrade()?;
+            let context = tracing_opentelemetry::get_otel_context(&span.id(), &dispatch)?;
+            let span = context.span();
+            let ids = span.span_context();
+            ids.is_valid().then(|| (ids.trace_id(), ids.span_id()))
+        });
+        let Some((trace_id, span_id)) = ids else {
+            return self.inner.format_event(ctx, writer, event);
+        };
+        let mut line = String::with_capacity(256);
+        self.inner.format_event(
+            ctx,
+            tracing_subscriber::fmt::format::Writer::new(&mut line),
+            event,
+        )?;
+        match line.strip_prefix('{') {
+            Some(rest) => write!(
+                writer,
+                "{{\"trace_id\":\"{trace_id}\",\"span_id\":\"{span_id}\",{rest}"
+            ),
+            None => writer.write_str(&line),
+        }
     }
 }
 
@@ -243,6 +323,60 @@ pub fn host_name() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A buffer a subscriber writes its lines into.
+    #[derive(Clone, Default)]
+    struct Lines(std::sync::Arc<Mutex<Vec<u8>>>);
+
+    impl std::io::Write for Lines {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn json_lines_carry_the_trace_and_span_ids_when_spans_are_exported() {
+        use opentelemetry::trace::TraceContextExt as _;
+        let lines = Lines::default();
+        let writer = lines.clone();
+        let provider = SdkTracerProvider::builder().build();
+        let (format, slot) = WithTraceIds::new(tracing_subscriber::fmt::format().json());
+        let dispatch = tracing::Dispatch::new(
+            tracing_subscriber::registry()
+                .with(tracing_opentelemetry::layer().with_tracer(provider.tracer("test")))
+                .with(
+                    tracing_subscriber::fmt::layer()
+                        .with_writer(move || writer.clone())
+                        .fmt_fields(tracing_subscriber::fmt::format::JsonFields::new())
+                        .event_format(format),
+                ),
+        );
+        let _ = slot.set(dispatch.downgrade());
+        let (trace_id, span_id) = tracing::dispatcher::with_default(&dispatch, || {
+            tracing::info!("outside any span");
+            let span = tracing::info_span!("request");
+            let _entered = span.enter();
+            tracing::info!(answer = 42, "inside");
+            let context = span.context();
+            let ids = context.span().span_context().clone();
+            (ids.trace_id().to_string(), ids.span_id().to_string())
+        });
+        let text = String::from_utf8(lines.0.lock().unwrap().clone()).unwrap();
+        let mut parsed = text
+            .lines()
+            .map(|line| serde_json::from_str::<serde_json::Value>(line).unwrap());
+        let outside = parsed.next().unwrap();
+        assert!(outside.get("trace_id").is_none(), "{outside}");
+        let inside = parsed.next().unwrap();
+        assert_eq!(inside["trace_id"], trace_id.as_str(), "{inside}");
+        assert_eq!(inside["span_id"], span_id.as_str());
+        assert_eq!(inside["fields"]["answer"], 42);
+        assert_eq!(trace_id.len(), 32);
+    }
 
     #[test]
     fn lines_go_through_the_writer_thread_until_flushed_then_straight_to_stdout() {

@@ -79,7 +79,7 @@ pub async fn speech(
             format!("String must contain 1 to {MAX_INPUT_CHARS} character(s)"),
         ));
     }
-    let model = media::model_of(&gateway, model_id.as_deref(), &["tts"], false)?;
+    let model = &media::model_of(&gateway, model_id.as_deref(), &["tts"], false)?;
     let config = &model.config;
     let voices = &config.voices;
     let voice = match voice {
@@ -285,7 +285,7 @@ pub async fn transcriptions(
         _ => Transcript::Json,
     };
     let words = timestamps || granularities.iter().any(|g| g == "word");
-    let model = media::model_of(&gateway, model_id.as_deref(), &["asr"], false)?;
+    let model = &media::model_of(&gateway, model_id.as_deref(), &["asr"], false)?;
     let per_second = model.config.usd_per_audio_second;
     let measured = wav_seconds(&file.bytes);
     let bound = measured
@@ -486,6 +486,7 @@ pub async fn voices(
         media::model_of(&gateway, Some(id), &["tts"], false)?;
     }
     let data: Vec<Value> = gateway
+        .catalog()
         .models
         .iter()
         .map(|m| &m.config)

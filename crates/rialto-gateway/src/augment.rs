@@ -707,6 +707,7 @@ pub(crate) async fn metered_by_use<T>(
             target: rialto_limiter::Target::endpoint(&window),
             model_id,
             prices: rialto_billing::Prices::FREE,
+            model: None,
         },
         &request_id,
         Reservation {

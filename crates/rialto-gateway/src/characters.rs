@@ -88,11 +88,12 @@ fn flag(details: &mut Details, field: &str, value: Option<&str>) -> Option<bool>
 pub struct CharacterSet {
     by_slug: std::collections::HashMap<String, CharacterConfig>,
     order: Vec<String>,
+    /// The stored characters, kept for a reload of the configured ones.
+    stored: Vec<CharacterConfig>,
 }
 
 impl CharacterSet {
     pub fn new(configured: Vec<CharacterConfig>, stored: Vec<auth_pb::Character>) -> Self {
-        let mut set = Self::default();
         let stored = stored.into_iter().map(|c| CharacterConfig {
             created_at: chrono::DateTime::<chrono::Utc>::from_timestamp_millis(c.created_at_ms)
                 .map(|t| t.to_rfc3339_opts(chrono::SecondsFormat::Millis, true)),
@@ -111,13 +112,24 @@ impl CharacterSet {
             photo_url: c.photo_url,
             share_url: c.share_url,
         });
-        for character in configured.into_iter().chain(stored) {
+        Self::of(configured, stored.collect())
+    }
+
+    fn of(configured: Vec<CharacterConfig>, stored: Vec<CharacterConfig>) -> Self {
+        let mut set = Self::default();
+        for character in configured.into_iter().chain(stored.iter().cloned()) {
             if !set.by_slug.contains_key(&character.slug) {
                 set.order.push(character.slug.clone());
             }
             set.by_slug.insert(character.slug.clone(), character);
         }
+        set.stored = stored;
         set
+    }
+
+    /// The same stored characters after new configured ones (a reload).
+    pub fn with_configured(&self, configured: Vec<CharacterConfig>) -> Self {
+        Self::of(configured, self.stored.clone())
     }
 
     pub fn get(&self, slug: &str) -> Option<&CharacterConfig> {
@@ -313,10 +325,11 @@ pub async fn list(
     let principal = authenticate_endpoint(&gateway, &request, false).await?;
     let ratings = ratings(&gateway, &principal.account_id).await?;
     let rating_of = |c: &CharacterConfig| ratings.get(&c.slug).copied().unwrap_or_default();
+    let catalog = gateway.catalog();
     let priced = |c: &CharacterConfig| {
         c.model_id
             .as_deref()
-            .and_then(|id| gateway.model(id))
+            .and_then(|id| catalog.model(id))
             .is_some_and(|m| crate::models::is_priced(&m.config))
     };
     let has_any = |wanted: &[String], have: &[String]| {

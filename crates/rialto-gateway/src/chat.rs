@@ -7,6 +7,7 @@
 //! limiter commits the real tokens.
 
 use std::convert::Infallible;
+use std::sync::Arc;
 
 use actix_web::http::header::ContentEncoding;
 use actix_web::{HttpMessage, HttpRequest, HttpResponse, HttpResponseBuilder, web};
@@ -124,6 +125,9 @@ pub(crate) struct Settlement {
     /// Tokens the request used besides its answer's (the model's search
     /// query), counted in its rate windows.
     pub(crate) extra_tokens: u64,
+    /// The request's span, which gets the GenAI usage attributes (a stream
+    /// keeps it open until its end).
+    span: tracing::Span,
 }
 
 impl Settlement {
@@ -244,6 +248,11 @@ impl Settlement {
     }
 
     fn count_tokens(&self, usage: &Usage) {
+        self.span
+            .record("gen_ai.response.model", self.model_id.as_str());
+        self.span.record("gen_ai.usage.input_tokens", usage.prompt);
+        self.span
+            .record("gen_ai.usage.output_tokens", usage.completion);
         for (kind, tokens) in [("prompt", usage.prompt), ("completion", usage.completion)] {
             if tokens > 0 {
                 let labels = rialto_core::metrics::TokenLabels {
@@ -350,7 +359,17 @@ pub(crate) async fn serve(
     body: Value,
 ) -> Result<HttpResponse, ApiError> {
     let mut requested_model = None;
-    let result = complete_or_stream(gateway, request, body, principal, &mut requested_model).await;
+    // One catalog for the whole request, whatever a reload does meanwhile.
+    let catalog = gateway.catalog();
+    let result = complete_or_stream(
+        gateway,
+        &catalog,
+        request,
+        body,
+        principal,
+        &mut requested_model,
+    )
+    .await;
     // An authenticated request refused before the limiter saw it (invalid,
     // too large) still gets its window's headers, when its model is known.
     let refused_early = result.as_ref().is_err_and(|e| {
@@ -361,7 +380,7 @@ pub(crate) async fn serve(
     });
     if refused_early
         && request.extensions().get::<RateLimitHeaders>().is_none()
-        && let Some(model) = requested_model.as_deref().and_then(|id| gateway.model(id))
+        && let Some(model) = requested_model.as_deref().and_then(|id| catalog.model(id))
     {
         let target = Target::model(&model.config);
         match gateway
@@ -382,6 +401,7 @@ pub(crate) async fn serve(
 
 async fn complete_or_stream(
     gateway: &web::Data<Gateway>,
+    catalog: &crate::Catalog,
     request: &HttpRequest,
     mut body: Value,
     principal: &auth_pb::Principal,
@@ -390,8 +410,8 @@ async fn complete_or_stream(
     if let Some(model) = body.get("model").and_then(Value::as_str) {
         *requested_model = Some(model.to_owned());
     }
-    let mut chat = validate(gateway, &mut body)?;
-    let model = gateway
+    let mut chat = validate(gateway, catalog, &mut body)?;
+    let model = catalog
         .model(&chat.model_id)
         .ok_or_else(|| ApiError::new(ErrorCode::ModelNotFound, "Specified model not found"))?;
     // A trait or alias names the model from here on.
@@ -566,6 +586,10 @@ pub(crate) struct Priced<'a> {
     pub(crate) target: Target<'a>,
     pub(crate) model_id: &'a str,
     pub(crate) prices: rialto_billing::Prices,
+    /// The model as the request found it in the catalog (None for an
+    /// endpoint): what its privacy is checked against, whatever a reload
+    /// does meanwhile.
+    pub(crate) model: Option<&'a ModelEntry>,
 }
 
 impl<'a> Priced<'a> {
@@ -574,6 +598,7 @@ impl<'a> Priced<'a> {
             target: Target::model(&model.config),
             model_id: &model.config.id,
             prices: rialto_billing::Prices::from_model(&model.config),
+            model: Some(model),
         }
     }
 }
@@ -596,9 +621,22 @@ pub(crate) async fn admit(
         target,
         model_id,
         prices,
+        model,
     } = priced;
-    if let Some(model) = gateway.model(model_id) {
+    if let Some(model) = model {
         crate::keys::check_privacy(principal, &model.config)?;
+        // GenAI's semantic conventions, on the request's span.
+        let path = request.path();
+        let operation = if path.ends_with("/embeddings") {
+            "embeddings"
+        } else if path.ends_with("/chat/completions") || path.ends_with("/responses") {
+            "chat"
+        } else {
+            "generate_content"
+        };
+        let span = tracing::Span::current();
+        span.record("gen_ai.operation.name", operation);
+        span.record("gen_ai.request.model", model.config.id.as_str());
     }
     let limiter = &gateway.services.limiter;
     let owner = crate::ledger_owner(principal);
@@ -659,6 +697,7 @@ pub(crate) async fn admit(
             prices: prices.clone(),
             extra_usd_nanos: 0,
             extra_tokens: 0,
+            span: tracing::Span::none(),
         };
         orphan.release();
     };
@@ -699,6 +738,7 @@ pub(crate) async fn admit(
         prices,
         extra_usd_nanos: 0,
         extra_tokens: 0,
+        span: tracing::Span::current(),
     };
     let hold = match hold {
         Ok(hold) => hold,
@@ -821,7 +861,7 @@ struct Answered {
 
 async fn complete(
     gateway: &web::Data<Gateway>,
-    model: &ModelEntry,
+    model: &Arc<ModelEntry>,
     router_request: rialto_router::Chat,
     exchange: Exchange,
 ) -> Result<HttpResponse, ApiError> {
@@ -831,10 +871,10 @@ async fn complete(
     // leave the hold to expire free).
     let task = tokio::spawn({
         let gateway = gateway.clone();
-        let model_id = model.config.id.clone();
+        let model = Arc::clone(model);
         // In the request's span: the router's call continues its trace.
         tracing::Instrument::instrument(
-            async move { answer(&gateway, &model_id, router_request, exchange).await },
+            async move { answer(&gateway, &model, router_request, exchange).await },
             tracing::Span::current(),
         )
     });
@@ -859,13 +899,14 @@ async fn complete(
 /// Asks the router for the whole answer, bills it, and shapes the body.
 async fn answer(
     gateway: &Gateway,
-    model_id: &str,
+    model: &ModelEntry,
     router_request: rialto_router::Chat,
     exchange: Exchange,
 ) -> Result<Answered, ApiError> {
     let mut exchange = exchange;
     let mut router_request = router_request;
-    search_the_web(gateway, &mut router_request, &mut exchange).await;
+    let model_id = model.config.id.as_str();
+    search_the_web(gateway, model, &mut router_request, &mut exchange).await;
     let answer = match gateway.services.router.chat(router_request).await {
         Ok(answer) => answer,
         Err(error) => {
@@ -927,10 +968,11 @@ async fn answer(
 /// extras charged with whatever the request settles.
 async fn search_the_web(
     gateway: &Gateway,
+    model: &ModelEntry,
     router_request: &mut rialto_router::Chat,
     exchange: &mut Exchange,
 ) {
-    let (Some(plan), Some(model)) = (&exchange.web, gateway.model(&exchange.chat.model_id)) else {
+    let Some(plan) = &exchange.web else {
         return;
     };
     let found = augment::run(gateway, model, plan, router_request).await;
@@ -1567,7 +1609,11 @@ fn split_model_suffix(model: &str) -> (&str, Map<String, Value>) {
 /// Checks the members the spec lists, takes `<brand>_parameters` out of the
 /// body (the upstream does not know it), and leaves every other member
 /// untouched for the upstream.
-fn validate(gateway: &Gateway, body: &mut Value) -> Result<Chat, ApiError> {
+fn validate(
+    gateway: &Gateway,
+    catalog: &crate::Catalog,
+    body: &mut Value,
+) -> Result<Chat, ApiError> {
     let mut details = Details::new();
     let Some(object) = body.as_object_mut() else {
         details.push(&[], "Expected a JSON object");
@@ -1597,7 +1643,7 @@ fn validate(gateway: &Gateway, body: &mut Value) -> Result<Chat, ApiError> {
     };
     let mut prompt_chars = 0usize;
     // An unknown model is a 404 later; its inputs are not judged.
-    let capabilities = gateway
+    let capabilities = catalog
         .model(&model_id)
         .map(|m| m.config.capabilities.as_slice());
     match object.get("messages") {
@@ -1721,7 +1767,7 @@ fn validate(gateway: &Gateway, body: &mut Value) -> Result<Chat, ApiError> {
         character_prompt,
     };
 
-    let model = gateway.model(&model_id);
+    let model = catalog.model(&model_id);
     let completion_budget = max_tokens
         .or_else(|| model.and_then(|m| m.config.max_completion_tokens))
         .unwrap_or(gateway.services.limiter.policy().default_completion_tokens);

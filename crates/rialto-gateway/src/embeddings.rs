@@ -25,6 +25,7 @@ pub async fn create(
     let body = read_body(&gateway, &request, payload).await?;
     let mut body = parse_json(&body)?;
     let (model, prompt_estimate) = validate(&gateway, &mut body)?;
+    let model = &*model;
     let request_id = RequestId::of(&request);
     let Admitted {
         mut settlement,
@@ -105,7 +106,10 @@ pub async fn create(
 /// Checks the members OpenAI's `/embeddings` defines; returns the model
 /// (an alias or trait resolved) and an estimate of the prompt tokens (four
 /// characters a token). `user` is dropped: it is not passed on.
-fn validate<'g>(gateway: &'g Gateway, body: &mut Value) -> Result<(&'g ModelEntry, u64), ApiError> {
+fn validate(
+    gateway: &Gateway,
+    body: &mut Value,
+) -> Result<(std::sync::Arc<ModelEntry>, u64), ApiError> {
     let mut details = Details::new();
     let Some(object) = body.as_object_mut() else {
         details.push(&[], "Expected a JSON object");

@@ -98,11 +98,23 @@ pub async fn stamp(
     } else {
         format!("{} {raw_path}", request.method())
     };
+    // Attributes by OpenTelemetry's semantic conventions (HTTP, and GenAI
+    // for the inference routes, which record theirs as they learn them:
+    // [`record_gen_ai`]).
     let span = tracing::info_span!(
         "request",
         otel.name = %name,
         otel.kind = "server",
+        otel.status_code = tracing::field::Empty,
+        http.request.method = %request.method(),
+        url.path = %raw_path,
         http.route = tracing::field::Empty,
+        http.response.status_code = tracing::field::Empty,
+        gen_ai.operation.name = tracing::field::Empty,
+        gen_ai.request.model = tracing::field::Empty,
+        gen_ai.response.model = tracing::field::Empty,
+        gen_ai.usage.input_tokens = tracing::field::Empty,
+        gen_ai.usage.output_tokens = tracing::field::Empty,
         request_id = %request_id,
     );
     // A caller's trace (W3C `traceparent`) goes on here.
@@ -187,6 +199,10 @@ pub async fn stamp(
     // must stay few.
     let route = route_of(response.request());
     span.record("http.route", route);
+    span.record("http.response.status_code", status);
+    if status >= 500 {
+        span.record("otel.status_code", "ERROR");
+    }
     record_http(
         route,
         method_label(&method),

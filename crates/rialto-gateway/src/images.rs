@@ -50,8 +50,8 @@ const MAX_DECODED_SIDE: u32 = 8192;
 const MAX_DECODED_BYTES: u64 = 256 * 1024 * 1024;
 
 /// What a route asks of the backends.
-pub(crate) struct Generation<'g> {
-    pub(crate) model: &'g ModelEntry,
+pub(crate) struct Generation {
+    pub(crate) model: std::sync::Arc<ModelEntry>,
     /// `/images/generations`, or `/images/edits` (a form with `files`).
     pub(crate) path: &'static str,
     /// The upstream body (an edit's form fields).
@@ -158,10 +158,10 @@ const HOSTED_MEMBERS: &[&str] = &[
 
 /// Validates a `/image/generate` body; the generation, and whether the
 /// answer is the image's bytes.
-fn hosted_generation<'g>(
-    gateway: &'g Gateway,
+fn hosted_generation(
+    gateway: &Gateway,
     body: &Map<String, Value>,
-) -> Result<(Generation<'g>, bool), ApiError> {
+) -> Result<(Generation, bool), ApiError> {
     let mut details = Details::new();
     unknown_members(body, HOSTED_MEMBERS, &mut details);
     let model_id = crate::augment::string_member(body, "model", &mut details).map(str::to_owned);
@@ -222,7 +222,7 @@ fn hosted_generation<'g>(
     }
     let prompt = crate::augment::string_member(body, "prompt", &mut details).map(str::to_owned);
     details.into_result()?;
-    let model = media::model_of(gateway, model_id.as_deref(), &["image"], false)?;
+    let model = &media::model_of(gateway, model_id.as_deref(), &["image"], false)?;
     let prompt = media::checked_prompt(prompt, prompt_limit(model, MAX_PROMPT_CHARS))?;
     let (resolution, usd_per_image) = tier_of(model, resolution.as_deref())?;
     let prompt = match &style {
@@ -246,7 +246,7 @@ fn hosted_generation<'g>(
     );
     Ok((
         Generation {
-            model,
+            model: std::sync::Arc::clone(model),
             path: GENERATIONS,
             upstream,
             sources: Vec::new(),
@@ -288,10 +288,10 @@ const SIZES: &[&str] = &[
 
 /// Validates an OpenAI `/images/generations` body; the generation, and
 /// whether images go back as data URLs.
-fn openai_generation<'g>(
-    gateway: &'g Gateway,
+fn openai_generation(
+    gateway: &Gateway,
     body: &Map<String, Value>,
-) -> Result<(Generation<'g>, bool), ApiError> {
+) -> Result<(Generation, bool), ApiError> {
     let mut details = Details::new();
     unknown_members(body, OPENAI_MEMBERS, &mut details);
     let prompt = crate::augment::string_member(body, "prompt", &mut details).map(str::to_owned);
@@ -317,7 +317,7 @@ fn openai_generation<'g>(
     details.into_result()?;
     let prompt = media::checked_prompt(prompt, MAX_OPENAI_PROMPT_CHARS)?;
     // An unknown model (an OpenAI name) is the default image model.
-    let model = media::model_of(gateway, model_id.as_deref(), &["image"], true)?;
+    let model = &media::model_of(gateway, model_id.as_deref(), &["image"], true)?;
     let (width, height) = match size.as_deref() {
         None | Some("auto") => (1024, 1024),
         Some(size) => parse_size(size).unwrap_or((1024, 1024)),
@@ -330,7 +330,7 @@ fn openai_generation<'g>(
     }
     Ok((
         Generation {
-            model,
+            model: std::sync::Arc::clone(model),
             path: GENERATIONS,
             upstream,
             sources: Vec::new(),
@@ -582,7 +582,7 @@ async fn edit_route(
             ));
         }
     }
-    let model = media::model_of(&gateway, model_id.as_deref(), &["inpaint"], false)?;
+    let model = &media::model_of(&gateway, model_id.as_deref(), &["inpaint"], false)?;
     let prompt = media::checked_prompt(prompt, prompt_limit(model, MAX_EDIT_PROMPT_CHARS))?;
     let (resolution, usd_per_image) = tier_of(model, resolution.as_deref())?;
     let format = format_name(format.as_deref().unwrap_or("png"));
@@ -601,7 +601,7 @@ async fn edit_route(
         ],
     );
     let generation = Generation {
-        model,
+        model: std::sync::Arc::clone(model),
         path: "/images/edits",
         upstream,
         sources,
@@ -643,7 +643,7 @@ pub(crate) async fn run(
     gateway: &web::Data<Gateway>,
     request: &HttpRequest,
     principal: &rialto_proto::auth::v1::Principal,
-    generation: Generation<'_>,
+    generation: Generation,
 ) -> Result<(Images, actix_web::HttpResponseBuilder), ApiError> {
     let Generation {
         model,
@@ -655,6 +655,7 @@ pub(crate) async fn run(
         usd_per_image,
         transparent,
     } = generation;
+    let model = &*model;
     let most = media::nanos(usd_per_image, Decimal::from(count));
     let mut metered = media::meter(gateway, request, principal, model, most).await?;
     let task_gateway = gateway.clone();

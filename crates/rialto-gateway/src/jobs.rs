@@ -218,7 +218,7 @@ pub async fn video_quote(
         details.push(&["model"], "Required");
     }
     details.into_result()?;
-    let model = media::model_of(
+    let model = &media::model_of(
         &gateway,
         model_id.as_deref(),
         Kind::Video.model_types(),
@@ -274,7 +274,7 @@ pub async fn audio_quote(
         );
     }
     details.into_result()?;
-    let model = media::model_of(
+    let model = &media::model_of(
         &gateway,
         model_id.as_deref(),
         Kind::Audio.model_types(),
@@ -293,6 +293,7 @@ pub async fn video_queue(
     let principal = authenticate(&gateway, &request).await?;
     let body = object_body(&gateway, &request, payload).await?;
     let (model, mut details) = queued_model(&gateway, &body, Kind::Video)?;
+    let model = &*model;
     let limit = model
         .config
         .prompt_character_limit
@@ -342,6 +343,7 @@ pub async fn audio_queue(
     let principal = authenticate(&gateway, &request).await?;
     let body = object_body(&gateway, &request, payload).await?;
     let (model, mut details) = queued_model(&gateway, &body, Kind::Audio)?;
+    let model = &*model;
     let config = &model.config;
     let mut members = Members {
         body: &body,
@@ -407,11 +409,11 @@ fn required_text(members: &mut Members<'_>, name: &str, max: usize) -> Option<St
 /// The first checks of a queue request: no member the hosted request does
 /// not have, a `model` of the kind, and the members this server does not
 /// offer named for it. The checks that follow add to the returned details.
-fn queued_model<'g>(
-    gateway: &'g Gateway,
+fn queued_model(
+    gateway: &Gateway,
     body: &Map<String, Value>,
     kind: Kind,
-) -> Result<(&'g ModelEntry, Details), ApiError> {
+) -> Result<(std::sync::Arc<ModelEntry>, Details), ApiError> {
     let (offered, unsupported) = match kind {
         Kind::Video => (VIDEO_MEMBERS, UNSUPPORTED_VIDEO_MEMBERS),
         Kind::Audio => (AUDIO_MEMBERS, UNSUPPORTED_AUDIO_MEMBERS),
@@ -594,17 +596,17 @@ pub async fn audio_retrieve(
 /// What `retrieve` and `complete` start with: the body's job reference
 /// (`delete_media_on_completion` where `deletable`), its model, and the
 /// caller admitted in the kind's polling window.
-async fn polled<'g>(
-    gateway: &'g Gateway,
+async fn polled(
+    gateway: &Gateway,
     request: &HttpRequest,
     payload: web::Payload,
     kind: Kind,
     deletable: bool,
-) -> Result<(auth_pb::Principal, String, bool, &'g crate::ModelEntry), ApiError> {
+) -> Result<(auth_pb::Principal, String, bool, std::sync::Arc<ModelEntry>), ApiError> {
     let body = object_body(gateway, request, payload).await?;
     let (model_id, queue_id, delete) = job_reference(&body, deletable)?;
     let model = media::model_of(gateway, Some(&model_id), kind.model_types(), false)?;
-    let principal = admit_poll(gateway, request, kind, model).await?;
+    let principal = admit_poll(gateway, request, kind, &model).await?;
     Ok((principal, queue_id, delete, model))
 }
 
@@ -617,6 +619,7 @@ async fn retrieve(
 ) -> Result<HttpResponse, ApiError> {
     let (principal, queue_id, delete, model) =
         polled(&gateway, &request, payload, kind, true).await?;
+    let model = &*model;
     let job = gateway
         .services
         .billing

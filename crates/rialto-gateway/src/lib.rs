@@ -20,6 +20,7 @@ use std::collections::HashMap;
 
 use actix_web::http::header::{HeaderName, HeaderValue};
 use actix_web::{App, HttpMessage, HttpRequest, HttpServer, web};
+use arc_swap::ArcSwap;
 use bytes::Bytes;
 use futures_util::StreamExt;
 use rialto_auth::AuthClient;
@@ -29,7 +30,6 @@ use rialto_limiter::abuse::AbuseGuard;
 use rialto_limiter::{Caller, RateHeaders, RateLimiter, Target};
 use rialto_proto::auth::v1 as auth_pb;
 use rialto_router::RouterClient;
-use secrecy::SecretString;
 
 mod audio;
 mod augment;
@@ -78,13 +78,15 @@ pub struct Gateway {
     brand: Brand,
     /// `<yyyymmdd>.<hhmmss>`, in `x-<brand>-version` and the OpenAPI document.
     revision: String,
-    /// The catalog in configuration order, with each model's response
-    /// headers built once.
-    models: Vec<ModelEntry>,
-    model_index: HashMap<String, usize>,
-    /// Traits (the first model of each) and compatibility aliases.
-    model_names: HashMap<String, usize>,
-    operator_token: Option<SecretString>,
+    /// The models and the configured characters, replaced whole by a
+    /// configuration reload ([`Gateway::prepare_reload`]). A request loads
+    /// it once ([`Gateway::catalog`], or the entry [`Gateway::model`]
+    /// finds) and keeps what it loaded to its end: no lock, and one
+    /// consistent catalog per request.
+    catalog: ArcSwap<Catalog>,
+    /// The operator API's bearer token (`operator.token[_file]`), rotated in
+    /// place when its file changes.
+    operator_token: Option<rialto_core::secrets::LiveSecret>,
     max_body_bytes: usize,
     /// Set when the process begins to shut down: `/readyz` answers 503.
     draining: std::sync::atomic::AtomicBool,
@@ -106,7 +108,6 @@ pub struct Gateway {
     /// The characters of the configuration and of the database (refreshed
     /// every few seconds and after each change through this gateway).
     characters: std::sync::RwLock<Arc<characters::CharacterSet>>,
-    configured_characters: Vec<rialto_core::config::CharacterConfig>,
     /// Whether `file` URLs may point inside the operator's network.
     file_urls_allow_private: bool,
     /// Where documents become text (a sandboxed child under `rialto serve`).
@@ -154,30 +155,17 @@ impl Gateway {
             config.gateway.host_name.clone()
         };
         let stamp = headers::Stamp::new(&brand, revision, &host_name)?;
-        let models: Vec<ModelEntry> = config
-            .models
-            .iter()
-            .map(|model| ModelEntry::new(model, &stamp))
-            .collect::<anyhow::Result<_>>()?;
-        let model_index = models
-            .iter()
-            .enumerate()
-            .map(|(i, m)| (m.config.id.clone(), i))
-            .collect();
-        let mut model_names = HashMap::new();
-        for (i, model) in models.iter().enumerate() {
-            for name in model.config.aliases.iter().chain(&model.config.traits) {
-                model_names.entry(name.clone()).or_insert(i);
-            }
-        }
+        let catalog = Catalog::new(config, &stamp)?;
         Ok(Self {
-            model_names,
+            catalog: ArcSwap::from_pointee(catalog),
             openapi: Bytes::from(openapi::render(&brand, revision)),
             services,
             revision: revision.to_owned(),
-            models,
-            model_index,
-            operator_token: config.operator.token.clone(),
+            operator_token: config
+                .operator
+                .token
+                .clone()
+                .map(rialto_core::secrets::LiveSecret::new),
             max_body_bytes: config.gateway.max_body_bytes,
             public_metrics: config.metrics.listen.is_empty(),
             draining: std::sync::atomic::AtomicBool::new(false),
@@ -196,7 +184,6 @@ impl Gateway {
                 config.characters.clone(),
                 Vec::new(),
             ))),
-            configured_characters: config.characters.clone(),
             file_urls_allow_private: config.gateway.file_urls_allow_private,
             converter: convert::Converter::in_process(),
             web_search: sources::WebSearch::from_config(&config.web_search)?,
@@ -248,12 +235,35 @@ impl Gateway {
         self
     }
 
-    /// A model by id, or by a trait or compatibility alias of one.
-    fn model(&self, id: &str) -> Option<&ModelEntry> {
-        self.model_index
-            .get(id)
-            .or_else(|| self.model_names.get(id))
-            .map(|&i| &self.models[i])
+    /// The catalog in force: what a request that looks at several models
+    /// (or at one more than once) reads them from.
+    fn catalog(&self) -> Arc<Catalog> {
+        self.catalog.load_full()
+    }
+
+    /// A model by id, or by a trait or compatibility alias of one: for a
+    /// request about this one model, which keeps the entry it got.
+    fn model(&self, id: &str) -> Option<Arc<ModelEntry>> {
+        self.catalog.load().model(id).cloned()
+    }
+
+    /// Builds what `config`'s catalog gives the gateway (the models with
+    /// their headers and tokenizers, the configured characters), for a
+    /// configuration reload; nothing is in force before
+    /// [`Gateway::apply_reload`]. An error (a tokenizer that cannot be
+    /// read, a name that cannot be a header) refuses the reload.
+    pub fn prepare_reload(&self, config: &Config) -> anyhow::Result<CatalogReload> {
+        Ok(CatalogReload(Catalog::new(config, &self.stamp)?))
+    }
+
+    /// Puts a prepared catalog in force: requests that start from now on
+    /// see it; those under way keep the one they loaded. The characters
+    /// are rebuilt at once with the stored ones already read.
+    pub fn apply_reload(&self, reload: CatalogReload) {
+        let catalog = Arc::new(reload.0);
+        let mut characters = self.characters.write().unwrap_or_else(|e| e.into_inner());
+        self.catalog.store(Arc::clone(&catalog));
+        *characters = Arc::new(characters.with_configured(catalog.characters.clone()));
     }
 
     /// The characters now (a cheap snapshot).
@@ -276,11 +286,66 @@ impl Gateway {
             .list_characters(auth_pb::ListCharactersRequest {})
             .await?
             .characters;
-        let set = characters::CharacterSet::new(self.configured_characters.clone(), stored);
-        *self.characters.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(set);
+        // The configured ones read under the lock a reload takes too, so a
+        // refresh that started before a reload never puts back the old ones.
+        let mut characters = self.characters.write().unwrap_or_else(|e| e.into_inner());
+        let configured = self.catalog.load().characters.clone();
+        *characters = Arc::new(characters::CharacterSet::new(configured, stored));
         Ok(())
     }
 }
+
+/// What the gateway derives from the catalog of the configuration: swapped
+/// whole by a reload.
+pub(crate) struct Catalog {
+    /// The models in configuration order, each with its response headers
+    /// built once.
+    pub(crate) models: Vec<Arc<ModelEntry>>,
+    index: HashMap<String, usize>,
+    /// Traits (the first model of each) and compatibility aliases.
+    names: HashMap<String, usize>,
+    /// `[[characters]]`, first in the character set.
+    characters: Vec<rialto_core::config::CharacterConfig>,
+}
+
+impl Catalog {
+    fn new(config: &Config, stamp: &headers::Stamp) -> anyhow::Result<Self> {
+        let models: Vec<Arc<ModelEntry>> = config
+            .models
+            .iter()
+            .map(|model| ModelEntry::new(model, stamp).map(Arc::new))
+            .collect::<anyhow::Result<_>>()?;
+        let index = models
+            .iter()
+            .enumerate()
+            .map(|(i, m)| (m.config.id.clone(), i))
+            .collect();
+        let mut names = HashMap::new();
+        for (i, model) in models.iter().enumerate() {
+            for name in model.config.aliases.iter().chain(&model.config.traits) {
+                names.entry(name.clone()).or_insert(i);
+            }
+        }
+        Ok(Self {
+            models,
+            index,
+            names,
+            characters: config.characters.clone(),
+        })
+    }
+
+    /// A model by id, or by a trait or compatibility alias of one.
+    pub(crate) fn model(&self, id: &str) -> Option<&Arc<ModelEntry>> {
+        self.index
+            .get(id)
+            .or_else(|| self.names.get(id))
+            .map(|&i| &self.models[i])
+    }
+}
+
+/// A catalog built for a configuration reload, not yet in force
+/// ([`Gateway::prepare_reload`]).
+pub struct CatalogReload(Catalog);
 
 /// A model of the catalog with the headers every response about it carries
 /// (`x-<brand>-model-id`, `-model-name`, and the deprecation pair).
@@ -539,6 +604,11 @@ async fn health() -> actix_web::HttpResponse {
 }
 
 impl Gateway {
+    /// The operator token in force, for a watcher of `operator.token_file`.
+    pub fn operator_token(&self) -> Option<&rialto_core::secrets::LiveSecret> {
+        self.operator_token.as_ref()
+    }
+
     /// Readiness goes false: the first step of a graceful shutdown.
     pub fn start_draining(&self) {
         self.draining
@@ -885,4 +955,121 @@ async fn authenticate_admin(
 
 fn header_value(value: &str) -> Option<HeaderValue> {
     HeaderValue::from_str(value).ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A gateway whose services are never called: lazy channels to a port
+    /// nothing listens on.
+    fn gateway(config: &Config) -> Gateway {
+        let channel = tonic::transport::Endpoint::from_static("http://127.0.0.1:9").connect_lazy();
+        let token = rialto_core::grpc_auth::ClientToken::new(None).unwrap();
+        let limiter = rialto_limiter::LimiterClient::new(rialto_limiter::grpc::RemoteLimiter::new(
+            channel.clone(),
+            token.clone(),
+        ));
+        let services = Services {
+            auth: AuthClient::new(rialto_auth::grpc::RemoteAuth::new(
+                channel.clone(),
+                token.clone(),
+            )),
+            limiter: RateLimiter::new(config, vec![("limiter".into(), limiter)], None),
+            billing: BillingClient::new(rialto_billing::grpc::RemoteBilling::new(
+                channel.clone(),
+                token.clone(),
+            )),
+            router: RouterClient::new(rialto_router::grpc::RemoteRouter::new(
+                channel,
+                token,
+                1 << 20,
+            )),
+            usage_queue: None,
+            bus: None,
+        };
+        Gateway::new(config, services, "20260101.000000").unwrap()
+    }
+
+    fn config(models: &str) -> Config {
+        Config::from_toml(models).unwrap()
+    }
+
+    const BEFORE: &str = r#"
+[[models]]
+id = "old"
+traits = ["default"]
+[[characters]]
+slug = "pirate"
+name = "Pirate"
+system_prompt = "Arr"
+"#;
+
+    const AFTER: &str = r#"
+[[models]]
+id = "new"
+name = "New Model"
+traits = ["default"]
+aliases = ["gpt-4o"]
+[[characters]]
+slug = "poet"
+name = "Poet"
+system_prompt = "Rhyme"
+"#;
+
+    #[tokio::test]
+    async fn a_reload_swaps_the_catalog_and_keeps_a_request_on_its_own() {
+        let gateway = gateway(&config(BEFORE));
+        // A stored character, as the refresh reads them from auth.
+        let stored = auth_pb::Character {
+            slug: "stored".into(),
+            name: "Stored".into(),
+            public: true,
+            ..Default::default()
+        };
+        *gateway.characters.write().unwrap() = Arc::new(characters::CharacterSet::new(
+            config(BEFORE).characters,
+            vec![stored],
+        ));
+        let request = gateway.catalog();
+        assert!(
+            gateway
+                .model("default")
+                .is_some_and(|m| m.config.id == "old")
+        );
+
+        let prepared = gateway.prepare_reload(&config(AFTER)).unwrap();
+        assert!(
+            gateway.model("old").is_some(),
+            "nothing changes before it is applied"
+        );
+        gateway.apply_reload(prepared);
+
+        assert!(gateway.model("old").is_none());
+        let new = gateway.model("gpt-4o").unwrap();
+        assert_eq!(new.config.id, "new");
+        assert_eq!(gateway.model("default").unwrap().config.id, "new");
+        assert_eq!(gateway.catalog().models.len(), 1);
+        // Its headers are built for the new entry.
+        assert!(new.headers.iter().any(|(_, value)| value == "New Model"));
+        // A request that loaded the catalog before keeps it whole.
+        assert_eq!(request.model("default").unwrap().config.id, "old");
+        assert!(request.model("gpt-4o").is_none());
+        // The configured characters are replaced; the stored one stays.
+        assert!(gateway.character("pirate").is_none());
+        assert_eq!(gateway.character("poet").unwrap().system_prompt, "Rhyme");
+        assert!(gateway.character("stored").is_some());
+    }
+
+    #[tokio::test]
+    async fn a_catalog_that_cannot_be_built_is_refused_whole() {
+        let gateway = gateway(&config(BEFORE));
+        let unreadable =
+            config("[[models]]\nid = \"new\"\ntokenizer = \"/nonexistent/tokenizer.json\"\n");
+        let error = gateway.prepare_reload(&unreadable).err().unwrap();
+        assert!(error.to_string().contains("tokenizer"), "{error}");
+        assert!(gateway.model("old").is_some());
+        assert!(gateway.model("new").is_none());
+        assert!(gateway.character("pirate").is_some());
+    }
 }

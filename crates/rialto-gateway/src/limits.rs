@@ -275,6 +275,7 @@ pub async fn rate_limits(
         .await?;
     let policy = gateway.services.limiter.policy();
     let rate_limits: Vec<Value> = gateway
+        .catalog()
         .models
         .iter()
         .map(|model| {

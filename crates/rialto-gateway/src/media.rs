@@ -7,6 +7,8 @@
 //! settlement's extra, so the ledger, the key caps and the wallet headers
 //! work as for a chat.
 
+use std::sync::Arc;
+
 use actix_web::{HttpRequest, HttpResponse, HttpResponseBuilder};
 use futures_util::StreamExt;
 use rialto_core::ErrorCode;
@@ -19,21 +21,22 @@ use crate::chat::{
     Admitted, Priced, Reservation, Settlement, Usage, admit, balance_remaining, model_headers,
 };
 use crate::headers::RequestId;
-use crate::{ApiError, Details, Gateway, ModelEntry};
+use crate::{ApiError, Catalog, Details, Gateway, ModelEntry};
 
 /// The model a request names, which must be one of `types`; with
 /// `fallback`, a missing or unknown name (an OpenAI model's) is the
 /// default model of the first type, as the hosted OpenAI-shaped routes do.
-pub(crate) fn model_of<'g>(
-    gateway: &'g Gateway,
+pub(crate) fn model_of(
+    gateway: &Gateway,
     requested: Option<&str>,
     types: &[&str],
     fallback: bool,
-) -> Result<&'g ModelEntry, ApiError> {
-    let found = requested.and_then(|id| gateway.model(id));
-    let of_type = |m: &&ModelEntry| types.contains(&m.config.model_type.as_str());
+) -> Result<Arc<ModelEntry>, ApiError> {
+    let catalog = gateway.catalog();
+    let found = requested.and_then(|id| catalog.model(id));
+    let of_type = |m: &&Arc<ModelEntry>| types.contains(&m.config.model_type.as_str());
     match (found, requested) {
-        (Some(model), _) if of_type(&model) => Ok(model),
+        (Some(model), _) if of_type(&model) => Ok(Arc::clone(model)),
         (Some(model), _) if !fallback => {
             let mut details = Details::new();
             details.push(
@@ -50,7 +53,7 @@ pub(crate) fn model_of<'g>(
             ErrorCode::ModelNotFound,
             "Specified model not found",
         )),
-        _ => default_model(gateway, types[0]).ok_or_else(|| {
+        _ => default_model(&catalog, types[0]).cloned().ok_or_else(|| {
             ApiError::new(
                 ErrorCode::ModelNotFound,
                 format!("No {} model is configured on this server", types[0]),
@@ -60,8 +63,11 @@ pub(crate) fn model_of<'g>(
 }
 
 /// The model of `model_type` with the `default` trait, else the first.
-pub(crate) fn default_model<'g>(gateway: &'g Gateway, model_type: &str) -> Option<&'g ModelEntry> {
-    let mut of_type = gateway
+pub(crate) fn default_model<'c>(
+    catalog: &'c Catalog,
+    model_type: &str,
+) -> Option<&'c Arc<ModelEntry>> {
+    let mut of_type = catalog
         .models
         .iter()
         .filter(|m| m.config.model_type == model_type);

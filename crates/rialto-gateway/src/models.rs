@@ -57,6 +57,7 @@ pub async fn list(
         return Err(ApiError::validation(details));
     }
     let data: Vec<Value> = gateway
+        .catalog()
         .models
         .iter()
         .map(|entry| &entry.config)
@@ -112,6 +113,7 @@ pub async fn traits(
     let wanted = wanted_type(&query)?;
     let mut data = serde_json::Map::new();
     for model in gateway
+        .catalog()
         .models
         .iter()
         .map(|e| &e.config)
@@ -133,6 +135,7 @@ pub async fn compatibility_mapping(
     let wanted = wanted_type(&query)?;
     let mut data = serde_json::Map::new();
     for model in gateway
+        .catalog()
         .models
         .iter()
         .map(|e| &e.config)

@@ -5,9 +5,7 @@ use actix_web::{HttpRequest, HttpResponse, web};
 use rialto_core::ErrorCode;
 use rialto_proto::auth::v1 as pb;
 use rialto_proto::billing::v1 as billing_pb;
-use secrecy::ExposeSecret;
 use serde_json::{Value, json};
-use subtle::ConstantTimeEq;
 
 use crate::{ApiError, Details, Gateway, parse_json, read_body};
 
@@ -27,14 +25,14 @@ pub(crate) fn check_operator(gateway: &Gateway, request: &HttpRequest) -> Result
     Ok(())
 }
 
-/// Whether the headers carry the operator token (compared in constant time).
+/// Whether the headers carry the operator token (compared in constant time;
+/// the token it replaced still opens for a few minutes after a rotation).
 pub(crate) fn is_operator(gateway: &Gateway, headers: &actix_web::http::header::HeaderMap) -> bool {
     let Some(token) = &gateway.operator_token else {
         return false;
     };
     let presented = crate::bearer_token(headers).unwrap_or_default();
-    let expected = token.expose_secret().as_bytes();
-    !expected.is_empty() && bool::from(presented.as_bytes().ct_eq(expected))
+    !presented.is_empty() && token.accepts(presented.as_bytes())
 }
 
 /// `POST /admin/v1/accounts {"name": ..., "tier"?: ...}` -> 201 with the

@@ -139,7 +139,7 @@ pub async fn upscale(
         (f64::from(width) * scale).round() as u32,
         (f64::from(height) * scale).round() as u32,
     );
-    let model = media::model_of(&gateway, model_id.as_deref(), &["upscale"], false)?;
+    let model = &media::model_of(&gateway, model_id.as_deref(), &["upscale"], false)?;
     let tier = if scale <= 2.0 { "2x" } else { "4x" };
     let price = media::nanos(
         model
@@ -225,12 +225,14 @@ pub async fn background_remove(
             ));
         }
     };
-    let model = media::default_model(&gateway, "inpaint").ok_or_else(|| {
-        ApiError::new(
-            ErrorCode::ModelNotFound,
-            "No image edit model is configured on this server",
-        )
-    })?;
+    let model = &media::default_model(&gateway.catalog(), "inpaint")
+        .cloned()
+        .ok_or_else(|| {
+            ApiError::new(
+                ErrorCode::ModelNotFound,
+                "No image edit model is configured on this server",
+            )
+        })?;
     let usd_per_image = model
         .config
         .usd_per_image_resolution
@@ -245,7 +247,7 @@ pub async fn background_remove(
     upstream.insert("output_format".into(), json!("png"));
     upstream.insert("background".into(), json!("transparent"));
     let generation = Generation {
-        model,
+        model: std::sync::Arc::clone(model),
         path: "/images/edits",
         upstream,
         sources: vec![("image", source)],

@@ -14,6 +14,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use rialto_core::config::{WebScrapingConfig, WebSearchConfig};
 use rialto_core::metrics::{OutcomeLabels, metrics};
+use secrecy::ExposeSecret;
 use serde_json::Value;
 
 /// Longest snippet of one result kept for the prompt, in characters.
@@ -68,13 +69,30 @@ impl WebSearch {
                 client,
             }),
             "brave" => {
-                let variable = config.api_key_env.as_deref().unwrap_or_default();
-                let key = std::env::var(variable).map_err(|_| {
-                    anyhow::anyhow!(
-                        "web_search.api_key_env names {variable}, which is not set: Brave needs \
-                         its subscription token there"
-                    )
-                })?;
+                let key = match (&config.api_key, &config.api_key_file) {
+                    (Some(key), Some(path)) => {
+                        let key = rialto_core::secrets::LiveSecret::new(key.clone());
+                        if tokio::runtime::Handle::try_current().is_ok() {
+                            rialto_core::secrets::watch(
+                                "web_search.api_key_file",
+                                path.clone(),
+                                key.clone(),
+                                |_| Ok(()),
+                            );
+                        }
+                        key
+                    }
+                    _ => {
+                        let variable = config.api_key_env.as_deref().unwrap_or_default();
+                        let key = std::env::var(variable).map_err(|_| {
+                            anyhow::anyhow!(
+                                "web_search.api_key_env names {variable}, which is not set: \
+                                 Brave needs its subscription token there"
+                            )
+                        })?;
+                        rialto_core::secrets::LiveSecret::new(key.into())
+                    }
+                };
                 let url = if config.url.is_empty() {
                     "https://api.search.brave.com/res/v1/web/search".to_owned()
                 } else {
@@ -200,7 +218,8 @@ impl SearchProvider for SearXng {
 /// The Brave Search API (`X-Subscription-Token`).
 struct Brave {
     url: String,
-    key: String,
+    /// The subscription token, rotated in place with `api_key_file`.
+    key: rialto_core::secrets::LiveSecret,
     client: reqwest::Client,
 }
 
@@ -213,7 +232,10 @@ impl SearchProvider for Brave {
             .client
             .get(url)
             .header("accept", "application/json")
-            .header("x-subscription-token", &self.key);
+            .header(
+                "x-subscription-token",
+                self.key.current().current.expose_secret(),
+            );
         let body = answer_of("Brave Search", request).await?;
         let Some(results) = body["web"]["results"].as_array() else {
             // No web results for this query.
@@ -440,7 +462,7 @@ mod tests {
         .await;
         let brave = Brave {
             url: format!("{url}/res/v1/web/search"),
-            key: "brave-key".to_owned(),
+            key: rialto_core::secrets::LiveSecret::new("brave-key".to_owned().into()),
             client: client(),
         };
         let results = brave.search("rust 2026", 2).await.unwrap();
@@ -471,7 +493,7 @@ mod tests {
         let (url, _) = answer_once(r#"{"type":"search","query":{"original":"zzz"}}"#).await;
         let brave = Brave {
             url,
-            key: "k".to_owned(),
+            key: rialto_core::secrets::LiveSecret::new("k".to_owned().into()),
             client: client(),
         };
         assert!(brave.search("zzz", 5).await.unwrap().is_empty());

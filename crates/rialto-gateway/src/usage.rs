@@ -619,6 +619,7 @@ async fn analytics_of(
             }),
     );
     let groups = groups?.groups;
+    let catalog = gateway.catalog();
     let descriptions: std::collections::HashMap<String, String> = keys?
         .keys
         .into_iter()
@@ -630,7 +631,7 @@ async fn analytics_of(
     let mut by_key: std::collections::HashMap<String, Tally> = Default::default();
     for group in &groups {
         let amount: rust_decimal::Decimal = group.amount.parse().unwrap_or_default();
-        let model = gateway.model(&group.model_id).map(|m| &m.config);
+        let model = catalog.model(&group.model_id).map(|m| &m.config);
         let units = match unit_and_type(model).0 {
             "tokens" => group.prompt_tokens.saturating_add(group.completion_tokens),
             _ => group.requests,
@@ -663,14 +664,14 @@ async fn analytics_of(
     };
     let models = ranked(&by_model);
     let model_name = |id: &str| {
-        gateway
+        catalog
             .model(id)
             .map_or_else(|| id.to_owned(), |m| m.config.display_name().to_owned())
     };
     let by_model_json: Vec<Value> = models
         .iter()
         .map(|(id, tally)| {
-            let (unit, kind) = unit_and_type(gateway.model(id).map(|m| &m.config));
+            let (unit, kind) = unit_and_type(catalog.model(id).map(|m| &m.config));
             json!({
                 "modelName": model_name(id),
                 "unitType": unit,

@@ -491,6 +491,57 @@ id = "chat"
     }
 
     #[tokio::test]
+    async fn a_reload_changes_the_limits_and_keeps_the_windows() {
+        let dir = tempfile::tempdir().unwrap();
+        let (config, _local, rate) = limiter(&dir).await;
+        let model = config.model("chat").unwrap().clone();
+        let admit = |id: String| {
+            let (rate, model) = (rate.clone(), model.clone());
+            async move {
+                rate.admit(caller("k1"), Target::model(&model), &id, 10)
+                    .await
+                    .unwrap()
+            }
+        };
+        for i in 0..10 {
+            assert!(admit(format!("before-{i}")).await.refusal.is_none());
+        }
+        // The account's override drops to 12 (and the file asks for a
+        // 1 s window, which needs a restart): the 10 already taken count.
+        let lowered = Config::from_toml(&CONFIG.replace("rpm = 50", "rpm = 12").replace(
+            "[limits]\n",
+            "[limits]\nwindow_secs = 1\ndefault_completion_tokens = 77\n",
+        ))
+        .unwrap();
+        let before = rate.policy();
+        rate.reload(&lowered);
+        assert_eq!(rate.policy().default_completion_tokens, 77);
+        assert_eq!(rate.policy().span_ms, 60_000, "the window keeps its span");
+        assert_eq!(
+            before.default_completion_tokens, 1024,
+            "a snapshot stays as it was"
+        );
+        let mut admitted = 0;
+        for i in 0..5 {
+            let admission = admit(format!("after-{i}")).await;
+            if admission.refusal.is_none() {
+                admitted += 1;
+            } else {
+                assert_eq!(admission.headers.unwrap().limit_requests, 12);
+            }
+        }
+        assert_eq!(
+            admitted, 2,
+            "12 per window, 10 of them taken before the reload"
+        );
+        // Raised again: the same window, 12 requests in it.
+        rate.reload(&config);
+        let admission = admit("raised".into()).await;
+        assert!(admission.refusal.is_none());
+        assert_eq!(admission.headers.unwrap().remaining_requests, 50 - 13);
+    }
+
+    #[tokio::test]
     async fn commits_correct_the_estimate_and_refusals_reach_the_log() {
         commits_correct_the_estimate(Reached::InPlace).await;
     }

@@ -15,6 +15,7 @@
 
 use std::sync::Arc;
 
+use arc_swap::ArcSwap;
 use bytes::Bytes;
 use prost::Message;
 use rialto_core::bus::Bus;
@@ -33,7 +34,12 @@ pub struct RateLimiter(Arc<Inner>);
 
 #[derive(Debug)]
 struct Inner {
-    policy: Policy,
+    /// The limits of `[limits]` and the catalog, replaced whole by a
+    /// configuration reload ([`RateLimiter::reload`]); the windows, which
+    /// the replicas hold, are not touched.
+    policy: ArcSwap<Policy>,
+    /// The windows' span, fixed for the process's life (a reload keeps it).
+    span_ms: i64,
     replicas: Vec<LimiterClient>,
     /// Which replicas are alive to own principals (fixed without failover).
     membership: Membership,
@@ -112,16 +118,30 @@ impl RateLimiter {
         membership: Membership,
         bus: Option<Bus>,
     ) -> Self {
+        let policy = Policy::new(config);
         Self(Arc::new(Inner {
-            policy: Policy::new(config),
+            span_ms: policy.span_ms,
+            policy: ArcSwap::from_pointee(policy),
             replicas,
             membership,
             bus,
         }))
     }
 
-    pub fn policy(&self) -> &Policy {
-        &self.0.policy
+    /// The policy in force (a snapshot: a reload does not change it).
+    pub fn policy(&self) -> Arc<Policy> {
+        self.0.policy.load_full()
+    }
+
+    /// Puts the limits of `config` in force: tiers, overrides, account
+    /// windows, the models' global windows and the default completion
+    /// budget. The windows themselves (what each principal used) stay with
+    /// their replicas, untouched; `limits.window_secs` keeps the value the
+    /// process started with (the windows were sized by it).
+    pub fn reload(&self, config: &Config) {
+        let mut policy = Policy::new(config);
+        policy.span_ms = self.0.span_ms;
+        self.0.policy.store(Arc::new(policy));
     }
 
     fn owner(&self, principal: &str) -> usize {
@@ -150,7 +170,7 @@ impl RateLimiter {
         request_id: &str,
         estimated_tokens: u64,
     ) -> Result<Admission> {
-        let windows = self.0.policy.windows(caller, target);
+        let windows = self.0.policy.load().windows(caller, target);
         if windows.is_empty() {
             record_decision("none");
             return Ok(Admission {
@@ -240,7 +260,7 @@ impl RateLimiter {
                     scope,
                     target.window,
                     &limit,
-                    self.0.policy.span_ms,
+                    self.0.span_ms,
                     estimated_tokens,
                     response.retry_at_ms,
                 );
@@ -275,7 +295,8 @@ impl RateLimiter {
         target: Target<'_>,
     ) -> Result<Option<RateHeaders>> {
         let mut shown: Option<(Scope, pb::WindowState)> = None;
-        for spec in self.0.policy.windows(caller, target) {
+        let windows = self.0.policy.load().windows(caller, target);
+        for spec in windows {
             let owner = self.owner(&spec.principal);
             let response = match self.local(owner) {
                 Some(local) => local.decide(&Admit {

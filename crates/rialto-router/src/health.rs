@@ -219,7 +219,7 @@ pub(crate) struct Probe {
     pub client: reqwest::Client,
     pub url: reqwest::Url,
     /// The backend's own headers (its credentials too).
-    pub headers: reqwest::header::HeaderMap,
+    pub headers: std::sync::Arc<arc_swap::ArcSwap<reqwest::header::HeaderMap>>,
     pub interval: Duration,
     pub timeout: Duration,
 }
@@ -231,7 +231,7 @@ impl Probe {
         let request = self
             .client
             .get(self.url.clone())
-            .headers(self.headers.clone())
+            .headers(reqwest::header::HeaderMap::clone(&self.headers.load()))
             .timeout(self.timeout);
         request
             .send()

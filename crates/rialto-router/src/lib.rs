@@ -31,7 +31,7 @@ mod speech;
 pub mod thinking;
 
 pub use health::{BackendHealth, CircuitState};
-pub use local::LocalRouter;
+pub use local::{LocalRouter, RoutesReload};
 
 /// Events of a streamed chat: the backend's name first, then upstream chunks.
 pub type ChatStream = Pin<Box<dyn Stream<Item = Result<pb::ChatStreamEvent>> + Send>>;
@@ -79,7 +79,7 @@ impl Chat {
 
 /// The router in domain terms.
 #[async_trait]
-pub trait RouterService: Send + Sync + 'static {
+pub trait RouterService: std::any::Any + Send + Sync {
     async fn chat(&self, chat: Chat) -> Result<pb::ChatResponse>;
     /// Resolves once a backend has accepted the request; errors before that
     /// are returned here, errors after it arrive in the stream.
@@ -108,6 +108,12 @@ impl RouterClient {
     /// A handle on a router the caller keeps a reference to too.
     pub fn from_arc(service: Arc<dyn RouterService>) -> Self {
         Self(service)
+    }
+
+    /// The router of this process, when this client is it (a
+    /// configuration reload changes its routes).
+    pub fn local(&self) -> Option<&LocalRouter> {
+        (self.0.as_ref() as &dyn std::any::Any).downcast_ref()
     }
 }
 

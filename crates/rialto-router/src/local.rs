@@ -16,16 +16,19 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use arc_swap::ArcSwap;
 use async_trait::async_trait;
 use eventsource_stream::Eventsource;
 use futures_util::StreamExt;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::histogram::Histogram;
 use reqwest::header::{AUTHORIZATION, CONTENT_TYPE, HeaderMap, HeaderName, HeaderValue};
 use rialto_core::config::{BackendConfig, RouterConfig};
 use rialto_core::{Error, ErrorCode, ModelConfig, Result};
 use rialto_proto::router::v1 as pb;
 use secrecy::ExposeSecret;
 use serde_json::{Map, Value};
+use tracing::Instrument as _;
 
 use crate::balance::{self, MAX_BACKENDS, bit};
 use crate::clients::Clients;
@@ -35,13 +38,23 @@ use crate::thinking::ThinkStripper;
 use crate::{Chat, ChatStream, MediaStream, RouterService};
 
 pub struct LocalRouter {
-    models: HashMap<String, ModelRoute>,
+    /// Each model's route. A configuration reload ([`LocalRouter::reload`])
+    /// replaces the map whole; a request keeps the route it started with.
+    models: ArcSwap<HashMap<String, Arc<ModelRoute>>>,
     http: Clients,
     retry: Retry,
-    /// One watcher task per backend (its circuit breaker), stopped with
-    /// the router.
-    watchers: Vec<tokio::task::AbortHandle>,
+    /// `[router]` as the process started: backends a reload builds use it
+    /// too.
+    settings: RouterConfig,
+    /// Seconds the HTTP clients wait between two reads of an answer (set
+    /// at start from the longest backend timeout).
+    read_timeout_secs: u64,
+    /// Builds the `local` backends (loads their models).
+    load: Box<Loader>,
 }
+
+/// What builds a `local` backend's model.
+type Loader = dyn Fn(&str, &BackendConfig) -> Result<Arc<dyn InProcessModel>> + Send + Sync;
 
 struct Retry {
     max: u32,
@@ -50,7 +63,8 @@ struct Retry {
 }
 
 struct ModelRoute {
-    backends: Vec<Backend>,
+    /// Shared with the routes before and after a reload that kept them.
+    backends: Vec<Arc<Backend>>,
     /// The system prompt put first (the model's, else the service's).
     system_prompt: Option<Value>,
     /// Whether `disable_thinking` sets `chat_template_kwargs.enable_thinking`.
@@ -75,6 +89,108 @@ struct Backend {
     /// `rialto_backend_requests_total` by outcome, looked up once: the
     /// request path only increments an atomic.
     outcomes: [Counter; OUTCOMES.len()],
+    /// `rialto_time_to_first_token_seconds` and
+    /// `rialto_time_per_output_token_seconds` of this backend.
+    token_timing: TokenTiming,
+    /// What it was built from: a reload keeps the backend when its
+    /// configuration is the same.
+    config: BackendConfig,
+    /// Its circuit breaker's watcher, stopped when the backend is dropped
+    /// (with the router, or once a reload removed it and its last request
+    /// ended).
+    watcher: Option<Watching>,
+}
+
+/// A backend's watcher task, aborted on drop.
+struct Watching(tokio::task::AbortHandle);
+
+impl Drop for Watching {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// A backend's token-timing histograms, looked up once.
+#[derive(Clone)]
+struct TokenTiming {
+    first_token: Histogram,
+    per_output_token: Histogram,
+}
+
+impl TokenTiming {
+    fn new(model: &str, backend: &str) -> Self {
+        let labels = rialto_core::metrics::BackendLabels {
+            model: model.to_owned(),
+            backend: backend.to_owned(),
+        };
+        let metrics = rialto_core::metrics::metrics();
+        Self {
+            first_token: metrics.time_to_first_token.get_or_create_owned(&labels),
+            per_output_token: metrics.time_per_output_token.get_or_create_owned(&labels),
+        }
+    }
+}
+
+/// Times one stream's chunks: the first at once, the gaps after it when the
+/// stream ends (dropped: finished, broken or left by its client). A chunk
+/// stands for a token, as OpenAI-compatible servers send them; the usage
+/// chunk's `completion_tokens`, when present, counts better.
+struct StreamClock {
+    timing: TokenTiming,
+    started: std::time::Instant,
+    first: Option<std::time::Instant>,
+    last: std::time::Instant,
+    chunks: u64,
+    completion_tokens: Option<u64>,
+}
+
+impl StreamClock {
+    fn new(timing: TokenTiming, started: std::time::Instant) -> Self {
+        Self {
+            timing,
+            started,
+            first: None,
+            last: started,
+            chunks: 0,
+            completion_tokens: None,
+        }
+    }
+
+    fn chunk(&mut self, data: &[u8]) {
+        let now = std::time::Instant::now();
+        if self.first.is_none() {
+            self.first = Some(now);
+            self.timing
+                .first_token
+                .observe(now.duration_since(self.started).as_secs_f64());
+        }
+        self.last = now;
+        self.chunks += 1;
+        // Only the usage chunk says `completion_tokens`: parsed once.
+        if memchr::memmem::find(data, b"\"completion_tokens\"").is_some()
+            && let Ok(chunk) = serde_json::from_slice::<Value>(data)
+            && let Some(tokens) = chunk
+                .pointer("/usage/completion_tokens")
+                .and_then(Value::as_u64)
+        {
+            self.completion_tokens = Some(tokens);
+        }
+    }
+}
+
+impl Drop for StreamClock {
+    fn drop(&mut self) {
+        let Some(first) = self.first else {
+            return;
+        };
+        let tokens = self.completion_tokens.unwrap_or(self.chunks);
+        if tokens > 1 {
+            let gaps = self.last.duration_since(first).as_secs_f64();
+            self.timing
+                .per_output_token
+                .observe(gaps / (tokens - 1) as f64);
+        }
+    }
 }
 
 /// Largest whole media answer read from a backend (four large images,
@@ -96,8 +212,9 @@ enum Transport {
         /// The base URL (`http://host:port/v1`), before a media call's path.
         base: String,
         /// The configured extra headers and the bearer token, marked
-        /// sensitive (never printed).
-        headers: HeaderMap,
+        /// sensitive (never printed); replaced whole when `api_key_file`
+        /// changes.
+        headers: Arc<ArcSwap<HeaderMap>>,
     },
     /// A model in this process (`local`).
     InProcess(Arc<dyn InProcessModel>),
@@ -141,6 +258,12 @@ enum Answer {
     Chunks(ChunkStream),
 }
 
+/// Routes built for a configuration reload, not yet in force
+/// ([`LocalRouter::prepare_reload`]); dropped, they stop what they started.
+pub struct RoutesReload {
+    routes: HashMap<String, Arc<ModelRoute>>,
+}
+
 /// A request a backend accepted.
 struct Served<'a> {
     backend: &'a Backend,
@@ -179,12 +302,9 @@ impl Backend {
         index: usize,
         config: &BackendConfig,
         router: &RouterConfig,
-        load: &impl Fn(&str, &BackendConfig) -> Result<Arc<dyn InProcessModel>>,
+        load: &Loader,
     ) -> Result<Self> {
-        let name = config
-            .name
-            .clone()
-            .unwrap_or_else(|| format!("{model_id}/{index}"));
+        let name = backend_name(model_id, index, config);
         let timeout = Duration::from_secs(
             config
                 .timeout_secs
@@ -227,7 +347,7 @@ impl Backend {
                 chat_url: url("/chat/completions")?,
                 embeddings_url: url("/embeddings")?,
                 base: base.to_owned(),
-                headers: backend_headers(model_id, &name, config)?,
+                headers: watched_headers(model_id, &name, config)?,
             };
             (backend_host(base), transport, Health::new(threshold))
         };
@@ -242,6 +362,7 @@ impl Backend {
         });
         Ok(Self {
             outcomes,
+            token_timing: TokenTiming::new(model_id, &name),
             seed: rialto_core::placement::replica_seed(&name),
             name,
             host,
@@ -250,8 +371,36 @@ impl Backend {
             timeout,
             transport,
             health,
+            config: config.clone(),
+            watcher: None,
         })
     }
+
+    /// Whether `config` would build this backend again, so a reload keeps
+    /// it: the same settings, the same key (unless a file supplies it: the
+    /// file's watcher keeps that current), and a backend that serves (a
+    /// `local` model that did not load is tried again).
+    fn unchanged(&self, config: &BackendConfig) -> bool {
+        let same_key = config.api_key_file.is_some()
+            || match (&self.config.api_key, &config.api_key) {
+                (None, None) => true,
+                (Some(old), Some(new)) => old.expose_secret() == new.expose_secret(),
+                _ => false,
+            };
+        let same_settings = matches!(
+            (serde_json::to_value(&self.config), serde_json::to_value(config)),
+            (Ok(old), Ok(new)) if old == new
+        );
+        same_key && same_settings && self.health.state() != health::CircuitState::Down
+    }
+}
+
+/// A backend's public name: its configured one, else `<model>/<index>`.
+fn backend_name(model_id: &str, index: usize, config: &BackendConfig) -> String {
+    config
+        .name
+        .clone()
+        .unwrap_or_else(|| format!("{model_id}/{index}"))
 }
 
 /// The headers sent with every request to a backend: its configured
@@ -286,6 +435,48 @@ fn backend_headers(model_id: &str, backend: &str, config: &BackendConfig) -> Res
             .map_err(|_| invalid("its API key is not a valid header value".into()))?;
         value.set_sensitive(true);
         headers.insert(AUTHORIZATION, value);
+    }
+    Ok(headers)
+}
+
+/// [`backend_headers`], and with `api_key_file`, a task that builds them
+/// again whenever the file changes (a rotated key: the next request sends
+/// it). Outside a Tokio runtime (a unit test) the file is read once.
+fn watched_headers(
+    model_id: &str,
+    backend: &str,
+    config: &BackendConfig,
+) -> Result<Arc<ArcSwap<HeaderMap>>> {
+    let headers = Arc::new(ArcSwap::from_pointee(backend_headers(
+        model_id, backend, config,
+    )?));
+    if let (Some(path), Some(key), Ok(_)) = (
+        &config.api_key_file,
+        &config.api_key,
+        tokio::runtime::Handle::try_current(),
+    ) {
+        let (model_id, backend, config) = (model_id.to_owned(), backend.to_owned(), config.clone());
+        // Weak: the watch ends with the backend (a reload that replaced it).
+        let live = Arc::downgrade(&headers);
+        let held = live.clone();
+        rialto_core::secrets::watch_while(
+            "api_key_file",
+            path.clone(),
+            rialto_core::secrets::LiveSecret::new(key.clone()),
+            move || held.strong_count() > 0,
+            move |key| {
+                let config = BackendConfig {
+                    api_key: Some(key.clone()),
+                    ..config.clone()
+                };
+                let rebuilt = backend_headers(&model_id, &backend, &config)
+                    .map_err(|error| error.to_string())?;
+                if let Some(live) = live.upgrade() {
+                    live.store(Arc::new(rebuilt));
+                }
+                Ok(())
+            },
+        );
     }
     Ok(headers)
 }
@@ -352,13 +543,11 @@ impl LocalRouter {
     fn with_loader(
         models: &[ModelConfig],
         config: &RouterConfig,
-        load: impl Fn(&str, &BackendConfig) -> Result<Arc<dyn InProcessModel>>,
+        load: impl Fn(&str, &BackendConfig) -> Result<Arc<dyn InProcessModel>> + Send + Sync + 'static,
     ) -> Result<Self> {
         // reqwest is built without a bundled crypto provider; install ring's
         // once per process (a second install is a harmless no-op error).
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let runtime = tokio::runtime::Handle::try_current()
-            .map_err(|_| Error::internal("the router is built outside a Tokio runtime"))?;
         // Between two reads of an answer; a backend's own timeout may be
         // longer than the service's.
         let read_timeout = models
@@ -379,6 +568,38 @@ impl LocalRouter {
                 .build()
         })
         .map_err(|e| Error::internal(format_args!("http client: {e}")))?;
+        let mut router = Self {
+            models: ArcSwap::default(),
+            http,
+            retry: Retry {
+                max: config.max_retries,
+                base: Duration::from_millis(config.retry_backoff_base_ms),
+                cap: Duration::from_millis(
+                    config
+                        .retry_backoff_cap_ms
+                        .max(config.retry_backoff_base_ms),
+                ),
+            },
+            settings: config.clone(),
+            read_timeout_secs: read_timeout,
+            load: Box::new(load),
+        };
+        let routes = router.build_routes(models, &HashMap::new())?;
+        router.models = ArcSwap::from_pointee(routes);
+        Ok(router)
+    }
+
+    /// The routes of `models`, with every backend of `previous` whose
+    /// model, name and configuration are unchanged kept as it is (its
+    /// circuit, its requests in flight, its health checks), and the others
+    /// built, with their watchers running.
+    fn build_routes(
+        &self,
+        models: &[ModelConfig],
+        previous: &HashMap<String, Arc<ModelRoute>>,
+    ) -> Result<HashMap<String, Arc<ModelRoute>>> {
+        let runtime = tokio::runtime::Handle::try_current()
+            .map_err(|_| Error::internal("the router is built outside a Tokio runtime"))?;
         let mut routes = HashMap::with_capacity(models.len());
         for model in models {
             if model.backends.len() > MAX_BACKENDS {
@@ -390,76 +611,146 @@ impl LocalRouter {
             let prompt = model
                 .system_prompt
                 .clone()
-                .unwrap_or_else(|| config.system_prompt.clone());
+                .unwrap_or_else(|| self.settings.system_prompt.clone());
+            let before = previous.get(&model.id);
+            let mut backends: Vec<Arc<Backend>> = Vec::with_capacity(model.backends.len());
+            for (index, config) in model.backends.iter().enumerate() {
+                let name = backend_name(&model.id, index, config);
+                let kept = before.and_then(|route| {
+                    route.backends.iter().find(|backend| {
+                        backend.name == name
+                            && backend.unchanged(config)
+                            && !backends.iter().any(|taken| Arc::ptr_eq(taken, backend))
+                    })
+                });
+                backends.push(match kept {
+                    Some(kept) => Arc::clone(kept),
+                    None => Arc::new(self.start_backend(&model.id, index, config, &runtime)?),
+                });
+            }
             let route = ModelRoute {
                 system_prompt: (!prompt.is_empty()).then_some(Value::String(prompt)),
                 thinking_kwargs: model.thinking_control.as_deref() != Some("none"),
-                backends: model
-                    .backends
-                    .iter()
-                    .enumerate()
-                    .map(|(i, b)| Backend::new(&model.id, i, b, config, &load))
-                    .collect::<Result<_>>()?,
+                backends,
             };
-            routes.insert(model.id.clone(), route);
+            routes.insert(model.id.clone(), Arc::new(route));
+        }
+        Ok(routes)
+    }
+
+    /// A new backend, its circuit watched (and health-checked) by a task
+    /// of its own unless it is down for good.
+    fn start_backend(
+        &self,
+        model_id: &str,
+        index: usize,
+        config: &BackendConfig,
+        runtime: &tokio::runtime::Handle,
+    ) -> Result<Backend> {
+        let settings = &self.settings;
+        let mut backend = Backend::new(model_id, index, config, settings, &*self.load)?;
+        if backend.health.state() == health::CircuitState::Down {
+            return Ok(backend);
         }
         let breaker = Breaker {
-            cooldown: Duration::from_millis(config.breaker_cooldown_ms),
+            cooldown: Duration::from_millis(settings.breaker_cooldown_ms),
             max_cooldown: Duration::from_millis(
-                config
+                settings
                     .breaker_max_cooldown_ms
-                    .max(config.breaker_cooldown_ms),
+                    .max(settings.breaker_cooldown_ms),
             ),
         };
-        let mut watchers = Vec::new();
-        for route in routes.values() {
+        let probe = match &backend.transport {
+            Transport::Http {
+                chat_url, headers, ..
+            } if settings.health_check_interval_ms > 0 => {
+                probe_url(chat_url, &settings.health_check_path).map(|url| Probe {
+                    client: self.http.shared(),
+                    url,
+                    headers: Arc::clone(headers),
+                    interval: Duration::from_millis(settings.health_check_interval_ms),
+                    timeout: Duration::from_millis(settings.health_check_timeout_ms.max(1)),
+                })
+            }
+            _ => None,
+        };
+        let watcher = health::watch(
+            Arc::clone(&backend.health),
+            breaker,
+            probe,
+            backend.name.clone(),
+        );
+        backend.watcher = Some(Watching(runtime.spawn(watcher).abort_handle()));
+        Ok(backend)
+    }
+
+    /// Builds the routes of a new catalog for a configuration reload:
+    /// models and backends added, removed or changed (url, weight, key,
+    /// headers, timeout, upstream name), each backend whose model, name and
+    /// configuration are unchanged kept with its circuit and requests in
+    /// flight. Nothing is in force before [`LocalRouter::apply_reload`]; an
+    /// error (a new backend's `api_key_env` unset, a header that is not
+    /// valid) refuses the reload. `[router]` keeps the values the process
+    /// started with. One reload at a time: the caller's.
+    pub fn prepare_reload(&self, models: &[ModelConfig]) -> Result<RoutesReload> {
+        if let Some(backend) = models
+            .iter()
+            .flat_map(|model| &model.backends)
+            .find(|backend| {
+                backend
+                    .timeout_secs
+                    .is_some_and(|t| t > self.read_timeout_secs)
+            })
+        {
+            tracing::warn!(
+                timeout_secs = backend.timeout_secs,
+                read_timeout_secs = self.read_timeout_secs,
+                "a reloaded backend's timeout is longer than the wait between two reads the \
+                 router started with; that wait applies until a restart"
+            );
+        }
+        let current = self.models.load_full();
+        Ok(RoutesReload {
+            routes: self.build_routes(models, &current)?,
+        })
+    }
+
+    /// Puts prepared routes in force: requests that start from now on use
+    /// them; those under way finish on the routes they started with.
+    pub fn apply_reload(&self, reload: RoutesReload) {
+        let now = Arc::new(reload.routes);
+        let before = self.models.swap(Arc::clone(&now));
+        // The gauges of backends that are gone, so they do not stay at
+        // their last value.
+        let metrics = rialto_core::metrics::metrics();
+        for (model, route) in before.iter() {
             for backend in &route.backends {
-                if backend.health.state() == health::CircuitState::Down {
-                    continue;
+                let kept = now
+                    .get(model)
+                    .is_some_and(|route| route.backends.iter().any(|b| b.name == backend.name));
+                if !kept {
+                    let labels = rialto_core::metrics::BackendLabels {
+                        model: model.clone(),
+                        backend: backend.name.clone(),
+                    };
+                    metrics.backend_circuit_state.remove(&labels);
+                    metrics.backend_in_flight.remove(&labels);
                 }
-                let probe = match &backend.transport {
-                    Transport::Http {
-                        chat_url, headers, ..
-                    } if config.health_check_interval_ms > 0 => {
-                        probe_url(chat_url, &config.health_check_path).map(|url| Probe {
-                            client: http.shared(),
-                            url,
-                            headers: headers.clone(),
-                            interval: Duration::from_millis(config.health_check_interval_ms),
-                            timeout: Duration::from_millis(config.health_check_timeout_ms.max(1)),
-                        })
-                    }
-                    _ => None,
-                };
-                let watcher = health::watch(
-                    Arc::clone(&backend.health),
-                    breaker,
-                    probe,
-                    backend.name.clone(),
-                );
-                watchers.push(runtime.spawn(watcher).abort_handle());
             }
         }
-        Ok(Self {
-            models: routes,
-            http,
-            retry: Retry {
-                max: config.max_retries,
-                base: Duration::from_millis(config.retry_backoff_base_ms),
-                cap: Duration::from_millis(
-                    config
-                        .retry_backoff_cap_ms
-                        .max(config.retry_backoff_base_ms),
-                ),
-            },
-            watchers,
-        })
+    }
+
+    /// [`LocalRouter::prepare_reload`], then [`LocalRouter::apply_reload`].
+    pub fn reload(&self, models: &[ModelConfig]) -> Result<()> {
+        let routes = self.prepare_reload(models)?;
+        self.apply_reload(routes);
+        Ok(())
     }
 
     /// Every backend's circuit and requests in flight, by model.
     pub fn backend_health(&self) -> Vec<BackendHealth> {
-        let mut all: Vec<BackendHealth> = self
-            .models
+        let models = self.models.load();
+        let mut all: Vec<BackendHealth> = models
             .iter()
             .flat_map(|(model, route)| {
                 route.backends.iter().map(move |backend| BackendHealth {
@@ -475,10 +766,13 @@ impl LocalRouter {
         all
     }
 
-    fn route(&self, model_id: &str) -> Result<&ModelRoute> {
+    /// The model's route in force now; the request keeps it to its end.
+    fn route(&self, model_id: &str) -> Result<Arc<ModelRoute>> {
         let route = self
             .models
+            .load()
             .get(model_id)
+            .cloned()
             .ok_or_else(|| Error::new(ErrorCode::ModelNotFound, "Specified model not found"))?;
         if route.backends.is_empty() {
             return Err(Error::new(
@@ -527,8 +821,12 @@ impl LocalRouter {
     }
 
     /// Sends a chat to the model's backends until one accepts it.
-    async fn dispatch_chat(&self, mut chat: Chat, stream: bool) -> Result<Served<'_>> {
-        let route = self.route(&chat.model_id)?;
+    async fn dispatch_chat<'a>(
+        &'a self,
+        route: &'a ModelRoute,
+        mut chat: Chat,
+        stream: bool,
+    ) -> Result<Served<'a>> {
         Self::upstream_body(route, &mut chat, stream);
         let call = if stream { Call::ChatStream } else { Call::Chat };
         self.dispatch(route, chat.body, &chat.request_id, call)
@@ -649,35 +947,57 @@ impl LocalRouter {
         request_id: &str,
     ) -> Result<(Answer, InFlight), Failure> {
         let in_flight = backend.health.start();
-        let result = match &backend.transport {
-            Transport::Http { base, headers, .. } if let Call::Media(media) = call => {
-                self.send_media(backend, base, headers, body, media, request_id)
-                    .await
-            }
-            Transport::Http {
-                chat_url,
-                embeddings_url,
-                headers,
-                ..
-            } => {
-                let url = match call {
-                    Call::Embed => embeddings_url,
-                    Call::Chat | Call::ChatStream | Call::Media(_) => chat_url,
-                };
-                self.send_http(
-                    backend,
-                    url,
-                    headers,
-                    body,
-                    call == Call::ChatStream,
-                    request_id,
-                )
-                .await
-            }
-            Transport::InProcess(model) => {
-                send_in_process(model.as_ref(), backend.timeout, body, call).await
-            }
+        // One client span per attempt: retries and failovers show in the
+        // trace (OpenTelemetry's GenAI conventions).
+        let operation = match call {
+            Call::Chat | Call::ChatStream => "chat",
+            Call::Embed => "embeddings",
+            Call::Media(_) => "generate_content",
         };
+        let span = tracing::info_span!(
+            "backend attempt",
+            otel.name = %format_args!("{operation} {}", backend.upstream_model),
+            otel.kind = "client",
+            otel.status_code = tracing::field::Empty,
+            gen_ai.operation.name = operation,
+            gen_ai.request.model = %backend.upstream_model,
+            server.address = %backend.host,
+            rialto.backend = %backend.name,
+            rialto.outcome = tracing::field::Empty,
+        );
+        let result = async {
+            match &backend.transport {
+                Transport::Http { base, headers, .. } if let Call::Media(media) = call => {
+                    self.send_media(backend, base, &headers.load(), body, media, request_id)
+                        .await
+                }
+                Transport::Http {
+                    chat_url,
+                    embeddings_url,
+                    headers,
+                    ..
+                } => {
+                    let url = match call {
+                        Call::Embed => embeddings_url,
+                        Call::Chat | Call::ChatStream | Call::Media(_) => chat_url,
+                    };
+                    self.send_http(
+                        backend,
+                        url,
+                        &headers.load(),
+                        body,
+                        call == Call::ChatStream,
+                        request_id,
+                    )
+                    .await
+                }
+                Transport::InProcess(model) => {
+                    send_in_process(model.as_ref(), backend.timeout, body, call).await
+                }
+            }
+        }
+        .instrument(span.clone())
+        .await;
         match &result {
             Ok(_) | Err(Failure::Busy(_) | Failure::Final(_)) => permit.passed(),
             Err(Failure::Retry(_) | Failure::Failover(_) | Failure::Skip(_)) => permit.failed(),
@@ -691,6 +1011,10 @@ impl LocalRouter {
             Err(Failure::Final(_)) => 5,
         };
         backend.outcomes[outcome].inc();
+        span.record("rialto.outcome", OUTCOMES[outcome]);
+        if outcome != 0 {
+            span.record("otel.status_code", "ERROR");
+        }
         result.map(|answer| (answer, in_flight))
     }
 
@@ -1019,14 +1343,6 @@ fn probe_url(chat_url: &reqwest::Url, path: &str) -> Option<reqwest::Url> {
     format!("{base}{path}").parse().ok()
 }
 
-impl Drop for LocalRouter {
-    fn drop(&mut self) {
-        for watcher in &self.watchers {
-            watcher.abort();
-        }
-    }
-}
-
 fn truncated(mut text: String, max: usize) -> String {
     if text.len() > max {
         let mut end = max;
@@ -1088,7 +1404,8 @@ impl RouterService for LocalRouter {
 
     async fn chat(&self, chat: Chat) -> Result<pb::ChatResponse> {
         let strip = stripping(&chat.parameters);
-        let served = self.dispatch_chat(chat, false).await?;
+        let route = self.route(&chat.model_id)?;
+        let served = self.dispatch_chat(&route, chat, false).await?;
         let Answer::Whole(body) = served.answer else {
             return Err(Error::internal("a backend streamed a whole answer"));
         };
@@ -1105,8 +1422,11 @@ impl RouterService for LocalRouter {
     }
 
     async fn chat_stream(&self, chat: Chat) -> Result<ChatStream> {
+        let started = std::time::Instant::now();
         let strip = stripping(&chat.parameters);
-        let served = self.dispatch_chat(chat, true).await?;
+        let route = self.route(&chat.model_id)?;
+        let served = self.dispatch_chat(&route, chat, true).await?;
+        let mut clock = StreamClock::new(served.backend.token_timing.clone(), started);
         let Answer::Chunks(chunks) = served.answer else {
             return Err(Error::internal("a backend answered a stream whole"));
         };
@@ -1123,6 +1443,7 @@ impl RouterService for LocalRouter {
             // The stream counts on its backend until it is dropped.
             let _in_flight = &in_flight;
             let data = chunk?;
+            clock.chunk(&data);
             let data = if strip {
                 strip_chunk(&data, &mut strippers).unwrap_or(data)
             } else {
@@ -1148,7 +1469,7 @@ impl RouterService for LocalRouter {
             backend: Some(request.backend).filter(|name| !name.is_empty()),
         };
         let served = self
-            .dispatch(route, body, &request.request_id, Call::Media(&media))
+            .dispatch(&route, body, &request.request_id, Call::Media(&media))
             .await?;
         let Answer::Media(body, content_type) = served.answer else {
             return Err(Error::internal("a backend answered a media call as a chat"));
@@ -1174,7 +1495,7 @@ impl RouterService for LocalRouter {
             backend: None,
         };
         let served = self
-            .dispatch(route, body, &request.request_id, Call::Media(&media))
+            .dispatch(&route, body, &request.request_id, Call::Media(&media))
             .await?;
         let Answer::MediaChunks(content_type, chunks) = served.answer else {
             return Err(Error::internal("a backend answered a media stream whole"));
@@ -1202,7 +1523,7 @@ impl RouterService for LocalRouter {
         let body: Map<String, Value> = serde_json::from_slice(&request.body_json)
             .map_err(|e| Error::invalid(format!("request body is not a JSON object: {e}")))?;
         let served = self
-            .dispatch(route, body, &request.request_id, Call::Embed)
+            .dispatch(&route, body, &request.request_id, Call::Embed)
             .await?;
         let Answer::Whole(body_json) = served.answer else {
             return Err(Error::internal("a backend streamed embeddings"));
@@ -1754,6 +2075,127 @@ mod tests {
         router.chat(request(hello())).await.unwrap();
         settle().await;
         assert_eq!(state_of(&router, "a"), CircuitState::Closed);
+    }
+
+    /// A catalog of `local` backends named like their fakes, per model.
+    fn local_catalog(models: &[(&str, &[&str])]) -> Vec<ModelConfig> {
+        let toml: String = models
+            .iter()
+            .map(|(id, backends)| {
+                let backends: Vec<String> = backends
+                    .iter()
+                    .map(|name| {
+                        format!("{{ kind = \"local\", path = \"{name}\", name = \"{name}\" }}")
+                    })
+                    .collect();
+                format!(
+                    "[[models]]\nid = \"{id}\"\nbackends = [{}]\n",
+                    backends.join(", ")
+                )
+            })
+            .collect();
+        rialto_core::Config::from_toml(&toml).unwrap().models
+    }
+
+    /// A reload keeps the backends it does not change, with their circuits
+    /// and requests in flight; it adds and removes the others, and a
+    /// request under way finishes on the route it started with.
+    #[tokio::test(start_paused = true)]
+    async fn a_reload_keeps_unchanged_backends_and_their_state() {
+        let sick = Arc::new(Fake::default());
+        let slow = Arc::new(Fake {
+            hold: true,
+            ..Default::default()
+        });
+        let new = Arc::new(Fake::default());
+        let config = RouterConfig {
+            breaker_failure_threshold: 2,
+            breaker_cooldown_ms: 600_000,
+            ..settings()
+        };
+        let router = fake_router(
+            &[("sick", 1), ("slow", 1)],
+            &[("sick", &sick), ("slow", &slow), ("new", &new)],
+            &config,
+        );
+        let client = crate::RouterClient::new(router);
+        let router = client.local().expect("the router of this process");
+        sick.fail_with(Some(ErrorCode::Internal));
+        for _ in 0..20 {
+            router.chat(request(hello())).await.unwrap();
+            settle().await;
+        }
+        assert_eq!(state_of(router, "sick"), CircuitState::Open);
+        let mut held = router
+            .chat_stream(request(streamed(hello())))
+            .await
+            .unwrap();
+        assert_eq!(first_event(&held.next().await.unwrap()).0, "slow");
+        held.next().await.unwrap().unwrap();
+        let in_flight = |name: &str| {
+            router
+                .backend_health()
+                .into_iter()
+                .find(|health| health.backend == name)
+                .map(|health| (health.state, health.in_flight))
+        };
+        assert_eq!(in_flight("slow"), Some((CircuitState::Closed, 1)));
+
+        // A backend added, another model added: the others are kept.
+        router
+            .reload(&local_catalog(&[
+                ("m", &["sick", "slow", "new"]),
+                ("m2", &["new"]),
+            ]))
+            .unwrap();
+        settle().await;
+        assert_eq!(state_of(router, "sick"), CircuitState::Open);
+        assert_eq!(in_flight("slow"), Some((CircuitState::Closed, 1)));
+        assert_eq!(in_flight("new"), Some((CircuitState::Closed, 0)));
+        let mut m2 = request(hello());
+        m2.model_id = "m2".into();
+        assert_eq!(router.chat(m2).await.unwrap().backend, "new");
+
+        // A reload the configuration cannot build changes nothing.
+        let unset = rialto_core::Config::from_toml(
+            "[[models]]\nid = \"m\"\nbackends = [{ kind = \"openai\", url = \
+             \"http://127.0.0.1:9/v1\", api_key_env = \"RIALTO_TEST_NEVER_SET\" }]\n",
+        )
+        .unwrap();
+        let error = router.reload(&unset.models).unwrap_err();
+        assert!(error.message.contains("RIALTO_TEST_NEVER_SET"), "{error}");
+        assert_eq!(state_of(router, "sick"), CircuitState::Open);
+
+        // `sick` and `slow` removed, `m2` gone: the held stream goes on,
+        // on the route it started with.
+        router.reload(&local_catalog(&[("m", &["new"])])).unwrap();
+        settle().await;
+        let names: Vec<String> = router
+            .backend_health()
+            .into_iter()
+            .map(|health| format!("{}:{}", health.model, health.backend))
+            .collect();
+        assert_eq!(names, ["m:new"]);
+        let mut m2 = request(hello());
+        m2.model_id = "m2".into();
+        assert_eq!(
+            router.chat(m2).await.unwrap_err().code,
+            ErrorCode::ModelNotFound
+        );
+        let (slow_calls, new_calls) = (slow.calls(), new.calls());
+        for _ in 0..5 {
+            assert_eq!(router.chat(request(hello())).await.unwrap().backend, "new");
+        }
+        assert_eq!(
+            slow.calls(),
+            slow_calls,
+            "nothing goes to a removed backend"
+        );
+        assert_eq!(new.calls(), new_calls + 5);
+        assert!(
+            futures_util::FutureExt::now_or_never(held.next()).is_none(),
+            "the stream is still open, not cut by the reload"
+        );
     }
 
     #[tokio::test(start_paused = true)]

@@ -20,6 +20,15 @@ pub struct CollectedSpan {
     /// Empty for a root span.
     pub parent_span_id: String,
     pub name: String,
+    /// Its attributes, each value as text (`"200"` for an integer).
+    pub attributes: std::collections::BTreeMap<String, String>,
+}
+
+impl CollectedSpan {
+    /// One attribute's value, as text.
+    pub fn attribute(&self, key: &str) -> Option<&str> {
+        self.attributes.get(key).map(String::as_str)
+    }
 }
 
 #[derive(Default)]
@@ -85,12 +94,29 @@ async fn traces(state: web::Data<State>, body: web::Bytes) -> HttpResponse {
         for scope in resource["scopeSpans"].as_array().into_iter().flatten() {
             for span in scope["spans"].as_array().into_iter().flatten() {
                 let text = |key: &str| span[key].as_str().unwrap_or_default().to_owned();
+                // AnyValue in OTLP's JSON: one of stringValue, intValue (a
+                // string), boolValue, doubleValue.
+                let attributes = span["attributes"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter_map(|attribute| {
+                        let key = attribute["key"].as_str()?.to_owned();
+                        let value = attribute["value"].as_object()?.values().next()?;
+                        let value = match value {
+                            Value::String(text) => text.clone(),
+                            other => other.to_string(),
+                        };
+                        Some((key, value))
+                    })
+                    .collect();
                 received.push(CollectedSpan {
                     service: service.clone(),
                     trace_id: text("traceId"),
                     span_id: text("spanId"),
                     parent_span_id: text("parentSpanId"),
                     name: text("name"),
+                    attributes,
                 });
             }
         }

@@ -34,5 +34,5 @@ pub use collector::{CollectedSpan, OtlpCollector};
 pub use facilitator::{Behaviour, Facilitator};
 pub use mock_upstream::MockUpstream;
 pub use rpc_node::RpcNode;
-pub use sandbox::{Account, GRPC_TOKEN, Sandbox, SandboxBuilder, Storage, Topology};
+pub use sandbox::{Account, GRPC_TOKEN, Sandbox, SandboxBuilder, Storage, Topology, rialto_binary};
 pub use searxng::MockSearxng;

@@ -43,6 +43,11 @@ pub struct SandboxBuilder {
     storage: Storage,
     extra_toml: String,
     envs: Vec<(String, String)>,
+    /// The gRPC and operator tokens in files (`*_token_file`) instead of
+    /// the configuration, which refuses inline secrets.
+    secrets_in_files: bool,
+    /// TLS on the internal gRPC interfaces (split topology).
+    grpc_tls: bool,
 }
 
 /// A running Rialto deployment. Dropping it stops every process and drops
@@ -105,6 +110,24 @@ impl SandboxBuilder {
         self
     }
 
+    /// The operator and gRPC tokens in files of the sandbox's folder
+    /// ([`Sandbox::secret_file`]: `operator-token`, `grpc-token`), named by
+    /// `operator.token_file` and `grpc.token_file`, with
+    /// `secrets.refuse_inline` on: the Kubernetes way.
+    pub fn secrets_in_files(mut self) -> Self {
+        self.secrets_in_files = true;
+        self
+    }
+
+    /// TLS between the processes: a certificate authority and a server
+    /// certificate for 127.0.0.1 made with `openssl` in the sandbox's
+    /// folder (`ca.crt`, `tls.crt`, `tls.key`), `[grpc.tls]` naming them and
+    /// `https://` remotes.
+    pub fn grpc_tls(mut self) -> Self {
+        self.grpc_tls = true;
+        self
+    }
+
     /// An environment variable for every process (e.g. `RIALTO_GATEWAY__MAX_BODY_BYTES`).
     pub fn env(mut self, key: &str, value: &str) -> Self {
         self.envs.push((key.to_owned(), value.to_owned()));
@@ -122,19 +145,51 @@ impl SandboxBuilder {
                 (format!("{server}/{name}"), Some(name))
             }
         };
+        let (grpc_token, operator_token, secrets) = if self.secrets_in_files {
+            let (grpc, operator) = (
+                dir.path().join("grpc-token"),
+                dir.path().join("operator-token"),
+            );
+            std::fs::write(&grpc, format!("{GRPC_TOKEN}\n"))?;
+            std::fs::write(&operator, format!("{OPERATOR_TOKEN}\n"))?;
+            (
+                format!("token_file = \"{}\"", grpc.display()),
+                format!("token_file = \"{}\"", operator.display()),
+                "[secrets]\nrefuse_inline = true\n",
+            )
+        } else {
+            (
+                format!("token = \"{GRPC_TOKEN}\""),
+                format!("token = \"{OPERATOR_TOKEN}\""),
+                "",
+            )
+        };
+        let tls = if self.grpc_tls {
+            make_certificates(dir.path())?;
+            let path = |name: &str| dir.path().join(name).display().to_string();
+            format!(
+                "[grpc.tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\nca_file = \"{}\"\n",
+                path("tls.crt"),
+                path("tls.key"),
+                path("ca.crt")
+            )
+        } else {
+            String::new()
+        };
+        let scheme = if self.grpc_tls { "https" } else { "http" };
         let config = format!(
             r#"brand = "rialto"
-[gateway]
+{tls}{secrets}[gateway]
 listen = "127.0.0.1:0"
 workers = 2
 [grpc]
 listen = "127.0.0.1:0"
-token = "{GRPC_TOKEN}"
+{grpc_token}
 [database]
 url = "{database_url}"
 max_connections = 8
 [operator]
-token = "{OPERATOR_TOKEN}"
+{operator_token}
 [log]
 level = "info"
 {}
@@ -175,7 +230,7 @@ level = "info"
                     sandbox.grpc_addrs.push((service.to_owned(), addr.clone()));
                     envs.push((
                         format!("RIALTO_REMOTE__{}", service.to_ascii_uppercase()),
-                        format!("http://{addr}"),
+                        format!("{scheme}://{addr}"),
                     ));
                 }
                 sandbox.url = sandbox.spawn(
@@ -263,7 +318,15 @@ impl Sandbox {
             storage: Storage::Sqlite,
             extra_toml: String::new(),
             envs: Vec::new(),
+            secrets_in_files: false,
+            grpc_tls: false,
         }
+    }
+
+    /// A file of the sandbox's folder (`operator-token`, `grpc-token` with
+    /// [`SandboxBuilder::secrets_in_files`]).
+    pub fn secret_file(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
     }
 
     /// The HTTP client the sandbox uses (no pooling surprises across tests).
@@ -634,6 +697,76 @@ impl Drop for Sandbox {
 
 /// The `rialto` binary next to the test executable (`target/<profile>/rialto`),
 /// or `E2E_RIALTO_BIN`. `make test` builds it before the tests run.
+/// A certificate authority (`ca.crt`) and a certificate it signed for
+/// 127.0.0.1 and localhost (`tls.crt`, `tls.key`), in `dir`, by `openssl`.
+fn make_certificates(dir: &Path) -> anyhow::Result<()> {
+    let openssl = |args: &[&str]| -> anyhow::Result<()> {
+        let output = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .context("cannot run openssl")?;
+        anyhow::ensure!(
+            output.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        Ok(())
+    };
+    openssl(&[
+        "req",
+        "-x509",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "2",
+        "-subj",
+        "/CN=rialto-test-ca",
+    ])?;
+    openssl(&[
+        "req",
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+        "-keyout",
+        "tls.key",
+        "-out",
+        "tls.csr",
+        "-subj",
+        "/CN=localhost",
+    ])?;
+    std::fs::write(
+        dir.join("san.ext"),
+        "subjectAltName = IP:127.0.0.1, DNS:localhost\n",
+    )?;
+    openssl(&[
+        "x509",
+        "-req",
+        "-in",
+        "tls.csr",
+        "-CA",
+        "ca.crt",
+        "-CAkey",
+        "ca.key",
+        "-CAcreateserial",
+        "-out",
+        "tls.crt",
+        "-days",
+        "2",
+        "-extfile",
+        "san.ext",
+    ])
+}
+
 pub fn rialto_binary() -> anyhow::Result<PathBuf> {
     if let Some(path) = std::env::var_os("E2E_RIALTO_BIN") {
         return Ok(PathBuf::from(path));

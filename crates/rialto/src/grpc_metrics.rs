@@ -40,11 +40,21 @@ where
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
         let method = request.uri().path().to_owned();
         let started = Instant::now();
+        // `/rialto.router.v1.Router/Chat`: service `rialto.router.v1.Router`,
+        // method `Chat` (OpenTelemetry's RPC conventions).
+        let (rpc_service, rpc_method) = method
+            .trim_start_matches('/')
+            .split_once('/')
+            .unwrap_or((method.as_str(), ""));
         let span = tracing::info_span!(
             "grpc",
             otel.name = %method.trim_start_matches('/'),
             otel.kind = "server",
+            otel.status_code = tracing::field::Empty,
             rpc.system = "grpc",
+            rpc.service = rpc_service,
+            rpc.method = rpc_method,
+            rpc.grpc.status_code = tracing::field::Empty,
         );
         let headers = request.headers();
         let parent = rialto_core::telemetry::extract(|name| {
@@ -63,15 +73,21 @@ where
                 let response = call.await;
                 // An error status comes in the head (trailers-only); a success
                 // leaves it to the trailers: no status in the head is OK.
-                let code = match &response {
+                let number = match &response {
                     Ok(response) => response
                         .headers()
                         .get("grpc-status")
                         .and_then(|v| v.to_str().ok())
                         .and_then(|v| v.parse::<i32>().ok())
-                        .map_or("OK", code_name),
-                    Err(_) => "UNKNOWN",
+                        .unwrap_or(0),
+                    Err(_) => 2,
                 };
+                let code = code_name(number);
+                let span = tracing::Span::current();
+                span.record("rpc.grpc.status_code", number);
+                if number != 0 {
+                    span.record("otel.status_code", "ERROR");
+                }
                 metrics().record_grpc(
                     GrpcLabels {
                         service: service_of(&method),

@@ -5,10 +5,16 @@
 //! - `rialto serve --services gateway` (any comma-separated subset of
 //!   `gateway,auth,limiter,billing,router`) runs only those; the others are
 //!   reached over gRPC at the addresses in `[remote]`.
-//! - `rialto admin accounts create --name NAME [--tier TIER]` creates an account and its
-//!   first ADMIN key directly in the configured database (never migrating it).
+//! - `rialto admin ...` (`accounts`, `keys`, `backends`, `characters`) is a
+//!   client of the operator API (`/admin/v1`) of a running gateway: `--url`
+//!   (else `RIALTO_ADMIN_URL`, else the configured `gateway.listen`), the
+//!   operator token from `--token-file`, `RIALTO_OPERATOR_TOKEN`, the
+//!   configuration, or the file `rialto serve` writes on the embedded
+//!   default; `--output json` prints the API's answers as they are (see
+//!   `admin.rs`). It never opens the database.
 //! - `rialto migrate [--check] [--wait SECS]` applies the database migrations
-//!   (a step of its own where `database.migrate_on_start` is false).
+//!   (a step of its own where `database.migrate_on_start` is false); the
+//!   only command besides `serve` that opens the database.
 //!
 //! This crate is wiring only: which service is local and which is remote is
 //! decided here and nowhere else.
@@ -18,7 +24,10 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand};
 use rialto_core::Config;
 
+mod admin;
+mod discovery;
 mod grpc_metrics;
+mod reload;
 mod serve;
 
 // The request path allocates many short-lived buffers (JSON values, headers);
@@ -43,11 +52,9 @@ struct Cli {
 enum Command {
     /// Serve the API and services.
     Serve(ServeArgs),
-    /// Administer accounts.
-    Admin {
-        #[command(subcommand)]
-        command: AdminCommand,
-    },
+    /// Administer the platform through the operator API (`/admin/v1`) of a
+    /// running gateway: accounts, keys, backends, characters.
+    Admin(admin::AdminArgs),
     /// Apply the database migrations this binary has and the database
     /// lacks (with `database.migrate_url` when set), and print what was
     /// applied; `--check` applies nothing and fails while some are missing.
@@ -85,59 +92,6 @@ struct MigrateArgs {
     wait: u64,
 }
 
-#[derive(Subcommand)]
-enum AdminCommand {
-    /// Accounts and their keys.
-    Accounts {
-        #[command(subcommand)]
-        command: AccountsCommand,
-    },
-}
-
-#[derive(Subcommand)]
-enum AccountsCommand {
-    /// Create an account with its first ADMIN key and print both as JSON.
-    Create {
-        #[arg(long)]
-        name: String,
-        /// Rate-limit tier: `standard` (default), `partner`, or another of [limits.tiers].
-        #[arg(long, default_value = "standard")]
-        tier: String,
-    },
-    /// Set an account's rate-limit tier (one of [limits.tiers]); print the account as JSON.
-    Tier {
-        /// The account id.
-        #[arg(long)]
-        id: String,
-        #[arg(long)]
-        tier: String,
-    },
-    /// Set the DIEM an account's stake grants every UTC day; print the balance as JSON.
-    Stake {
-        /// The account id.
-        #[arg(long)]
-        id: String,
-        /// DIEM per day, e.g. 25.
-        #[arg(long)]
-        diem_per_day: String,
-    },
-    /// Add prepaid credit to an account, once per reference; print the balance as JSON.
-    Credit {
-        /// The account id.
-        #[arg(long)]
-        id: String,
-        /// USD to add, e.g. 10.00.
-        #[arg(long, default_value = "0")]
-        usd: String,
-        /// DIEM to add.
-        #[arg(long, default_value = "0")]
-        diem: String,
-        /// Idempotency reference: crediting the same reference twice adds once.
-        #[arg(long)]
-        reference: String,
-    },
-}
-
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     if let Command::ConvertFile { name, media_type } = &cli.command {
@@ -153,36 +107,7 @@ fn main() -> std::process::ExitCode {
     };
     let result = match cli.command {
         Command::Serve(args) => serve::run(config, args.services),
-        Command::Admin {
-            command:
-                AdminCommand::Accounts {
-                    command: AccountsCommand::Create { name, tier },
-                },
-        } => create_account(config, name, tier),
-        Command::Admin {
-            command:
-                AdminCommand::Accounts {
-                    command:
-                        AccountsCommand::Credit {
-                            id,
-                            usd,
-                            diem,
-                            reference,
-                        },
-                },
-        } => credit_account(config, id, usd, diem, reference),
-        Command::Admin {
-            command:
-                AdminCommand::Accounts {
-                    command: AccountsCommand::Tier { id, tier },
-                },
-        } => set_tier(config, id, tier),
-        Command::Admin {
-            command:
-                AdminCommand::Accounts {
-                    command: AccountsCommand::Stake { id, diem_per_day },
-                },
-        } => set_stake(config, id, diem_per_day),
+        Command::Admin(args) => admin::run(&config, args),
         Command::Migrate(args) => migrate(&config, &args),
         Command::Version => {
             println!("{REVISION}");
@@ -243,124 +168,5 @@ fn migrate(config: &Config, args: &MigrateArgs) -> anyhow::Result<()> {
             }
             tokio::time::sleep(std::time::Duration::from_secs(1)).await;
         }
-    })
-}
-
-/// Runs one administrative command against the configured database, on a
-/// runtime of its own.
-fn with_database<F, Fut>(config: &Config, command: F) -> anyhow::Result<()>
-where
-    F: FnOnce(rialto_core::db::Database) -> Fut,
-    Fut: std::future::Future<Output = anyhow::Result<()>>,
-{
-    let runtime = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    runtime.block_on(async {
-        // Administration never changes the schema: `rialto migrate` does.
-        let db = rialto_core::db::Database::connect_migrated(
-            &config.database.url,
-            config.database.max_connections,
-        )
-        .await?;
-        command(db).await
-    })
-}
-
-/// A tier of `[limits.tiers]`, or an error naming them.
-fn ensure_tier(config: &Config, tier: &str) -> anyhow::Result<()> {
-    let tiers = &config.limits.tiers;
-    anyhow::ensure!(
-        tiers.contains_key(tier),
-        "unknown tier {tier:?}; [limits.tiers] defines: {}",
-        tiers.keys().cloned().collect::<Vec<_>>().join(", ")
-    );
-    Ok(())
-}
-
-fn local_auth(config: &Config, db: rialto_core::db::Database) -> rialto_auth::LocalAuth {
-    rialto_auth::LocalAuth::new(db, &rialto_core::Brand::new(&config.brand).key_prefix)
-}
-
-fn set_tier(config: Config, id: String, tier: String) -> anyhow::Result<()> {
-    use rialto_auth::AuthService;
-    ensure_tier(&config, &tier)?;
-    with_database(&config, async |db| {
-        let account = local_auth(&config, db)
-            .set_account_tier(rialto_proto::auth::v1::SetAccountTierRequest {
-                account_id: id,
-                tier,
-            })
-            .await?;
-        println!(
-            "{}",
-            serde_json::json!({"id": account.id, "name": account.name, "tier": account.tier})
-        );
-        Ok(())
-    })
-}
-
-fn set_stake(config: Config, id: String, diem_per_day: String) -> anyhow::Result<()> {
-    use rialto_billing::BillingService;
-    with_database(&config, async |db| {
-        let balance = rialto_billing::LocalBilling::for_command(&config, db)
-            .set_stake(rialto_proto::billing::v1::SetStakeRequest {
-                owner: rialto_billing::account_owner(&id),
-                diem_per_day,
-            })
-            .await?;
-        println!(
-            "{}",
-            serde_json::json!({
-                "id": id,
-                "diem_per_day": balance.diem_per_day,
-                "balance": {"usd": balance.usd, "diem": balance.diem},
-            })
-        );
-        Ok(())
-    })
-}
-
-fn credit_account(
-    config: Config,
-    id: String,
-    usd: String,
-    diem: String,
-    reference: String,
-) -> anyhow::Result<()> {
-    use rialto_billing::BillingService;
-    with_database(&config, async |db| {
-        let credited = rialto_billing::LocalBilling::for_command(&config, db)
-            .credit(rialto_proto::billing::v1::CreditRequest {
-                owner: rialto_billing::account_owner(&id),
-                usd,
-                diem,
-                reference,
-            })
-            .await?;
-        let balance = credited.balance.unwrap_or_default();
-        println!(
-            "{}",
-            serde_json::json!({
-                "applied": credited.applied,
-                "balance": {"usd": balance.usd, "diem": balance.diem},
-            })
-        );
-        Ok(())
-    })
-}
-
-fn create_account(config: Config, name: String, tier: String) -> anyhow::Result<()> {
-    use rialto_auth::AuthService;
-    ensure_tier(&config, &tier)?;
-    with_database(&config, async |db| {
-        let created = local_auth(&config, db)
-            .create_account(rialto_proto::auth::v1::CreateAccountRequest { name, tier })
-            .await?;
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&rialto_gateway::operator::account_json(&created))?
-        );
-        Ok(())
     })
 }

@@ -16,6 +16,7 @@ use rialto_core::membership::{Membership, Timing};
 use rialto_gateway::{Gateway, Services};
 use rialto_limiter::{LimiterClient, LocalLimiter, RateLimiter};
 use rialto_router::{LocalRouter, RouterClient};
+use secrecy::ExposeSecret;
 use std::time::Duration;
 
 use rialto_auth::grpc::RemoteAuth;
@@ -84,6 +85,59 @@ fn selected_services(
     Ok(here)
 }
 
+/// With no operator token configured, the embedded default (SQLite) makes
+/// one and keeps it beside the database (`data/operator-token`, readable by
+/// its owner only), where `rialto admin` finds it: the operator API works
+/// on a laptop with nothing set up. Elsewhere the API stays off until an
+/// operator configures `operator.token[_file]`.
+fn embedded_operator_token(config: &mut Config) -> anyhow::Result<()> {
+    if config.operator.token.is_some() {
+        return Ok(());
+    }
+    let Some(path) = config.embedded_operator_token_path() else {
+        return Ok(());
+    };
+    let token = match rialto_core::secrets::read_file(&path) {
+        Ok(token) => token,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+            if let Some(folder) = path.parent().filter(|f| !f.as_os_str().is_empty()) {
+                std::fs::create_dir_all(folder)
+                    .with_context(|| format!("cannot create {}", folder.display()))?;
+            }
+            let token = rialto_core::ids::random_token().map_err(|error| {
+                anyhow::anyhow!("no random bytes for the operator token: {error}")
+            })?;
+            write_private(&path, &token).with_context(|| {
+                format!("cannot write the operator token to {}", path.display())
+            })?;
+            println!(
+                "rialto: operator token written to {} (rialto admin reads it)",
+                path.display()
+            );
+            secrecy::SecretString::from(token)
+        }
+        Err(error) => {
+            return Err(error).with_context(|| format!("cannot read {}", path.display()));
+        }
+    };
+    config.operator.token = Some(token);
+    config.operator.token_file = Some(path);
+    Ok(())
+}
+
+/// Creates `path` readable and writable by its owner only.
+fn write_private(path: &std::path::Path, text: &str) -> std::io::Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)?;
+    file.write_all(text.as_bytes())?;
+    file.write_all(b"\n")
+}
+
 /// Refuses to start where a default that is safe on loopback would open a
 /// door on a public address: gRPC without `grpc.token` (services trust
 /// their callers: anyone reaching the port could create keys or credit
@@ -117,6 +171,47 @@ fn refuse_open_exposure(config: &Config, here: &BTreeSet<&'static str>) -> anyho
 /// start in any order. Keepalives find dead peers; `call_timeout` bounds
 /// unary calls (none for the router, whose streams may run for minutes).
 fn channel(url: &str, service: &str, call_timeout: Option<Duration>) -> anyhow::Result<Channel> {
+    let host = url
+        .parse::<http::Uri>()
+        .ok()
+        .and_then(|uri| uri.host().map(str::to_owned))
+        .unwrap_or_default();
+    Ok(endpoint(url, service, call_timeout, &host)?.connect_lazy())
+}
+
+/// The certificate authority `https://` remotes are checked against
+/// (`grpc.tls.ca_file`), read once at start.
+static REMOTE_CA: std::sync::OnceLock<tonic::transport::Certificate> = std::sync::OnceLock::new();
+
+/// Reads `[grpc.tls]`: the CA for `https://` remotes, and this process's
+/// server identity when it has one.
+fn load_tls(config: &Config) -> anyhow::Result<Option<tonic::transport::ServerTlsConfig>> {
+    let tls = &config.grpc.tls;
+    let read = |key: &str, path: &std::path::Path| {
+        std::fs::read(path).with_context(|| format!("grpc.tls.{key} = {:?}", path.display()))
+    };
+    if let Some(path) = &tls.ca_file {
+        let _ = REMOTE_CA.set(tonic::transport::Certificate::from_pem(read(
+            "ca_file", path,
+        )?));
+    }
+    match (&tls.cert_file, &tls.key_file) {
+        (Some(cert), Some(key)) => Ok(Some(tonic::transport::ServerTlsConfig::new().identity(
+            tonic::transport::Identity::from_pem(read("cert_file", cert)?, read("key_file", key)?),
+        ))),
+        (None, None) => Ok(None),
+        _ => anyhow::bail!("grpc.tls needs both cert_file and key_file, or neither"),
+    }
+}
+
+/// The settings of every connection to `remote.<service>` at `url`; over
+/// TLS for `https://`, checking the server's certificate names `tls_name`.
+fn endpoint(
+    url: &str,
+    service: &str,
+    call_timeout: Option<Duration>,
+    tls_name: &str,
+) -> anyhow::Result<Endpoint> {
     let mut endpoint = Endpoint::from_shared(url.to_owned())
         .with_context(|| format!("remote.{service} = {url:?} is not a valid URL"))?
         .tcp_nodelay(true)
@@ -127,7 +222,36 @@ fn channel(url: &str, service: &str, call_timeout: Option<Duration>) -> anyhow::
     if let Some(timeout) = call_timeout {
         endpoint = endpoint.timeout(timeout);
     }
-    Ok(endpoint.connect_lazy())
+    if url.starts_with("https://") {
+        let ca = REMOTE_CA.get().with_context(|| {
+            format!("remote.{service} is https:// but grpc.tls.ca_file is unset: set the CA that signed its certificate")
+        })?;
+        endpoint = endpoint.tls_config(
+            tonic::transport::ClientTlsConfig::new()
+                .ca_certificate(ca.clone())
+                .domain_name(tls_name),
+        )?;
+    }
+    Ok(endpoint)
+}
+
+/// A channel to a stateless service (auth, the router): when `url` names a
+/// host rather than an address, calls are balanced over every address the
+/// name resolves to ([`crate::discovery`]); otherwise as [`channel`].
+fn stateless_channel(
+    config: &Config,
+    url: &str,
+    service: &'static str,
+    call_timeout: Option<Duration>,
+) -> anyhow::Result<Channel> {
+    let Some((host, port)) = crate::discovery::named_host(url) else {
+        return channel(url, service, call_timeout);
+    };
+    let every = Duration::from_millis(config.remote.resolve_every_ms.max(100));
+    let name = host.clone();
+    crate::discovery::balanced_channel(url, host, port, every, move |address| {
+        endpoint(address, service, call_timeout, &name)
+    })
 }
 
 /// Bound on one unary call to auth.
@@ -196,10 +320,25 @@ fn max_message_bytes(config: &Config) -> usize {
         .max(64 << 20)
 }
 
-async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<()> {
+async fn serve(mut config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<()> {
+    if here.contains("gateway") {
+        embedded_operator_token(&mut config)?;
+    }
     let brand = rialto_core::Brand::new(&config.brand);
+    let server_tls = load_tls(&config)?;
     let client_token = ClientToken::new(config.grpc.token.as_ref())?;
     let server_token = ServerToken::new(config.grpc.token.as_ref());
+    if let (Some(path), Some(secret)) = (&config.grpc.token_file, server_token.secret()) {
+        // The server checks the new token and every client of this process
+        // sends it from the same moment on.
+        let client = client_token.clone();
+        rialto_core::secrets::watch(
+            "grpc.token_file",
+            path.clone(),
+            secret.clone(),
+            move |token| client.replace(token).map_err(|error| error.to_string()),
+        );
+    }
     let max_message = max_message_bytes(&config);
     let remote = &config.remote;
     let bus = rialto_core::bus::Bus::from_config(&config.bus, &brand.name)
@@ -221,6 +360,15 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
     };
     if let Some(db) = &db {
         db.spawn_checkpointer(std::time::Duration::from_secs(1));
+        db.export_pool_metrics("main");
+        if let Some(path) = &config.database.url_file {
+            let url = rialto_core::secrets::LiveSecret::new(config.database.url.clone().into());
+            let db = db.clone();
+            rialto_core::secrets::watch("database.url_file", path.clone(), url, move |url| {
+                db.set_url(url.expose_secret())
+                    .map_err(|error| error.to_string())
+            });
+        }
     }
     let auth = if let Some(db) = db.clone().filter(|_| here.contains("auth")) {
         AuthClient::new(
@@ -229,7 +377,7 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
                 .with_revocations(bus.clone()),
         )
     } else {
-        let channel = channel(&remote.auth, "auth", UNARY_TIMEOUT)?;
+        let channel = stateless_channel(&config, &remote.auth, "auth", UNARY_TIMEOUT)?;
         // A key authenticated in the last second needs no call; revocations
         // on the bus drop cached principals at once.
         let remote_auth = AuthClient::new(RemoteAuth::new(channel, client_token.clone()));
@@ -304,6 +452,7 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
         let local = LocalBilling::new(&config, db).with_events(bus.clone());
         local.spawn_sweeper();
         let book = local.book().clone();
+        book.export_top_spenders(config.metrics.top_spenders);
         let billing = BillingClient::new(local);
         let consumer = if billing_names.len() > 1 && bus.is_shared() {
             // One replica of several: it decides for its own ledgers, and
@@ -353,7 +502,7 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
         export_backend_health(&router);
         RouterClient::from_arc(router)
     } else {
-        let channel = channel(&remote.router, "router", None)?;
+        let channel = stateless_channel(&config, &remote.router, "router", None)?;
         RouterClient::new(RemoteRouter::new(channel, client_token, max_message))
     };
     let services = Services {
@@ -382,8 +531,13 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
             .with_context(|| format!("cannot listen on grpc.listen = {}", config.grpc.listen))?;
         let addr = listener.local_addr()?;
         println!(
-            "rialto: grpc listening on {addr} ({})",
-            backend_services.join(",")
+            "rialto: grpc listening on {addr} ({}{})",
+            backend_services.join(","),
+            if config.grpc.tls.cert_file.is_some() {
+                ", tls"
+            } else {
+                ""
+            }
         );
         tracing::info!(%addr, services = backend_services.join(","), "grpc listening");
         let (health, health_service) = tonic_health::server::health_reporter();
@@ -402,7 +556,13 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
                 .set_service_status(name, tonic_health::ServingStatus::Serving)
                 .await;
         }
-        let server = tonic::transport::Server::builder()
+        let mut builder = tonic::transport::Server::builder();
+        if let Some(tls) = server_tls {
+            builder = builder
+                .tls_config(tls)
+                .context("grpc.tls: the certificate or key is not valid PEM")?;
+        }
+        let server = builder
             .tcp_nodelay(true)
             .layer(crate::grpc_metrics::GrpcMetricsLayer)
             .add_service(health_service)
@@ -475,6 +635,11 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
                 .with_converter(rialto_gateway::convert::Converter::subprocess(program)),
         );
         gateway_ready = Some(Arc::clone(&gateway));
+        if let (Some(path), Some(token)) = (&config.operator.token_file, gateway.operator_token()) {
+            rialto_core::secrets::watch("operator.token_file", path.clone(), token.clone(), |_| {
+                Ok(())
+            });
+        }
         // Queued video and audio jobs, claimed from the shared job table.
         rialto_gateway::jobs::spawn_workers(Arc::clone(&gateway), stop_rx.clone());
         let server = rialto_gateway::serve(listener, gateway, config.gateway.workers, drain)?;
@@ -488,6 +653,18 @@ async fn serve(config: Config, here: BTreeSet<&'static str>) -> anyhow::Result<(
         });
         tasks.spawn(async move { server.await.context("http server failed") });
     }
+
+    // Models, prices, limits and characters follow the configuration file
+    // (polled, and on SIGHUP) without a restart: see reload.rs.
+    crate::reload::spawn(
+        crate::reload::config_path(),
+        crate::reload::Targets {
+            gateway: gateway_ready.clone(),
+            limiter: services.limiter.clone(),
+            billing: services.billing.clone(),
+            router: services.router.clone(),
+        },
+    );
 
     let shutdown_delay = Duration::from_millis(config.shutdown.delay_ms);
     tokio::spawn(async move {

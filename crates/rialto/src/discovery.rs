@@ -1,0 +1,155 @@
+//! Per-request balancing over every pod behind a name.
+//!
+//! A Kubernetes ClusterIP Service hides its pods behind one address, and one
+//! HTTP/2 connection to it lands on one pod for its whole life: pods started
+//! later get no traffic from a gateway that is already connected. With a
+//! headless Service the name resolves to every ready pod instead. For a
+//! stateless service named by DNS (`remote.auth`, `remote.router`), the
+//! gateway resolves the name every `remote.resolve_every_ms`, keeps a
+//! connection to each address that accepts one, and sends each call to the
+//! less loaded of two picked at random (tonic's balance channel, tower's
+//! power of two choices). An address is added once a connection to it
+//! succeeds and removed when the name stops listing it or a connection to
+//! it fails, so a pod that is listed before it listens, or that died before
+//! DNS noticed, gets no calls.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use tonic::transport::channel::Change;
+use tonic::transport::{Channel, Endpoint};
+
+/// How long a probe's connection may take before the address counts as down.
+const PROBE_TIMEOUT: Duration = Duration::from_millis(500);
+
+/// The key of the stand-in endpoint (the name itself) used while no
+/// address is up: calls then fail at once, as on a plain channel, instead of
+/// waiting for an address that may never come.
+const STAND_IN: SocketAddr = SocketAddr::V4(std::net::SocketAddrV4::new(
+    std::net::Ipv4Addr::UNSPECIFIED,
+    0,
+));
+
+/// The host and port of `url` when its host is a name to resolve, not an
+/// address: `http://rialto-router:9090` -> `("rialto-router", 9090)`.
+pub fn named_host(url: &str) -> Option<(String, u16)> {
+    let uri: http::Uri = url.parse().ok()?;
+    let host = uri.host()?;
+    let literal = host.trim_start_matches('[').trim_end_matches(']');
+    if literal.parse::<std::net::IpAddr>().is_ok() {
+        return None;
+    }
+    let port = uri.port_u16().unwrap_or(match uri.scheme_str() {
+        Some("https") => 443,
+        _ => 80,
+    });
+    Some((host.to_owned(), port))
+}
+
+/// A channel that balances calls over every address `host` resolves to,
+/// each connected with `endpoint_for(address_url)`; the resolving task runs
+/// on the current runtime until the channel is dropped.
+pub fn balanced_channel(
+    url: &str,
+    host: String,
+    port: u16,
+    every: Duration,
+    endpoint_for: impl Fn(&str) -> anyhow::Result<Endpoint> + Send + 'static,
+) -> anyhow::Result<Channel> {
+    let uri: http::Uri = url
+        .parse()
+        .with_context(|| format!("{url:?} is not a valid URL"))?;
+    let scheme = uri.scheme_str().unwrap_or("http").to_owned();
+    // Built once to refuse a bad URL at start, not in the task.
+    endpoint_for(url)?;
+    let (channel, changes) = Channel::balance_channel::<SocketAddr>(64);
+    let url = url.to_owned();
+    tokio::spawn(async move {
+        let mut connected: HashSet<SocketAddr> = HashSet::new();
+        let mut stand_in = false;
+        loop {
+            let listed: HashSet<SocketAddr> = match tokio::net::lookup_host((host.as_str(), port))
+                .await
+            {
+                Ok(addresses) => addresses.collect(),
+                Err(error) => {
+                    // Keep what works: DNS may be down for a moment.
+                    tracing::warn!(%host, %error, "cannot resolve; keeping the known addresses");
+                    connected.clone()
+                }
+            };
+            // Probe every listed address, in parallel.
+            let probes = listed.iter().map(|address| async move {
+                let up =
+                    tokio::time::timeout(PROBE_TIMEOUT, tokio::net::TcpStream::connect(address))
+                        .await
+                        .is_ok_and(|connection| connection.is_ok());
+                (*address, up)
+            });
+            let up: HashSet<SocketAddr> = futures_util::future::join_all(probes)
+                .await
+                .into_iter()
+                .filter_map(|(address, up)| up.then_some(address))
+                .collect();
+            for gone in connected.difference(&up) {
+                tracing::info!(%host, address = %gone, "address left the balance");
+                if changes.send(Change::Remove(*gone)).await.is_err() {
+                    return;
+                }
+            }
+            for new in up.difference(&connected) {
+                let endpoint = match endpoint_for(&format!("{scheme}://{new}")) {
+                    // Calls still name the service, not the pod (`:authority`,
+                    // and the server name TLS checks).
+                    Ok(endpoint) => endpoint.origin(uri.clone()),
+                    Err(error) => {
+                        tracing::warn!(%host, address = %new, %error, "cannot connect");
+                        continue;
+                    }
+                };
+                tracing::info!(%host, address = %new, "address joined the balance");
+                if changes.send(Change::Insert(*new, endpoint)).await.is_err() {
+                    return;
+                }
+            }
+            let none_up = up.is_empty();
+            if none_up != stand_in {
+                let change = match endpoint_for(&url) {
+                    Ok(endpoint) if none_up => Change::Insert(STAND_IN, endpoint),
+                    _ => Change::Remove(STAND_IN),
+                };
+                if changes.send(change).await.is_err() {
+                    return;
+                }
+                stand_in = none_up;
+            }
+            connected = up;
+            tokio::time::sleep(every).await;
+            if changes.is_closed() {
+                return;
+            }
+        }
+    });
+    Ok(channel)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_names_are_resolved() {
+        assert_eq!(
+            named_host("http://rialto-router:9090"),
+            Some(("rialto-router".to_owned(), 9090))
+        );
+        assert_eq!(
+            named_host("https://auth.rialto.svc"),
+            Some(("auth.rialto.svc".to_owned(), 443))
+        );
+        assert_eq!(named_host("http://127.0.0.1:9090"), None);
+        assert_eq!(named_host("http://[::1]:9090"), None);
+    }
+}
