@@ -39,6 +39,21 @@ METRICS: dict[str, tuple[str, set[str]]] = {
     "rialto_backend_requests_total": ("counter", {"model", "backend", "outcome"}),
     "rialto_nats_consumer_pending": ("gauge", {"stream", "consumer"}),
     "rialto_log_lines_dropped_total": ("counter", set()),
+    # Generation speed, per model and backend (the router).
+    "rialto_time_to_first_token_seconds": ("histogram", {"model", "backend"}),
+    "rialto_time_per_output_token_seconds": ("histogram", {"model", "backend"}),
+    # Each process's database pool: state in_use or idle; the pool's size.
+    "rialto_db_pool_connections": ("gauge", {"pool", "state"}),
+    "rialto_db_pool_max_connections": ("gauge", {"pool"}),
+    # The top N ledger owners by spend since this (billing) process started:
+    # a bounded label set, never every account.
+    "rialto_top_owner_spend_usd": ("gauge", {"owner"}),
+    # Every process: when it started (unix seconds), the build it runs (1),
+    # and its configuration and secret-file reloads (applied or refused).
+    "rialto_process_start_time_seconds": ("gauge", set()),
+    "rialto_build_info": ("gauge", {"revision"}),
+    "rialto_config_reloads_total": ("counter", {"outcome"}),
+    "rialto_secret_reloads_total": ("counter", {"secret", "outcome"}),
 }
 # Labels Prometheus adds when it scrapes (kubernetes_sd relabelling, static
 # configs), usable in every query.
@@ -57,9 +72,26 @@ def ns(metric: str, matchers: str = "") -> str:
     return f"{metric}{{{inner}}}"
 
 
+def nsm(metric: str, matchers: str = "") -> str:
+    """`metric{namespace=~"$namespace",model=~"$model",<matchers>}`: a
+    per-model panel, filtered by the board's `$model` variable."""
+    return ns(metric, "model=~`$model`" + (f",{matchers}" if matchers else ""))
+
+
+# The `$model` variable of the boards with per-model panels.
+MODEL_VARIABLE = {
+    "name": "model", "label": "Model", "type": "query", "datasource": DS,
+    "query": {"query": 'label_values(rialto_tokens_total{namespace=~"$namespace"}, model)', "refId": "model"},
+    "definition": 'label_values(rialto_tokens_total{namespace=~"$namespace"}, model)',
+    "includeAll": True, "allValue": ".*", "multi": True, "refresh": 2, "sort": 1,
+    "current": {"text": "All", "value": "$__all"}, "hide": 0,
+}
+
+
 class Board:
-    def __init__(self, uid: str, title: str, description: str) -> None:
+    def __init__(self, uid: str, title: str, description: str, variables: list[dict] | None = None) -> None:
         self.uid, self.title, self.description = uid, title, description
+        self.variables = variables or []
         self.panels: list[dict] = []
         self.y = 0
         self.x = 0
@@ -87,7 +119,11 @@ class Board:
         return pos
 
     def panel(self, kind: str, title: str, targets: list[tuple[str, str]], *, w: int = 12,
-              h: int = 8, unit: str = "short", description: str = "", **extra) -> None:
+              h: int = 8, unit: str = "short", description: str = "", instant: bool = False,
+              **extra) -> None:
+        """A panel; `instant` queries the last value only, as a table (each
+        label a column), for table panels."""
+        shape = {"instant": True, "range": False, "format": "table"} if instant else {}
         panel = {
             "id": len(self.panels) + 1,
             "type": kind,
@@ -96,7 +132,7 @@ class Board:
             "datasource": DS,
             "gridPos": self._place(w, h),
             "targets": [
-                {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": chr(ord("A") + i)}
+                {"datasource": DS, "expr": expr, "legendFormat": legend, "refId": chr(ord("A") + i), **shape}
                 for i, (expr, legend) in enumerate(targets)
             ],
             "fieldConfig": {"defaults": {"unit": unit}, "overrides": []},
@@ -143,6 +179,7 @@ class Board:
                  "definition": "label_values(rialto_http_requests_total, namespace)",
                  "includeAll": True, "allValue": ".*", "multi": True, "refresh": 2,
                  "current": {"text": "All", "value": "$__all"}, "hide": 0},
+                *self.variables,
             ]},
             "annotations": {"list": []},
             "panels": self.panels,
@@ -207,9 +244,10 @@ def traffic() -> Board:
 
 def limits_and_spend() -> Board:
     b = Board("rialto-limits-spend", "Rialto / Rate limits, billing and spend",
-              "The limiter's decisions, the prepaid ledger's holds and settlements, what is charged, and the NATS usage queue.")
+              "The limiter's decisions, the prepaid ledger's holds and settlements, what is charged, and the NATS usage queue.",
+              [MODEL_VARIABLE])
     dec = ns("rialto_limiter_decisions_total")
-    spend = ns("rialto_spend_usd_total")
+    spend = nsm("rialto_spend_usd_total")
     b.row("Now")
     b.panel("stat", "Refused by the limiter", [(f'sum(rate({ns("rialto_limiter_decisions_total", "decision=`refused`")}[{RATE}])) / sum(rate({dec}[{RATE}]))', "")],
             w=6, h=4, unit="percentunit")
@@ -253,18 +291,34 @@ def limits_and_spend() -> Board:
             options={"displayMode": "gradient", "orientation": "horizontal",
                      "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}})
     b.panel("timeseries", "Tokens/s by model and kind",
-            [(f'sum by (model, kind) (rate({ns("rialto_tokens_total")}[{RATE}]))', "{{model}} {{kind}}")], unit="short")
+            [(f'sum by (model, kind) (rate({nsm("rialto_tokens_total")}[{RATE}]))', "{{model}} {{kind}}")], unit="short")
     b.panel("timeseries", "NATS consumer pending", [(f'max by (stream, consumer) ({ns("rialto_nats_consumer_pending")})',
                                                      "{{stream}} / {{consumer}}")], unit="short",
             description="Messages waiting for a durable consumer: usage records that billing has not settled yet.")
+
+    b.row("Top spenders")
+    b.panel("table", "Top spenders, USD since their billing replica started",
+            [(f'sort_desc(topk(10, sum by (owner) ({ns("rialto_top_owner_spend_usd")})))', "")], w=24, h=9,
+            unit="currencyUSD", instant=True,
+            description="Each billing replica exports its N largest ledger owners (accounts, wallets) by spend "
+                        "since it started: a bounded set, so an owner outside every replica's top N is missing, "
+                        "and a restart starts a replica's figures over. Summed over the replicas (an owner that "
+                        "moved between them spent on both).",
+            options={"showHeader": True, "sortBy": [{"displayName": "USD", "desc": True}]},
+            transformations=[{"id": "organize", "options": {
+                "excludeByName": {"Time": True},
+                "renameByName": {"owner": "Owner", "Value": "USD"}}}])
     return b
 
 
 def backends() -> Board:
     b = Board("rialto-backends", "Rialto / Backend health",
-              "The router's view of each model backend: circuit breakers, load, and what happened to requests.")
-    state = ns("rialto_backend_circuit_state")
-    out = ns("rialto_backend_requests_total")
+              "The router's view of each model backend: circuit breakers, load, generation speed, and what "
+              "happened to requests.", [MODEL_VARIABLE])
+    state = nsm("rialto_backend_circuit_state")
+    out = nsm("rialto_backend_requests_total")
+    ttft = nsm("rialto_time_to_first_token_seconds_bucket")
+    tpot = nsm("rialto_time_per_output_token_seconds_bucket")
     mappings = [{"type": "value", "options": {
         "0": {"text": "closed", "color": "green", "index": 0},
         "1": {"text": "half-open", "color": "yellow", "index": 1},
@@ -274,8 +328,8 @@ def backends() -> Board:
     b.panel("stat", "Backends open or down", [(f"count(max by (model, backend) ({state}) >= 2) or vector(0)", "")],
             w=8, h=4, defaults={"thresholds": {"mode": "absolute", "steps": [
                 {"color": "green", "value": None}, {"color": "red", "value": 1}]}})
-    b.panel("stat", "Requests in flight", [(f'sum({ns("rialto_backend_in_flight")})', "")], w=8, h=4)
-    b.panel("stat", "Failed requests/s (final)", [(f'sum(rate({ns("rialto_backend_requests_total", "outcome=`final`")}[{RATE}]))', "")],
+    b.panel("stat", "Requests in flight", [(f'sum({nsm("rialto_backend_in_flight")})', "")], w=8, h=4)
+    b.panel("stat", "Failed requests/s (final)", [(f'sum(rate({nsm("rialto_backend_requests_total", "outcome=`final`")}[{RATE}]))', "")],
             w=8, h=4, unit="reqps", description="Requests that failed on their last attempt: the caller got an error.")
 
     b.row("Circuits")
@@ -288,23 +342,98 @@ def backends() -> Board:
                           {"color": "red", "value": 2}, {"color": "dark-red", "value": 3}]}},
             options={"showValue": "auto", "mergeValues": True})
 
+    b.row("Generation")
+    b.panel("timeseries", "Time to first token by model and backend",
+            [(quantile("0.5", ttft, "model, backend"), "{{model}} / {{backend}} p50"),
+             (quantile("0.95", ttft, "model, backend"), "{{model}} / {{backend}} p95")], unit="s",
+            description="Streamed answers: from the router's call to the backend to the first token it sent "
+                        "(per backend attempt that answered).")
+    b.panel("timeseries", "Time per output token by model and backend",
+            [(quantile("0.5", tpot, "model, backend"), "{{model}} / {{backend}} p50"),
+             (quantile("0.95", tpot, "model, backend"), "{{model}} / {{backend}} p95")], unit="s",
+            description="Streamed answers: the time between output tokens after the first.")
+    b.panel("timeseries", "Output tokens/s by model",
+            [(f'sum by (model) (rate({nsm("rialto_tokens_total", "kind=`completion`")}[{RATE}]))', "{{model}}")],
+            w=24, unit="short", description="Completion tokens billed per second: the platform's generation throughput.")
+
     b.row("Load and outcomes")
     b.panel("timeseries", "In flight by backend",
-            [(f'sum by (model, backend) ({ns("rialto_backend_in_flight")})', "{{model}} / {{backend}}")])
+            [(f'sum by (model, backend) ({nsm("rialto_backend_in_flight")})', "{{model}} / {{backend}}")])
     b.panel("timeseries", "Requests/s by backend and outcome",
             [(f"sum by (backend, outcome) (rate({out}[{RATE}]))", "{{backend}} {{outcome}}")], unit="reqps",
             description="ok; retry (sent again after a failure), failover (moved to another backend), "
                         "skip (the backend refused its credentials), busy (429 or a full queue), final (gave up).")
     b.panel("timeseries", "Retries and failovers/s by model",
-            [(f'sum by (model, outcome) (rate({ns("rialto_backend_requests_total", "outcome=~`retry|failover`")}[{RATE}]))',
+            [(f'sum by (model, outcome) (rate({nsm("rialto_backend_requests_total", "outcome=~`retry|failover`")}[{RATE}]))',
               "{{model}} {{outcome}}")], unit="reqps")
     b.panel("timeseries", "Success ratio by backend",
-            [(f'sum by (model, backend) (rate({ns("rialto_backend_requests_total", "outcome=`ok`")}[{RATE}])) / '
+            [(f'sum by (model, backend) (rate({nsm("rialto_backend_requests_total", "outcome=`ok`")}[{RATE}])) / '
               f"sum by (model, backend) (rate({out}[{RATE}]))", "{{model}} / {{backend}}")], unit="percentunit")
     return b
 
 
-BOARDS = [traffic, limits_and_spend, backends]
+def processes() -> Board:
+    b = Board("rialto-processes", "Rialto / Processes, builds and database",
+              "Every Rialto process: the build it runs, its restarts, its database pool, and its configuration "
+              "and secret reloads.")
+    start = ns("rialto_process_start_time_seconds")
+    in_use = ns("rialto_db_pool_connections", "state=`in_use`")
+    pool_max = ns("rialto_db_pool_max_connections")
+    b.row("Now")
+    b.panel("stat", "Revisions running", [(f'count(count by (revision) ({ns("rialto_build_info")}))', "")], w=6, h=4,
+            description="More than one during a rollout only.",
+            defaults={"thresholds": {"mode": "absolute", "steps": [
+                {"color": "green", "value": None}, {"color": "orange", "value": 2}]}})
+    b.panel("stat", "Restarts in the last 30 minutes", [(f"sum(changes({start}[30m]))", "")], w=6, h=4,
+            defaults={"thresholds": {"mode": "absolute", "steps": [
+                {"color": "green", "value": None}, {"color": "orange", "value": 1}, {"color": "red", "value": 3}]}})
+    b.panel("stat", "Fullest database pool", [(f"max({in_use} / ignoring (state) {pool_max})", "")], w=6, h=4,
+            unit="percentunit", defaults={"thresholds": {"mode": "absolute", "steps": [
+                {"color": "green", "value": None}, {"color": "orange", "value": 0.75}, {"color": "red", "value": 0.9}]}})
+    b.panel("stat", "Reloads refused in the time range",
+            [(f'(sum(increase({ns("rialto_config_reloads_total", "outcome=`refused`")}[$__range])) or vector(0)) + '
+              f'(sum(increase({ns("rialto_secret_reloads_total", "outcome=`refused`")}[$__range])) or vector(0))', "")],
+            w=6, h=4, defaults={"thresholds": {"mode": "absolute", "steps": [
+                {"color": "green", "value": None}, {"color": "red", "value": 1}]}})
+
+    b.row("Builds and restarts")
+    b.panel("table", "Build revision per pod", [(f'max by (pod, revision) ({ns("rialto_build_info")})', "")],
+            instant=True, description="The revision (the build's commit time, as x-rialto-version says it) each pod runs.",
+            options={"showHeader": True, "sortBy": [{"displayName": "pod", "desc": False}]},
+            transformations=[{"id": "organize", "options": {"excludeByName": {"Time": True, "Value": True}}}])
+    b.panel("timeseries", "Pods by revision", [(f'count by (revision) ({ns("rialto_build_info")})', "{{revision}}")],
+            description="A rollout shows as one revision handing over to the next.")
+    b.panel("timeseries", "Restarts by pod (30-minute window)",
+            [(f"sum by (pod) (changes({start}[30m])) > 0", "{{pod}}")],
+            description="Starts of a new process under the same pod (a container restarted in place); the "
+                        "RialtoProcessRestarting alert fires at 3.")
+    b.panel("timeseries", "Uptime by pod", [(f"time() - max by (pod) ({start})", "{{pod}}")], unit="s")
+
+    b.row("Database pools")
+    b.panel("timeseries", "Connections in use vs max by pod and pool",
+            [(f"sum by (pod, pool) ({in_use})", "{{pod}} {{pool}} in use"),
+             (f"max by (pod, pool) ({pool_max})", "{{pod}} {{pool}} max")],
+            description="database.max_connections per process; requests wait for a connection once a pool is full.")
+    b.panel("timeseries", "Pool in use, share of max",
+            [(f"sum by (pod, pool) ({in_use}) / max by (pod, pool) ({pool_max})", "{{pod}} {{pool}}")],
+            unit="percentunit", description="The RialtoDatabasePoolSaturated alert fires at 90% for ten minutes.")
+    b.panel("timeseries", "Idle connections by pod and pool",
+            [(f'sum by (pod, pool) ({ns("rialto_db_pool_connections", "state=`idle`")})', "{{pod}} {{pool}}")])
+
+    b.row("Reloads")
+    b.panel("timeseries", "Configuration reloads by outcome",
+            [(f'sum by (outcome) (increase({ns("rialto_config_reloads_total")}[{RATE}]))', "{{outcome}}")],
+            description="applied: the changed rialto.toml validated and took effect; refused: it did not, the "
+                        "process runs on the previous one (its log says why).")
+    b.panel("timeseries", "Secret reloads by secret and outcome",
+            [(f'sum by (secret, outcome) (increase({ns("rialto_secret_reloads_total")}[{RATE}]))',
+              "{{secret}} {{outcome}}")],
+            description="A secret file (mounted Secret) re-read after it changed: applied, or refused (the "
+                        "process keeps the previous value).")
+    return b
+
+
+BOARDS = [traffic, limits_and_spend, backends, processes]
 
 NAME = re.compile(r"\b(rialto_[a-z_]+)")
 GROUPING = re.compile(r"\b(?:by|without)\s*\(([^)]*)\)")
