@@ -5,11 +5,13 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use reqwest::Method;
 use rialto_test_kit::{MockUpstream, Sandbox, Topology};
 use serde_json::{Value, json};
+
+use crate::support::eventually;
 
 /// `paid-chat` at $1 per million tokens in and out, and rate limits far
 /// above the load's.
@@ -48,34 +50,8 @@ fn rewrite(sandbox: &Sandbox, edit: impl FnOnce(String) -> String) {
 
 /// `rialto_config_reloads_total{outcome}` of the gateway's process.
 async fn reloads(sandbox: &Sandbox, outcome: &str) -> u64 {
-    let text = sandbox
-        .http()
-        .get(format!("{}/metrics", sandbox.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    let prefix = format!("rialto_config_reloads_total{{outcome=\"{outcome}\"}} ");
-    text.lines()
-        .find_map(|line| line.strip_prefix(&prefix))
-        .map_or(0, |value| value.trim().parse().unwrap())
-}
-
-/// Polls `check` every 100 ms until it holds, for at most 15 s (the file
-/// is read every 2 s; in the split topology each process reads it on its
-/// own clock).
-async fn eventually<F, Fut>(what: &str, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + Duration::from_secs(15);
-    while !check().await {
-        assert!(Instant::now() < deadline, "never: {what}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let sample = format!("rialto_config_reloads_total{{outcome=\"{outcome}\"}} ");
+    crate::support::metric(sandbox, &sample).await as u64
 }
 
 /// A chat's status and, when served, the USD it cost.

@@ -4,12 +4,12 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rialto_test_kit::{MockUpstream, Sandbox, Topology};
 use serde_json::json;
 
-use crate::support::models_toml;
+use crate::support::{eventually as wait_for, metric, models_toml};
 
 const NEW_GRPC_TOKEN: &str = "rotated-grpc-token";
 const NEW_OPERATOR_TOKEN: &str = "rotated-operator-token";
@@ -34,30 +34,6 @@ async fn operator_status(sandbox: &Sandbox, token: &str) -> u16 {
         .unwrap()
         .status()
         .as_u16()
-}
-
-/// The value of one sample of the gateway's `/metrics`, 0 when absent.
-async fn metric(sandbox: &Sandbox, sample: &str) -> f64 {
-    let text = sandbox
-        .http()
-        .get(format!("{}/metrics", sandbox.url))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    text.lines()
-        .find_map(|line| line.strip_prefix(sample)?.trim().parse().ok())
-        .unwrap_or(0.0)
-}
-
-async fn wait_for(what: &str, mut done: impl AsyncFnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !done().await {
-        assert!(Instant::now() < deadline, "{what} did not happen in 20 s");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }
 
 async fn rotation(topology: Topology) {

@@ -108,3 +108,30 @@ macro_rules! both_topologies {
         )*
     };
 }
+
+/// One sample of the gateway's `GET /metrics` (the line starting with
+/// `sample`, labels included), 0 when absent.
+pub async fn metric(sandbox: &Sandbox, sample: &str) -> f64 {
+    let text = sandbox
+        .http()
+        .get(format!("{}/metrics", sandbox.url))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .find_map(|line| line.strip_prefix(sample)?.trim().parse().ok())
+        .unwrap_or(0.0)
+}
+
+/// Polls `check` every 100 ms until it holds, for at most 20 s (files are
+/// read every 2 s; in the split topology each process on its own clock).
+pub async fn eventually(what: &str, mut check: impl AsyncFnMut() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !check().await {
+        assert!(std::time::Instant::now() < deadline, "never: {what}");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+}
