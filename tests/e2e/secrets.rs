@@ -108,9 +108,10 @@ backends = [{{ kind = "openai", url = "{}", api_key_file = "{}" }}]
         operator_status(&sandbox, NEW_OPERATOR_TOKEN).await == 200
     })
     .await;
-    // The token it replaced opens too, for a few minutes: other pods may
-    // not have the new Secret yet.
-    assert_eq!(operator_status(&sandbox, &old_operator).await, 200);
+    // The operator token it replaced is refused at once: it is rotated
+    // because it may have leaked (only the gRPC token, which the pods
+    // hold on both sides, keeps a grace).
+    assert_eq!(operator_status(&sandbox, &old_operator).await, 401);
     assert_eq!(operator_status(&sandbox, "a-guess").await, 401);
     wait_for("the gRPC token's reload", async || {
         metric(

@@ -173,6 +173,10 @@ impl std::fmt::Debug for Book {
     }
 }
 
+/// Most owners whose spend is kept after they left memory (for
+/// `rialto_top_owner_spend_usd`).
+const RETIRED_SPEND_CAP: usize = 4096;
+
 /// One shard of the owners in memory.
 type Shard = Mutex<HashMap<Arc<str>, Arc<Owner>>>;
 
@@ -265,12 +269,21 @@ impl Book {
         drop(shard);
         let spent = entry.spent_nanos.swap(0, Ordering::Relaxed);
         if spent > 0 {
-            *shared
+            let mut retired = shared
                 .retired_spend
                 .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .entry(entry.name.clone())
-                .or_default() += spent;
+                .unwrap_or_else(|e| e.into_inner());
+            *retired.entry(entry.name.clone()).or_default() += spent;
+            // Bounded: past the cap only the larger half stays (a top-N
+            // needs the large ones; a small spender dropped here only
+            // restarts from zero).
+            if retired.len() > RETIRED_SPEND_CAP {
+                let mut amounts: Vec<i64> = retired.values().copied().collect();
+                let half = amounts.len() / 2;
+                let (_, threshold, _) = amounts.select_nth_unstable_by(half, |a, b| b.cmp(a));
+                let threshold = *threshold;
+                retired.retain(|_, amount| *amount >= threshold);
+            }
         }
     }
 

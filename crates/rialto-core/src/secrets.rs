@@ -76,6 +76,13 @@ impl LiveSecret {
         }
     }
 
+    /// Whether `presented` is the value in force (constant time), without
+    /// the grace of [`accepts`](Self::accepts): for a secret only one side
+    /// holds (the operator token), rotated because it may have leaked.
+    pub fn accepts_current(&self, presented: &[u8]) -> bool {
+        bool::from(presented.ct_eq(self.0.load().current.expose_secret().as_bytes()))
+    }
+
     /// Puts `value` in force; the old value stays accepted for a while.
     pub fn replace(&self, value: SecretString) {
         let old = self.0.load_full();
@@ -122,6 +129,9 @@ where
     tokio::spawn(async move {
         let mut every = tokio::time::interval(WATCH_EVERY);
         every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // What was last refused (a value, or a read error's text): said
+        // once, not every tick while it stays.
+        let mut refused: Option<String> = None;
         loop {
             every.tick().await;
             if !alive() {
@@ -136,22 +146,33 @@ where
                     let unchanged =
                         value.expose_secret() == secret.current().current.expose_secret();
                     if unchanged {
+                        refused = None;
+                        continue;
+                    }
+                    if refused.as_deref() == Some(value.expose_secret()) {
                         continue;
                     }
                     match accept(&value) {
                         Ok(()) => {
+                            refused = None;
                             secret.replace(value);
                             tracing::info!(secret = name, path = %path.display(), "secret reloaded from its file");
                             "applied"
                         }
                         Err(reason) => {
+                            refused = Some(value.expose_secret().to_owned());
                             tracing::warn!(secret = name, path = %path.display(), %reason, "secret file changed to an unusable value; the old value stays");
                             "refused"
                         }
                     }
                 }
                 Ok(Err(error)) => {
+                    let text = error.to_string();
+                    if refused.as_deref() == Some(text.as_str()) {
+                        continue;
+                    }
                     tracing::warn!(secret = name, path = %path.display(), %error, "cannot read the secret file; the old value stays");
+                    refused = Some(text);
                     "refused"
                 }
                 Err(_) => continue,

@@ -25,14 +25,15 @@ pub(crate) fn check_operator(gateway: &Gateway, request: &HttpRequest) -> Result
     Ok(())
 }
 
-/// Whether the headers carry the operator token (compared in constant time;
-/// the token it replaced still opens for a few minutes after a rotation).
+/// Whether the headers carry the operator token (compared in constant
+/// time). Only the token in force: one rotated because it may have leaked
+/// is refused as soon as the new one is read.
 pub(crate) fn is_operator(gateway: &Gateway, headers: &actix_web::http::header::HeaderMap) -> bool {
     let Some(token) = &gateway.operator_token else {
         return false;
     };
     let presented = crate::bearer_token(headers).unwrap_or_default();
-    !presented.is_empty() && token.accepts(presented.as_bytes())
+    !presented.is_empty() && token.accepts_current(presented.as_bytes())
 }
 
 /// `POST /admin/v1/accounts {"name": ..., "tier"?: ...}` -> 201 with the

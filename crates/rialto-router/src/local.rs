@@ -481,6 +481,21 @@ fn watched_headers(
     Ok(headers)
 }
 
+/// `10.0.0.5:8000` -> `10.0.0.5` (`server.address`; `in-process` as is).
+fn server_address(host: &str) -> &str {
+    match host.rsplit_once(':') {
+        Some((address, port)) if port.parse::<u16>().is_ok() => address,
+        _ => host,
+    }
+}
+
+/// `10.0.0.5:8000` -> 8000 (`server.port`), 0 without one.
+fn server_port(host: &str) -> u64 {
+    host.rsplit_once(':')
+        .and_then(|(_, port)| port.parse::<u16>().ok())
+        .map_or(0, u64::from)
+}
+
 /// `http://10.0.0.5:8000/v1` -> `10.0.0.5:8000`: names a backend in logs
 /// without leaking credentials that might sit in a URL's user-info.
 fn backend_host(url: &str) -> String {
@@ -961,7 +976,8 @@ impl LocalRouter {
             otel.status_code = tracing::field::Empty,
             gen_ai.operation.name = operation,
             gen_ai.request.model = %backend.upstream_model,
-            server.address = %backend.host,
+            server.address = %server_address(&backend.host),
+            server.port = server_port(&backend.host),
             rialto.backend = %backend.name,
             rialto.outcome = tracing::field::Empty,
         );

@@ -605,20 +605,16 @@ fn operator_token(
 }
 
 fn token_from_file(path: &Path, source: &str) -> anyhow::Result<Token> {
-    let text = std::fs::read_to_string(path).with_context(|| {
+    // Read as the server reads it (only the trailing newline dropped), so
+    // both sides hold the same token.
+    let secret = rialto_core::secrets::read_file(path).with_context(|| {
         format!(
             "cannot read the operator token from {} ({source})",
             path.display()
         )
     })?;
-    let token = text.trim();
-    ensure!(
-        !token.is_empty(),
-        "the operator token file {} ({source}) is empty",
-        path.display()
-    );
     Ok(Token {
-        secret: token.to_owned().into(),
+        secret,
         source: format!("{source} {}", path.display()),
     })
 }

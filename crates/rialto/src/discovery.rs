@@ -9,9 +9,9 @@
 //! connection to each address that accepts one, and sends each call to the
 //! less loaded of two picked at random (tonic's balance channel, tower's
 //! power of two choices). An address is added once a connection to it
-//! succeeds and removed when the name stops listing it or a connection to
-//! it fails, so a pod that is listed before it listens, or that died before
-//! DNS noticed, gets no calls.
+//! succeeds and removed when the name stops listing it or two probes in a
+//! row fail, so a pod that is listed before it listens, or that died before
+//! DNS noticed, gets no calls for long.
 
 use std::collections::HashSet;
 use std::net::SocketAddr;
@@ -68,6 +68,7 @@ pub fn balanced_channel(
     let url = url.to_owned();
     tokio::spawn(async move {
         let mut connected: HashSet<SocketAddr> = HashSet::new();
+        let mut failed_once: HashSet<SocketAddr> = HashSet::new();
         let mut stand_in = false;
         loop {
             let listed: HashSet<SocketAddr> = match tokio::net::lookup_host((host.as_str(), port))
@@ -88,11 +89,22 @@ pub fn balanced_channel(
                         .is_ok_and(|connection| connection.is_ok());
                 (*address, up)
             });
-            let up: HashSet<SocketAddr> = futures_util::future::join_all(probes)
-                .await
-                .into_iter()
-                .filter_map(|(address, up)| up.then_some(address))
-                .collect();
+            // An address in the balance leaves it after two failed probes in
+            // a row (one slow connect under load is no reason to drop a
+            // pod) or when the name stops listing it; a new one joins on
+            // its first success.
+            let mut up = HashSet::new();
+            for (address, answered) in futures_util::future::join_all(probes).await {
+                if answered {
+                    failed_once.remove(&address);
+                    up.insert(address);
+                } else if connected.contains(&address) && failed_once.insert(address) {
+                    up.insert(address);
+                } else {
+                    failed_once.remove(&address);
+                }
+            }
+            failed_once.retain(|address| listed.contains(address));
             for gone in connected.difference(&up) {
                 tracing::info!(%host, address = %gone, "address left the balance");
                 if changes.send(Change::Remove(*gone)).await.is_err() {

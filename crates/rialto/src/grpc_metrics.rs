@@ -85,7 +85,10 @@ where
                 let code = code_name(number);
                 let span = tracing::Span::current();
                 span.record("rpc.grpc.status_code", number);
-                if number != 0 {
+                // Server errors only (UNKNOWN, DEADLINE_EXCEEDED,
+                // UNIMPLEMENTED, INTERNAL, UNAVAILABLE, DATA_LOSS): a
+                // refusal is the caller's, not the server's.
+                if matches!(number, 2 | 4 | 12 | 13 | 14 | 15) {
                     span.record("otel.status_code", "ERROR");
                 }
                 metrics().record_grpc(
