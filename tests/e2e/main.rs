@@ -22,6 +22,7 @@ mod local_models;
 mod media;
 mod media_jobs;
 mod metrics;
+mod pgbouncer;
 mod python;
 mod reload;
 mod responses;
