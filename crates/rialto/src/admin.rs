@@ -996,7 +996,8 @@ mod tests {
         // What `rialto serve` wrote beside the database.
         write("operator-token", "from-serve\n");
         assert_eq!(token(None, None, &bare).unwrap(), "from-serve");
-        let file = write("token", "  from-file\n");
+        // Read as the server reads it: only the trailing newline goes.
+        let file = write("token", "from-file\n");
         let configured = config(&format!(
             "[operator]\ntoken_file = \"{}\"\n",
             file.display()
