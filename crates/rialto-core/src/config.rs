@@ -60,6 +60,10 @@ pub struct Config {
     pub text_parser: TextParserConfig,
     pub media: MediaConfig,
     pub crypto_rpc: CryptoRpcConfig,
+    /// The file this configuration was read from (`--config`, else
+    /// `RIALTO_CONFIG`), which a reload reads again; none for defaults.
+    #[serde(skip)]
+    pub file: Option<PathBuf>,
 }
 
 /// The JSON-RPC proxy to blockchain nodes (`[crypto_rpc]`,
@@ -1062,6 +1066,7 @@ impl Default for Config {
             text_parser: TextParserConfig::default(),
             media: MediaConfig::default(),
             crypto_rpc: CryptoRpcConfig::default(),
+            file: None,
         }
     }
 }
@@ -1437,7 +1442,8 @@ impl Config {
     pub fn load(file: Option<&Path>) -> Result<Self, ConfigError> {
         let mut figment = Figment::from(Serialized::defaults(Config::default()));
         let env_file = std::env::var_os(CONFIG_ENV).map(std::path::PathBuf::from);
-        if let Some(path) = file.map(Path::to_path_buf).or(env_file) {
+        let file = file.map(Path::to_path_buf).or(env_file);
+        if let Some(path) = &file {
             if !path.exists() {
                 return Err(ConfigError::MissingFile(path.display().to_string()));
             }
@@ -1460,6 +1466,7 @@ impl Config {
         let mut config = Self::from_figment(figment.clone())?;
         config.refuse_inline_secrets(&figment)?;
         config.read_secret_files()?;
+        config.file = file;
         Ok(config)
     }
 

@@ -52,16 +52,6 @@ pub(crate) struct Targets {
     pub router: RouterClient,
 }
 
-/// The configuration file this process was started with: `--config`, else
-/// `RIALTO_CONFIG` (as [`Config::load`] chose it).
-pub(crate) fn config_path() -> Option<PathBuf> {
-    use clap::Parser as _;
-    crate::Cli::try_parse()
-        .ok()
-        .and_then(|cli| cli.config)
-        .or_else(|| std::env::var_os(rialto_core::config::CONFIG_ENV).map(PathBuf::from))
-}
-
 /// Watches `path` (and SIGHUP) for the life of the process, reloading
 /// `targets` from it.
 pub(crate) fn spawn(path: Option<PathBuf>, targets: Targets) {

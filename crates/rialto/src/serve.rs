@@ -657,7 +657,7 @@ async fn serve(mut config: Config, here: BTreeSet<&'static str>) -> anyhow::Resu
     // Models, prices, limits and characters follow the configuration file
     // (polled, and on SIGHUP) without a restart: see reload.rs.
     crate::reload::spawn(
-        crate::reload::config_path(),
+        config.file.clone(),
         crate::reload::Targets {
             gateway: gateway_ready.clone(),
             limiter: services.limiter.clone(),
