@@ -26,7 +26,7 @@ pub mod siwx;
 pub mod web3;
 
 pub use cached::{CachedAuth, DEFAULT_CAPACITY, PRINCIPAL_TTL};
-pub use local::{LocalAuth, MODEL_PRIVACY};
+pub use local::{LocalAuth, MODEL_PRIVACY, wallet_account_id};
 pub use pb::KeyType;
 
 /// The auth service in domain terms.

@@ -1336,8 +1336,10 @@ fn review_from_row(row: &sqlx::any::AnyRow) -> Result<pb::CharacterReview> {
 const WALLET_ACCOUNTS: uuid::Uuid =
     uuid::Uuid::from_u128(0x3c8e_51f0_9a2d_4b6e_8f17_0d4c_2a9b_6e53);
 
-/// The account of a wallet (its EIP-55 or base58 address).
-fn wallet_account_id(address: &str) -> String {
+/// The account of a wallet (its EIP-55 or base58 address): a name-based
+/// UUID, so anyone holding the address (an operator's console) finds the
+/// account without asking the auth service.
+pub fn wallet_account_id(address: &str) -> String {
     uuid::Uuid::new_v5(&WALLET_ACCOUNTS, address.as_bytes()).to_string()
 }
 

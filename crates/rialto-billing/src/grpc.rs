@@ -143,6 +143,13 @@ impl Billing for BillingGrpc {
         ))
     }
 
+    async fn top_ups(
+        &self,
+        request: Request<pb::TopUpsRequest>,
+    ) -> Result<Response<pb::TopUpsResponse>, Status> {
+        Ok(Response::new(self.0.top_ups(request.into_inner()).await?))
+    }
+
     async fn submit_job(
         &self,
         request: Request<pb::SubmitJobRequest>,
@@ -265,6 +272,10 @@ impl BillingService for RemoteBilling {
         request: pb::TransactionsRequest,
     ) -> Result<pb::TransactionsResponse> {
         Ok(self.0.clone().transactions(request).await?.into_inner())
+    }
+
+    async fn top_ups(&self, request: pb::TopUpsRequest) -> Result<pb::TopUpsResponse> {
+        Ok(self.0.clone().top_ups(request).await?.into_inner())
     }
 
     async fn submit_job(&self, request: pb::SubmitJobRequest) -> Result<pb::Job> {

@@ -149,6 +149,21 @@ pub struct UsageGroup {
     pub requests: i64,
 }
 
+/// One x402 payment, as [`Ledger::top_ups`] lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TopUpRecord {
+    pub id: String,
+    pub wallet: String,
+    pub network: String,
+    pub amount_nanos: i64,
+    /// `settling`, `settled` or `failed`.
+    pub state: String,
+    /// The chain's transaction, once settled.
+    pub transaction_ref: Option<String>,
+    pub created_at_ms: i64,
+    pub settled_at_ms: Option<i64>,
+}
+
 fn usage_record(row: &sqlx::any::AnyRow) -> std::result::Result<UsageRecord, sqlx::Error> {
     Ok(UsageRecord {
         request_id: row.try_get(0)?,
@@ -515,31 +530,42 @@ impl Ledger {
     }
 
     /// `owner`'s spend in [start_ms, end_ms), summed by UTC day, model, API
-    /// key and currency, in nano-units.
+    /// key and currency, in nano-units; every owner's summed when `owner`
+    /// is None (an operator's view).
     pub async fn usage_groups(
         &self,
-        owner: &str,
+        owner: Option<&str>,
         start_ms: i64,
         end_ms: i64,
     ) -> Result<Vec<UsageGroup>> {
         // The journal itself, not the `usage_records` view: one pass over
-        // the owner's range instead of one per currency.
-        let rows = sqlx::query(
+        // the owner's range instead of one per currency. Every owner's has
+        // no index to narrow it (the journal's is on (owner, at_ms)): it
+        // reads the whole range, which its caller keeps short.
+        let by_owner = if owner.is_some() {
+            "owner = $3 AND "
+        } else {
+            ""
+        };
+        let sql = format!(
             "SELECT at_ms / 86400000 AS day, COALESCE(model_id, '') AS model_id, \
              COALESCE(key_id, '') AS key_id, \
              CAST(SUM(-usd_nanos) AS BIGINT) AS usd, CAST(SUM(-diem_nanos) AS BIGINT) AS diem, \
              CAST(SUM(prompt_tokens) AS BIGINT) AS prompt, \
              CAST(SUM(completion_tokens) AS BIGINT) AS completion, \
              CAST(COUNT(*) AS BIGINT) AS requests \
-             FROM ledger_journal WHERE owner = $1 AND kind IN ('settle', 'expire') \
-             AND (usd_nanos <> 0 OR diem_nanos <> 0) AND at_ms >= $2 AND at_ms < $3 \
-             GROUP BY at_ms / 86400000, COALESCE(model_id, ''), COALESCE(key_id, '')",
-        )
-        .bind(owner)
-        .bind(start_ms)
-        .bind(end_ms)
-        .fetch_all(self.db.pool())
-        .await?;
+             FROM ledger_journal WHERE {by_owner}kind IN ('settle', 'expire') \
+             AND (usd_nanos <> 0 OR diem_nanos <> 0) AND at_ms >= $1 AND at_ms < $2 \
+             GROUP BY at_ms / 86400000, COALESCE(model_id, ''), COALESCE(key_id, '')"
+        );
+        // Safe: the only part that varies is one of two constant fragments.
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql))
+            .bind(start_ms)
+            .bind(end_ms);
+        if let Some(owner) = owner {
+            query = query.bind(owner);
+        }
+        let rows = query.fetch_all(self.db.pool()).await?;
         Ok(rows
             .iter()
             .map(|row| {
@@ -556,6 +582,42 @@ impl Ledger {
             })
             .collect::<std::result::Result<Vec<_>, sqlx::Error>>()?)
     }
+
+    /// A page of the x402 payments received, every wallet's, newest first,
+    /// and how many there are in all. One row per top-up: a small table,
+    /// read whole to sort it (its index is per wallet).
+    pub async fn top_ups(&self, limit: i64, offset: i64) -> Result<(Vec<TopUpRecord>, i64)> {
+        let total: i64 = sqlx::query("SELECT CAST(COUNT(*) AS BIGINT) FROM x402_payments")
+            .fetch_one(self.db.pool())
+            .await?
+            .try_get(0)?;
+        let rows = sqlx::query(
+            "SELECT id, wallet, network, amount_nanos, state, transaction_ref, created_at_ms, \
+             settled_at_ms FROM x402_payments ORDER BY created_at_ms DESC, id DESC \
+             LIMIT $1 OFFSET $2",
+        )
+        .bind(limit)
+        .bind(offset)
+        .fetch_all(self.db.pool())
+        .await?;
+        let records = rows
+            .iter()
+            .map(|row| {
+                Ok(TopUpRecord {
+                    id: row.try_get(0)?,
+                    wallet: row.try_get(1)?,
+                    network: row.try_get(2)?,
+                    amount_nanos: row.try_get(3)?,
+                    state: row.try_get(4)?,
+                    transaction_ref: row.try_get(5)?,
+                    created_at_ms: row.try_get(6)?,
+                    settled_at_ms: row.try_get(7)?,
+                })
+            })
+            .collect::<std::result::Result<Vec<_>, sqlx::Error>>()?;
+        Ok((records, total))
+    }
+
     /// What a key was charged in `period` (settled requests): (usd, diem).
     pub async fn key_spent(&self, key_id: &str, period: &str) -> Result<(i64, i64)> {
         let row = sqlx::query(

@@ -56,7 +56,8 @@ pub trait BillingService: std::any::Any + Send + Sync {
     async fn put_response(&self, request: pb::StoredResponse) -> Result<pb::PutResponseAck>;
     /// The owner's stored response, or NotFound.
     async fn get_response(&self, request: pb::GetResponseRequest) -> Result<pb::StoredResponse>;
-    /// The owner's spend in a range by day, model, key and currency.
+    /// The owner's spend in a range by day, model, key and currency (every
+    /// owner's summed with `all_owners`).
     async fn usage_analytics(
         &self,
         request: pb::UsageAnalyticsRequest,
@@ -72,6 +73,8 @@ pub trait BillingService: std::any::Any + Send + Sync {
         &self,
         request: pb::TransactionsRequest,
     ) -> Result<pb::TransactionsResponse>;
+    /// A page of the x402 top-ups received, every wallet's, newest first.
+    async fn top_ups(&self, request: pb::TopUpsRequest) -> Result<pb::TopUpsResponse>;
     /// Stores a queued media job (its hold placed already).
     async fn submit_job(&self, request: pb::SubmitJobRequest) -> Result<pb::Job>;
     /// Leases jobs to a worker: open ones, and finished ones whose charge
@@ -692,6 +695,30 @@ impl BillingService for LocalBilling {
         })
     }
 
+    async fn top_ups(&self, request: pb::TopUpsRequest) -> Result<pb::TopUpsResponse> {
+        let limit = i64::from(request.limit.clamp(1, 100));
+        let (records, total) = self
+            .ledger
+            .top_ups(limit, i64::from(request.offset))
+            .await?;
+        Ok(pb::TopUpsResponse {
+            top_ups: records
+                .into_iter()
+                .map(|r| pb::TopUpRecord {
+                    id: r.id,
+                    wallet: r.wallet,
+                    network: r.network,
+                    amount: from_nanos(r.amount_nanos),
+                    state: r.state,
+                    transaction_ref: r.transaction_ref.unwrap_or_default(),
+                    created_at_ms: r.created_at_ms,
+                    settled_at_ms: r.settled_at_ms,
+                })
+                .collect(),
+            total: u64::try_from(total).unwrap_or(0),
+        })
+    }
+
     async fn key_spend(&self, request: pb::KeySpendRequest) -> Result<pb::KeySpendResponse> {
         let now = rialto_core::db::now_ms();
         self.book.caught_up().await?;
@@ -791,9 +818,10 @@ impl BillingService for LocalBilling {
         request: pb::UsageAnalyticsRequest,
     ) -> Result<pb::UsageAnalyticsResponse> {
         self.book.caught_up().await?;
+        let owner = (!request.all_owners).then_some(request.owner.as_str());
         let groups = self
             .ledger
-            .usage_groups(&request.owner, request.start_ms, request.end_ms)
+            .usage_groups(owner, request.start_ms, request.end_ms)
             .await?
             .into_iter()
             .flat_map(|g| {
@@ -1003,6 +1031,130 @@ mod tests {
             balance,
             billing.ledger().journal_sums(&owner).await.unwrap()
         );
+    }
+
+    /// Every owner's spend, summed by day and model; one owner's alone
+    /// without `all_owners`.
+    #[tokio::test]
+    async fn analytics_of_all_owners_sum_every_owner() {
+        let (_dir, billing) = billing(&config(1.0, 1.0)).await;
+        for (owner, completion) in [("account:a", 1000), ("wallet:0xb", 3000)] {
+            billing
+                .credit(pb::CreditRequest {
+                    owner: owner.into(),
+                    usd: "1".into(),
+                    diem: "0".into(),
+                    reference: "seed".into(),
+                })
+                .await
+                .unwrap();
+            let request_id = format!("r-{owner}");
+            let hold = pb::HoldRequest {
+                owner: owner.into(),
+                request_id: request_id.clone(),
+                model_id: "m".into(),
+                prompt_tokens: 1000,
+                max_completion_tokens: 5000,
+                ..Default::default()
+            };
+            assert!(billing.hold(hold).await.unwrap().placed);
+            let settle = pb::SettleRequest {
+                request_id,
+                model_id: "m".into(),
+                usage: Some(pb::Usage {
+                    prompt_tokens: 1000,
+                    completion_tokens: completion,
+                    ..Default::default()
+                }),
+                owner: owner.into(),
+                ..Default::default()
+            };
+            billing.settle(settle).await.unwrap();
+        }
+        let now = rialto_core::db::now_ms();
+        let analytics = |all_owners| pb::UsageAnalyticsRequest {
+            owner: "account:a".into(),
+            start_ms: now - 86_400_000,
+            end_ms: now + 86_400_000,
+            all_owners,
+        };
+        let all = billing.usage_analytics(analytics(true)).await.unwrap();
+        let [group] = all.groups.as_slice() else {
+            panic!("one group expected: {:?}", all.groups);
+        };
+        // $0.002 + $0.004 at $1/M.
+        assert_eq!(
+            (
+                group.model_id.as_str(),
+                group.currency.as_str(),
+                group.amount.as_str()
+            ),
+            ("m", "USD", "0.006")
+        );
+        assert_eq!((group.prompt_tokens, group.completion_tokens), (2000, 4000));
+        assert_eq!(group.requests, 2);
+        let one = billing.usage_analytics(analytics(false)).await.unwrap();
+        let [group] = one.groups.as_slice() else {
+            panic!("one group expected: {:?}", one.groups);
+        };
+        assert_eq!((group.amount.as_str(), group.requests), ("0.002", 1));
+    }
+
+    /// The x402 payments received, newest first, a page at a time.
+    #[tokio::test]
+    async fn top_ups_are_listed_newest_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}/billing.db", dir.path().display());
+        let db = rialto_core::db::Database::connect(&url, 4).await.unwrap();
+        let billing = LocalBilling::new(&config(1.0, 1.0), db.clone());
+        let empty = billing.top_ups(pb::TopUpsRequest::default()).await.unwrap();
+        assert_eq!((empty.top_ups.len(), empty.total), (0, 0));
+        let payments = [
+            ("x402-1", "0xa", "settled", Some("0xt1"), 1_000, Some(1_500)),
+            ("x402-2", "0xb", "settling", None, 2_000, None),
+        ];
+        for (id, wallet, state, transaction, created, settled) in payments {
+            sqlx::query(
+                "INSERT INTO x402_payments (id, payment_key, wallet, network, amount_nanos, \
+                 state, transaction_ref, created_at_ms, settled_at_ms) \
+                 VALUES ($1, $2, $3, 'eip155:8453', 2500000000, $4, $5, $6, $7)",
+            )
+            .bind(id)
+            .bind(format!("key-{id}"))
+            .bind(wallet)
+            .bind(state)
+            .bind(transaction)
+            .bind(created)
+            .bind(settled)
+            .execute(db.pool())
+            .await
+            .unwrap();
+        }
+        let page = |limit, offset| pb::TopUpsRequest { limit, offset };
+        let listed = billing.top_ups(page(0, 0)).await.unwrap();
+        assert_eq!(listed.total, 2);
+        assert_eq!(
+            listed.top_ups,
+            [pb::TopUpRecord {
+                id: "x402-2".into(),
+                wallet: "0xb".into(),
+                network: "eip155:8453".into(),
+                amount: "2.5".into(),
+                state: "settling".into(),
+                transaction_ref: String::new(),
+                created_at_ms: 2_000,
+                settled_at_ms: None,
+            }],
+            "a limit of 0 is 1"
+        );
+        let next = billing.top_ups(page(10, 1)).await.unwrap();
+        let [settled] = next.top_ups.as_slice() else {
+            panic!("one top-up expected: {:?}", next.top_ups);
+        };
+        assert_eq!(settled.id, "x402-1");
+        assert_eq!(settled.transaction_ref, "0xt1");
+        assert_eq!(settled.settled_at_ms, Some(1_500));
+        assert_eq!(next.total, 2);
     }
 
     #[tokio::test]

@@ -68,7 +68,22 @@ impl ReplicatedBilling {
             .await
             .1
     }
+
+    /// `call` on any live replica, for a read that is no owner's (they
+    /// share the database): the first in [`ANY`]'s order, so the same one
+    /// while it lives, and the next when it dies.
+    async fn any<R, T, F, Fut>(&self, request: R, call: F) -> Result<T>
+    where
+        R: Clone,
+        F: Fn(BillingClient, R) -> Fut,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        self.routed(ANY, request, call).await
+    }
 }
+
+/// The key [`ReplicatedBilling`] routes reads of every owner on.
+const ANY: &str = "billing:any";
 
 /// Which of `addresses` (as listed in `remote.billing`) owns ledger `owner`:
 /// for operators and tests.
@@ -158,11 +173,13 @@ impl BillingService for ReplicatedBilling {
         &self,
         request: pb::UsageAnalyticsRequest,
     ) -> Result<pb::UsageAnalyticsResponse> {
+        let call =
+            |billing: BillingClient, request| async move { billing.usage_analytics(request).await };
+        if request.all_owners {
+            return self.any(request, call).await;
+        }
         let owner = request.owner.clone();
-        self.routed(&owner, request, |billing, request| async move {
-            billing.usage_analytics(request).await
-        })
-        .await
+        self.routed(&owner, request, call).await
     }
 
     async fn set_stake(&self, request: pb::SetStakeRequest) -> Result<pb::Balance> {
@@ -200,6 +217,13 @@ impl BillingService for ReplicatedBilling {
             Some(client) => client.top_up(request).await,
             None => Err(Error::invalid("no billing replica configured")),
         }
+    }
+
+    async fn top_ups(&self, request: pb::TopUpsRequest) -> Result<pb::TopUpsResponse> {
+        self.any(request, |billing, request| async move {
+            billing.top_ups(request).await
+        })
+        .await
     }
 
     async fn submit_job(&self, request: pb::SubmitJobRequest) -> Result<pb::Job> {

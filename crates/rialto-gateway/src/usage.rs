@@ -383,7 +383,7 @@ fn wants_csv(request: &HttpRequest) -> bool {
 }
 
 /// Usage entries as CSV, the columns of the JSON entries.
-fn csv_of(entries: &[billing_pb::UsageEntry]) -> Result<Vec<u8>, ApiError> {
+pub(crate) fn csv_of(entries: &[billing_pb::UsageEntry]) -> Result<Vec<u8>, ApiError> {
     let failed = |e: &dyn std::fmt::Display| rialto_core::Error::internal(format_args!("csv: {e}"));
     let mut writer = csv::Writer::from_writer(Vec::new());
     writer
@@ -610,6 +610,7 @@ async fn analytics_of(
                 owner: owner.to_owned(),
                 start_ms: first * DAY_MS,
                 end_ms: (last + 1) * DAY_MS,
+                all_owners: false,
             }),
         gateway
             .services

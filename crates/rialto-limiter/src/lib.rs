@@ -54,6 +54,8 @@ pub const HITS_SUBJECT: &str = "limiter.hits";
 pub const LOG_WRITERS: &str = "limiter-log-writers";
 /// Entries `GET /api_keys/rate_limits/log` returns.
 pub const LOG_PAGE: u32 = 50;
+/// The most entries of every account's log one request returns.
+pub const LOG_PAGE_ALL: u32 = 200;
 
 /// One limiter replica in domain terms.
 #[async_trait]
@@ -65,7 +67,8 @@ pub trait LimiterService: Send + Sync + 'static {
     async fn commit(&self, request: pb::CommitRequest) -> Result<pb::CommitResponse>;
     /// Records limit hits found elsewhere (the gateway's abuse guard).
     async fn record_hits(&self, request: pb::RecordHitsRequest) -> Result<pb::RecordHitsResponse>;
-    /// The latest hits of an account, newest first.
+    /// The latest hits of an account (of every account with
+    /// `all_accounts`), newest first.
     async fn recent_hits(&self, request: pb::RecentHitsRequest) -> Result<pb::RecentHitsResponse>;
 }
 

@@ -19,7 +19,8 @@ use tokio::sync::mpsc;
 
 use crate::principals::{Admit, Commit, HitSink, Principals, spawn_sweeper};
 use crate::{
-    COMMITS_SUBJECT, HITS_SUBJECT, LOG_PAGE, LOG_WRITERS, LimiterService, REPLICATION_SUBJECT,
+    COMMITS_SUBJECT, HITS_SUBJECT, LOG_PAGE, LOG_PAGE_ALL, LOG_WRITERS, LimiterService,
+    REPLICATION_SUBJECT,
 };
 
 /// How long rate-limit log entries are kept.
@@ -333,17 +334,32 @@ impl LimiterService for LocalLimiter {
     }
 
     async fn recent_hits(&self, request: pb::RecentHitsRequest) -> Result<pb::RecentHitsResponse> {
-        let limit = i64::from(request.limit.clamp(1, LOG_PAGE));
-        let rows = sqlx::query(
-            "SELECT account_id, api_key_id, model_id, tier, limit_type, at_ms \
-             FROM rate_limit_logs WHERE account_id = $1 AND at_ms >= $3 \
-             ORDER BY at_ms DESC, id DESC LIMIT $2",
-        )
-        .bind(&request.account_id)
-        .bind(limit)
-        .bind(now_ms() - LOG_RETENTION_MS)
-        .fetch_all(self.db.pool())
-        .await?;
+        let since = now_ms() - LOG_RETENTION_MS;
+        let rows = if request.all_accounts {
+            // Every account's: a backward walk of the log's at_ms index.
+            let limit = i64::from(request.limit.clamp(1, LOG_PAGE_ALL));
+            sqlx::query(
+                "SELECT account_id, api_key_id, model_id, tier, limit_type, at_ms \
+                 FROM rate_limit_logs WHERE at_ms >= $2 \
+                 ORDER BY at_ms DESC, id DESC LIMIT $1",
+            )
+            .bind(limit)
+            .bind(since)
+            .fetch_all(self.db.pool())
+            .await?
+        } else {
+            let limit = i64::from(request.limit.clamp(1, LOG_PAGE));
+            sqlx::query(
+                "SELECT account_id, api_key_id, model_id, tier, limit_type, at_ms \
+                 FROM rate_limit_logs WHERE account_id = $1 AND at_ms >= $3 \
+                 ORDER BY at_ms DESC, id DESC LIMIT $2",
+            )
+            .bind(&request.account_id)
+            .bind(limit)
+            .bind(since)
+            .fetch_all(self.db.pool())
+            .await?
+        };
         let hits = rows
             .iter()
             .map(|row| {
@@ -604,6 +620,7 @@ id = "chat"
                 .recent_hits(pb::RecentHitsRequest {
                     account_id: "acct".into(),
                     limit: 50,
+                    all_accounts: false,
                 })
                 .await
                 .unwrap()
@@ -648,6 +665,7 @@ id = "chat"
                 .recent_hits(pb::RecentHitsRequest {
                     account_id: "acct".into(),
                     limit: 50,
+                    all_accounts: false,
                 })
                 .await
                 .unwrap()
@@ -658,6 +676,54 @@ id = "chat"
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         assert_eq!(count, 200);
+    }
+
+    /// Every account's newest hits, through the replica and through the
+    /// gateway's `RateLimiter`; hits past the retention are not shown.
+    #[tokio::test]
+    async fn the_log_of_every_account_is_newest_first() {
+        let dir = tempfile::tempdir().unwrap();
+        let (_, local, rate) = limiter(&dir).await;
+        let now = now_ms();
+        let hit = |account: &str, at_ms: i64| pb::LimitHit {
+            account_id: account.into(),
+            api_key_id: "k".into(),
+            model_id: "chat".into(),
+            tier: "standard".into(),
+            limit_type: "RPM".into(),
+            at_ms,
+        };
+        let hits = vec![
+            hit("a", now - 3_000),
+            hit("b", now - 2_000),
+            hit("a", now - 1_000),
+            hit("c", now - LOG_RETENTION_MS - 1_000),
+        ];
+        local
+            .record_hits(pb::RecordHitsRequest { hits })
+            .await
+            .unwrap();
+        let all = |limit| pb::RecentHitsRequest {
+            account_id: "a".into(),
+            limit,
+            all_accounts: true,
+        };
+        let mut newest = Vec::new();
+        for _ in 0..200 {
+            newest = local.recent_hits(all(50)).await.unwrap().hits;
+            if newest.len() == 3 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let accounts: Vec<&str> = newest.iter().map(|h| h.account_id.as_str()).collect();
+        assert_eq!(accounts, ["a", "b", "a"]);
+        assert_eq!(newest[0].at_ms, now - 1_000);
+        let first = local.recent_hits(all(1)).await.unwrap().hits;
+        assert_eq!(first, newest[..1]);
+        assert_eq!(rate.recent_hits_all(10).await.unwrap(), newest);
+        // One account's alone without `all_accounts`.
+        assert_eq!(rate.recent_hits("b").await.unwrap().len(), 1);
     }
 
     #[tokio::test]

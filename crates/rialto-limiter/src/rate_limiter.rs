@@ -446,6 +446,23 @@ impl RateLimiter {
             .recent_hits(pb::RecentHitsRequest {
                 account_id: account_id.to_owned(),
                 limit: LOG_PAGE,
+                all_accounts: false,
+            })
+            .await?;
+        Ok(response.hits)
+    }
+
+    /// Every account's latest limit hits, newest first (at most
+    /// [`LOG_PAGE_ALL`](crate::LOG_PAGE_ALL)): an operator's view. The log is one table, so any
+    /// replica answers; the one a fixed key names, while it lives.
+    pub async fn recent_hits_all(&self, limit: u32) -> Result<Vec<pb::LimitHit>> {
+        let owner = self.owner("log:all");
+        let response = self
+            .replica(owner)?
+            .recent_hits(pb::RecentHitsRequest {
+                limit,
+                all_accounts: true,
+                ..Default::default()
             })
             .await?;
         Ok(response.hits)

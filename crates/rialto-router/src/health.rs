@@ -29,7 +29,7 @@
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use futures_util::FutureExt as _;
@@ -72,6 +72,11 @@ pub struct BackendHealth {
     pub state: CircuitState,
     /// Requests sent to it and not finished (streams until their end).
     pub in_flight: usize,
+    /// Requests it answered well since the router started (its error rate
+    /// is `failed / (passed + failed)`).
+    pub passed: u64,
+    /// Requests that counted as its failure since the router started.
+    pub failed: u64,
 }
 
 /// What the request path and the watcher share.
@@ -82,6 +87,10 @@ pub(crate) struct Health {
     /// The outcome of the half-open trial, for the watcher.
     verdict: AtomicU8,
     in_flight: AtomicUsize,
+    /// Outcomes since start, for error rates: counters only, never read on
+    /// the request path.
+    passed: AtomicU64,
+    failed: AtomicU64,
     threshold: u32,
     wake: Notify,
 }
@@ -102,6 +111,8 @@ impl Health {
             failures: AtomicU32::new(0),
             verdict: AtomicU8::new(NO_VERDICT),
             in_flight: AtomicUsize::new(0),
+            passed: AtomicU64::new(0),
+            failed: AtomicU64::new(0),
             threshold: threshold.max(1),
             wake: Notify::new(),
         }
@@ -115,6 +126,14 @@ impl Health {
 
     pub(crate) fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Requests passed and failed since start.
+    pub(crate) fn outcomes(&self) -> (u64, u64) {
+        (
+            self.passed.load(Ordering::Relaxed),
+            self.failed.load(Ordering::Relaxed),
+        )
     }
 
     pub(crate) fn state(&self) -> CircuitState {
@@ -178,6 +197,7 @@ impl Permit<'_> {
     pub(crate) fn passed(mut self) {
         self.reported = true;
         let health = self.health;
+        health.passed.fetch_add(1, Ordering::Relaxed);
         if self.trial {
             health.verdict.store(PASSED, Ordering::Release);
             health.wake.notify_one();
@@ -189,6 +209,7 @@ impl Permit<'_> {
     pub(crate) fn failed(mut self) {
         self.reported = true;
         let health = self.health;
+        health.failed.fetch_add(1, Ordering::Relaxed);
         if self.trial {
             health.verdict.store(FAILED, Ordering::Release);
             health.wake.notify_one();
@@ -465,5 +486,17 @@ mod tests {
         assert_eq!(health.in_flight(), 0);
         assert_eq!(Health::down().state(), CircuitState::Down);
         assert!(Health::down().admit().is_none());
+    }
+
+    #[test]
+    fn outcomes_count_passed_and_failed() {
+        let health = Health::new(10);
+        assert_eq!(health.outcomes(), (0, 0));
+        health.admit().unwrap().passed();
+        health.admit().unwrap().passed();
+        health.admit().unwrap().failed();
+        // A permit dropped without a report counts as neither.
+        drop(health.admit().unwrap());
+        assert_eq!(health.outcomes(), (2, 1));
     }
 }

@@ -768,11 +768,16 @@ impl LocalRouter {
         let mut all: Vec<BackendHealth> = models
             .iter()
             .flat_map(|(model, route)| {
-                route.backends.iter().map(move |backend| BackendHealth {
-                    model: model.clone(),
-                    backend: backend.name.clone(),
-                    state: backend.health.state(),
-                    in_flight: backend.health.in_flight(),
+                route.backends.iter().map(move |backend| {
+                    let (passed, failed) = backend.health.outcomes();
+                    BackendHealth {
+                        model: model.clone(),
+                        backend: backend.name.clone(),
+                        state: backend.health.state(),
+                        in_flight: backend.health.in_flight(),
+                        passed,
+                        failed,
+                    }
                 })
             })
             .collect();
@@ -1413,6 +1418,8 @@ impl RouterService for LocalRouter {
                 }
                 .to_owned(),
                 in_flight: health.in_flight as u64,
+                passed: health.passed,
+                failed: health.failed,
             })
             .collect();
         Ok(pb::BackendsResponse { backends })
