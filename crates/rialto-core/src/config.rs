@@ -60,10 +60,41 @@ pub struct Config {
     pub text_parser: TextParserConfig,
     pub media: MediaConfig,
     pub crypto_rpc: CryptoRpcConfig,
+    pub console: ConsoleConfig,
     /// The file this configuration was read from (`--config`, else
     /// `RIALTO_CONFIG`), which a reload reads again; none for defaults.
     #[serde(skip)]
     pub file: Option<PathBuf>,
+}
+
+/// The web console (`[console]`, `/console/`): operators and account
+/// holders in a browser. Off unless `enabled`.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ConsoleConfig {
+    /// Serve `/console/` on the gateway's port.
+    pub enabled: bool,
+    /// How long a session cookie lives (seconds).
+    pub session_ttl_secs: u64,
+    /// The key that signs session cookies. Every gateway replica must have
+    /// the same one; when neither it nor `session_key_file` is set, each
+    /// process draws its own at start (sessions end with the process).
+    #[serde(skip_serializing)]
+    pub session_key: Option<SecretString>,
+    /// A file holding the session key (a mounted Secret), instead of
+    /// `session_key`.
+    pub session_key_file: Option<PathBuf>,
+}
+
+impl Default for ConsoleConfig {
+    fn default() -> Self {
+        Self {
+            enabled: false,
+            session_ttl_secs: 8 * 3600,
+            session_key: None,
+            session_key_file: None,
+        }
+    }
 }
 
 /// The JSON-RPC proxy to blockchain nodes (`[crypto_rpc]`,
@@ -1009,8 +1040,9 @@ fn default_tier() -> String {
 }
 
 /// Top-level keys of [`Config`], the only ones `RIALTO_*` variables may set.
-const TOP_LEVEL_KEYS: [&str; 23] = [
+const TOP_LEVEL_KEYS: [&str; 24] = [
     "secrets",
+    "console",
     "web_search",
     "web_scraping",
     "text_parser",
@@ -1066,6 +1098,7 @@ impl Default for Config {
             text_parser: TextParserConfig::default(),
             media: MediaConfig::default(),
             crypto_rpc: CryptoRpcConfig::default(),
+            console: ConsoleConfig::default(),
             file: None,
         }
     }
@@ -1494,6 +1527,9 @@ impl Config {
         if self.grpc.token.is_some() && from_file("grpc.token") {
             return refuse("grpc.token", "grpc.token_file");
         }
+        if self.console.session_key.is_some() && from_file("console.session_key") {
+            return refuse("console.session_key", "console.session_key_file");
+        }
         if url_has_password(&self.database.url) && from_file("database.url") {
             return refuse("database.url (its password)", "database.url_file");
         }
@@ -1565,6 +1601,12 @@ impl Config {
         }
         if let Some(path) = &self.web_search.api_key_file {
             self.web_search.api_key = Some(read("web_search.api_key_file", path)?);
+        }
+        if let Some(path) = &self.console.session_key_file {
+            if self.console.session_key.is_some() {
+                return Err(both("console.session_key"));
+            }
+            self.console.session_key = Some(read("console.session_key_file", path)?);
         }
         for model in &mut self.models {
             for (index, backend) in model.backends.iter_mut().enumerate() {
@@ -1708,6 +1750,17 @@ impl Config {
         }
         self.validate_augment()?;
         self.validate_crypto_rpc()?;
+        if self.console.session_ttl_secs == 0 || self.console.session_ttl_secs > 30 * 86_400 {
+            return invalid("console.session_ttl_secs must be from 1 to 2592000 (30 days)".into());
+        }
+        if let Some(key) = &self.console.session_key
+            && key.expose_secret().len() < 32
+        {
+            return invalid(
+                "console.session_key must be at least 32 characters (e.g. openssl rand -hex 32)"
+                    .into(),
+            );
+        }
         let media = &self.media;
         if media.job_workers == 0 || media.job_lease_secs < 2 || media.job_poll_ms < 10 {
             return invalid(
@@ -1966,40 +2019,51 @@ backends = [{{ kind = "openai", url = "http://127.0.0.1:1/v1", api_key_file = "{
     }
 
     #[test]
+    #[allow(clippy::result_large_err)] // figment::Jail's closure type, not ours
     fn refuse_inline_refuses_each_secret_written_in_the_file() {
-        let folder = scratch("inline");
-        let file = folder.join("rialto.toml");
-        let cases = [
-            ("[operator]\ntoken = \"t\"", "operator.token_file"),
-            ("[grpc]\ntoken = \"t\"", "grpc.token_file"),
-            (
-                "[database]\nurl = \"postgres://u:pw@h/db\"",
-                "database.url_file",
-            ),
-            (
-                "[[models]]\nid = \"m\"\nbackends = [{ kind = \"openai\", url = \"http://h/v1\", api_key = \"k\" }]",
-                "api_key_file",
-            ),
-        ];
-        for (text, instead) in cases {
-            std::fs::write(&file, format!("[secrets]\nrefuse_inline = true\n{text}\n")).unwrap();
-            let error = Config::load(Some(&file)).unwrap_err().to_string();
-            assert!(
-                error.contains(instead) && error.contains("refuse_inline"),
-                "{error}"
-            );
-            // Without the setting, the same file loads.
-            std::fs::write(&file, format!("{text}\n")).unwrap();
-            Config::load(Some(&file)).unwrap();
-        }
-        // A URL without a password is no secret.
-        std::fs::write(
+        // In a Jail: Config::load reads RIALTO_* variables, which another
+        // test sets inside one.
+        figment::Jail::expect_with(|_| {
+            let folder = scratch("inline");
+            let file = folder.join("rialto.toml");
+            let cases = [
+                ("[operator]\ntoken = \"t\"", "operator.token_file"),
+                ("[grpc]\ntoken = \"t\"", "grpc.token_file"),
+                (
+                    "[database]\nurl = \"postgres://u:pw@h/db\"",
+                    "database.url_file",
+                ),
+                (
+                    "[[models]]\nid = \"m\"\nbackends = [{ kind = \"openai\", url = \"http://h/v1\", api_key = \"k\" }]",
+                    "api_key_file",
+                ),
+                (
+                    "[console]\nsession_key = \"0123456789abcdef0123456789abcdef\"",
+                    "console.session_key_file",
+                ),
+            ];
+            for (text, instead) in cases {
+                std::fs::write(&file, format!("[secrets]\nrefuse_inline = true\n{text}\n"))
+                    .unwrap();
+                let error = Config::load(Some(&file)).unwrap_err().to_string();
+                assert!(
+                    error.contains(instead) && error.contains("refuse_inline"),
+                    "{error}"
+                );
+                // Without the setting, the same file loads.
+                std::fs::write(&file, format!("{text}\n")).unwrap();
+                Config::load(Some(&file)).unwrap();
+            }
+            // A URL without a password is no secret.
+            std::fs::write(
             &file,
             "[secrets]\nrefuse_inline = true\n[database]\nurl = \"postgres://rialto@db/rialto\"\n",
         )
         .unwrap();
-        Config::load(Some(&file)).unwrap();
-        std::fs::remove_dir_all(&folder).unwrap();
+            Config::load(Some(&file)).unwrap();
+            std::fs::remove_dir_all(&folder).unwrap();
+            Ok(())
+        });
     }
 
     #[test]

@@ -69,6 +69,37 @@ impl ApiError {
     pub fn message(&self) -> &str {
         &self.error.message
     }
+
+    /// Each validation message as `field: message` (just the message for
+    /// the body as a whole), for a reader rather than a program.
+    pub fn detail_lines(&self) -> Vec<String> {
+        fn walk(path: &mut Vec<String>, node: &Map<String, Value>, lines: &mut Vec<String>) {
+            for (key, value) in node {
+                match (key.as_str(), value) {
+                    ("_errors", Value::Array(errors)) => {
+                        for error in errors.iter().filter_map(Value::as_str) {
+                            lines.push(if path.is_empty() {
+                                error.to_owned()
+                            } else {
+                                format!("{}: {error}", path.join("."))
+                            });
+                        }
+                    }
+                    (_, Value::Object(child)) => {
+                        path.push(key.clone());
+                        walk(path, child, lines);
+                        path.pop();
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let mut lines = Vec::new();
+        if let Some(details) = &self.details {
+            walk(&mut Vec::new(), &details.0, &mut lines);
+        }
+        lines
+    }
 }
 
 impl From<Error> for ApiError {

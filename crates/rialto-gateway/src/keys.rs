@@ -110,13 +110,22 @@ pub(crate) async fn create_for(
     account_id: String,
     body: &Value,
 ) -> Result<HttpResponse, ApiError> {
+    Ok(created_json(create_key(gateway, account_id, body).await?))
+}
+
+/// Validates a `POST /api_keys` body and makes the key in `account_id`:
+/// the one path every key takes (the API, the operator API, the console).
+pub(crate) async fn create_key(
+    gateway: &Gateway,
+    account_id: String,
+    body: &Value,
+) -> Result<pb::CreatedKey, ApiError> {
     let create = validate_create(body, CREATE_FIELDS, None)?;
-    let created = gateway
+    Ok(gateway
         .services
         .auth
         .create_api_key(create.request(account_id))
-        .await?;
-    Ok(created_json(created))
+        .await?)
 }
 
 /// An account's keys in the listing shape (what they spent is not read).

@@ -35,6 +35,7 @@ mod audio;
 mod augment;
 mod characters;
 mod chat;
+pub mod console;
 pub mod convert;
 mod crypto_rpc;
 mod embeddings;
@@ -128,6 +129,8 @@ pub struct Gateway {
     jobs: jobs::JobSettings,
     /// Length of `router.system_prompt`, counted in holds when it is sent.
     system_prompt_chars: usize,
+    /// The web console (`console.enabled`), with its session keys.
+    console: Option<console::Console>,
     /// Connections per HTTP worker, and the time a request's head may take.
     max_connections: usize,
     client_request_timeout: std::time::Duration,
@@ -197,6 +200,7 @@ impl Gateway {
             max_upload_bytes: config.media.max_upload_bytes,
             jobs: jobs::JobSettings::new(&config.media),
             system_prompt_chars: config.router.system_prompt.len(),
+            console: console::Console::new(&config.console)?,
             max_connections: config.gateway.max_connections,
             client_request_timeout: std::time::Duration::from_millis(
                 config.gateway.client_request_timeout_ms,
@@ -405,6 +409,7 @@ impl ModelEntry {
 
 /// Registers every route on an actix `App`.
 pub fn configure(gateway: web::Data<Gateway>) -> impl FnOnce(&mut web::ServiceConfig) {
+    let gateway_has_console = gateway.console.is_some();
     move |cfg| {
         cfg.app_data(gateway)
             // Malformed query strings and paths get the spec's error body too.
@@ -418,6 +423,11 @@ pub fn configure(gateway: web::Data<Gateway>) -> impl FnOnce(&mut web::ServiceCo
                 details.push(&[], format!("Invalid path: {error}"));
                 ApiError::validation(details).into()
             }))
+            .configure(|cfg| {
+                if gateway_has_console {
+                    console::configure(cfg);
+                }
+            })
             .route("/openapi.yaml", web::get().to(openapi::document))
             .route("/healthz", web::get().to(health))
             .route("/metrics", web::get().to(public_metrics))
