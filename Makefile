@@ -30,7 +30,7 @@ run: toolchain native models speech ## Build and start Rialto on its embedded de
 	@echo
 	exec $(TARGET_DIR)/release/rialto serve
 
-test: k8s-validate toolchain native models speech pgbouncer services venv bench-venv devnet ## Every check: k8s-validate, fmt, clippy -D warnings, all tests, test-soak, bench-smoke, test-cluster (starts PostgreSQL/NATS if needed)
+test: k8s-validate toolchain native models speech pgbouncer services venv bench-venv devnet browser ## Every check: k8s-validate, fmt, clippy -D warnings, all tests, test-soak, bench-smoke, test-cluster (starts PostgreSQL/NATS if needed)
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
 	$(CARGO) build --locked -p rialto -p rialto-bench
@@ -129,6 +129,44 @@ tests/devnet/node_modules/.installed: tests/devnet/package.json tests/devnet/pac
 	command -v npm >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -yq nodejs npm; }
 	cd tests/devnet && npm ci --no-audit --no-fund --ignore-scripts
 	touch $@
+
+# The web console's browser tests (tests/e2e/console.rs runs
+# tests/console/console.test.mjs): Debian's Chromium driven by playwright-core
+# (which downloads no browser: the test launches /usr/bin/chromium), pages
+# checked with axe-core, a wallet signing with viem; npm ci installs the
+# exact versions of tests/console/package-lock.json.
+.PHONY: browser console-screenshots
+
+browser: tests/console/node_modules/.installed ## Debian's chromium and chromium-driver, and tests/console's npm packages (playwright-core 1.65.1, axe-core 4.14.1, viem 2.57.20) for the console's browser tests
+	@[ -x /usr/bin/chromium ] || { \
+	  echo "installing chromium and chromium-driver (the console's browser tests)"; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -yq chromium chromium-driver; \
+	}
+
+tests/console/node_modules/.installed: tests/console/package.json tests/console/package-lock.json
+	command -v npm >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -yq nodejs npm; }
+	cd tests/console && npm ci --no-audit --no-fund --ignore-scripts
+	touch $@
+
+# uPlot, the console's chart library, as vendored in the binary: fetched
+# again from npm at the pinned version and compared with the committed files.
+UPLOT_VERSION := 1.6.32
+UPLOT_VENDOR := crates/rialto-gateway/console/vendor
+.PHONY: console-vendor
+console-vendor: ## Fetch uPlot (the console's charts) from npm at its pinned version and check the vendored copy matches
+	command -v npm >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -yq nodejs npm; }
+	@work=$$(mktemp -d) && trap 'rm -rf "$$work"' EXIT && \
+	  (cd "$$work" && npm pack --silent uplot@$(UPLOT_VERSION) >/dev/null && tar -xzf uplot-$(UPLOT_VERSION).tgz) && \
+	  for pair in dist/uPlot.iife.min.js:uPlot.iife.min.js dist/uPlot.min.css:uPlot.min.css LICENSE:uPlot.LICENSE; do \
+	    cmp "$$work/package/$${pair%%:*}" "$(UPLOT_VENDOR)/$${pair##*:}" || { echo "$(UPLOT_VENDOR)/$${pair##*:} differs from uplot@$(UPLOT_VERSION)"; exit 1; }; \
+	  done && echo "$(UPLOT_VENDOR) is uplot@$(UPLOT_VERSION) from npm"
+
+# The README's screenshots of the console (docs/console/*.png, committed):
+# the browser test's, copied there when RIALTO_CONSOLE_SCREENSHOTS names the
+# folder. Every page's screenshot stays in $(TARGET_DIR)/console-screenshots/.
+console-screenshots: toolchain native browser ## Regenerate the README's console screenshots (docs/console/operator-account.png, account-usage.png) with the browser test
+	$(CARGO) build --locked -p rialto
+	RIALTO_CONSOLE_SCREENSHOTS=$(CURDIR)/docs/console $(CARGO) test --locked -p rialto-e2e --test e2e -- console::browser --exact --nocapture
 
 venv: $(VENV)/.installed ## Python venv with the official openai SDK and schemathesis (for the end-to-end SDK and fuzzing tests)
 

@@ -11,6 +11,7 @@ mod balance;
 mod billing;
 mod characters;
 mod chat;
+mod console;
 mod crash;
 mod crypto_rpc;
 mod documents;

@@ -12,17 +12,29 @@
     const data = JSON.parse(source.textContent);
     const series = [{}];
     const columns = [data.x];
+    let counts = false;
     data.series.forEach(function (s, i) {
-      series.push({ label: s.label, stroke: palette[i % palette.length], width: 2, points: { show: data.x.length < 40 } });
+      // Counts (requests) get an axis of their own, on the right.
+      counts = counts || s.count;
+      series.push({
+        label: s.label,
+        scale: s.count ? "count" : "amount",
+        stroke: palette[i % palette.length],
+        width: 2,
+        dash: s.count ? [6, 4] : undefined,
+        points: { show: data.x.length < 40 },
+      });
       columns.push(s.values);
     });
+    const axes = [{}, { scale: "amount", label: data.unit }];
+    if (counts) axes.push({ scale: "count", side: 1, label: "requests", grid: { show: false } });
     const width = Math.max(280, el.clientWidth || 600);
     const plot = new uPlot({
       width: width,
       height: 260,
       series: series,
-      scales: { x: { time: true } },
-      axes: [{}, { label: data.unit }],
+      scales: { x: { time: true }, amount: { auto: true }, count: { auto: true } },
+      axes: axes,
     }, columns, el);
     new ResizeObserver(function () {
       plot.setSize({ width: Math.max(280, el.clientWidth), height: 260 });

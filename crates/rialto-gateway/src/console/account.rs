@@ -12,7 +12,7 @@ use rialto_limiter::{Caller, Target};
 use rialto_proto::auth::v1 as auth_pb;
 use rialto_proto::billing::v1 as billing_pb;
 
-use super::layout::{self, Daily, Series, number};
+use super::layout::{self, Daily, number};
 use super::session::Principal;
 use super::{Refusal, Reply, Visitor, html, posted, redirect, visitor};
 use crate::Gateway;
@@ -143,7 +143,7 @@ pub async fn usage(
         .await?
         .groups;
     let daily = Daily::of(&groups, first, last);
-    let total = |values: &[f64]| values.iter().sum::<f64>();
+    let total = |values: &[rust_decimal::Decimal]| values.iter().sum::<rust_decimal::Decimal>();
     let body = html! {
         (layout::range_links("/console/account/usage", days))
         dl.summary {
@@ -151,11 +151,7 @@ pub async fn usage(
             div { dt { "DIEM spent" } dd #diem-spent { (number(total(&daily.diem))) } }
             div { dt { "Requests" } dd #requests { (number(total(&daily.requests))) } }
         }
-        (layout::chart("usage", &format!("Spend and requests by day, last {days} days"), "USD", &daily.days, &[
-            Series { label: "USD".into(), values: daily.usd.clone() },
-            Series { label: "DIEM".into(), values: daily.diem.clone() },
-            Series { label: "Requests".into(), values: daily.requests.clone() },
-        ]))
+        (layout::chart("usage", &format!("Spend and requests by day, last {days} days"), "USD", &daily.days, &daily.series()))
         (layout::by_model_table(&daily))
         p { a #usage-csv href=(format!("/console/account/usage.csv?days={days}")) download { "Download every request as CSV" } }
     };

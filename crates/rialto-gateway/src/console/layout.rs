@@ -2,6 +2,8 @@
 //! CSRF field, tables, charts, and how times and amounts read.
 
 use maud::{DOCTYPE, Markup, html};
+use rust_decimal::Decimal;
+use rust_decimal::prelude::ToPrimitive;
 use serde_json::json;
 
 use super::Visitor;
@@ -17,7 +19,7 @@ fn head(title: &str) -> Markup {
         head {
             meta charset="utf-8";
             meta name="viewport" content="width=device-width, initial-scale=1";
-            meta name="referrer" content="no-referrer";
+            meta name="referrer" content="same-origin";
             title { (title) " · Console" }
             link rel="stylesheet" href=(asset("uPlot.min.css"));
             link rel="stylesheet" href=(asset("app.css"));
@@ -144,10 +146,12 @@ pub fn date(day: i64) -> String {
         .unwrap_or_default()
 }
 
-/// A series of a chart over days: its name and one value a day.
+/// A series of a chart over days: its name and one exact value a day. A
+/// series of counts (`count`) is drawn against an axis of its own.
 pub struct Series {
     pub label: String,
-    pub values: Vec<f64>,
+    pub values: Vec<Decimal>,
+    pub count: bool,
 }
 
 /// A chart over `days` (days since the epoch): uPlot draws it from the
@@ -157,7 +161,11 @@ pub fn chart(id: &str, caption: &str, unit: &str, days: &[i64], series: &[Series
     let data = json!({
         "unit": unit,
         "x": days.iter().map(|d| d * 86_400).collect::<Vec<_>>(),
-        "series": series.iter().map(|s| json!({"label": s.label, "values": s.values})).collect::<Vec<_>>(),
+        "series": series.iter().map(|s| json!({
+            "label": s.label,
+            "count": s.count,
+            "values": s.values.iter().map(|v| v.to_f64().unwrap_or(0.0)).collect::<Vec<_>>(),
+        })).collect::<Vec<_>>(),
     });
     let chart_id = format!("{id}-chart");
     let data_id = format!("{id}-data");
@@ -180,7 +188,7 @@ pub fn chart(id: &str, caption: &str, unit: &str, days: &[i64], series: &[Series
                             tr {
                                 th scope="row" { (date(*day)) }
                                 @for s in series {
-                                    td.num { (number(s.values.get(i).copied().unwrap_or(0.0))) }
+                                    td.num { (number(s.values.get(i).copied().unwrap_or_default())) }
                                 }
                             }
                         }
@@ -200,15 +208,9 @@ fn json_for_script(value: &serde_json::Value) -> String {
         .replace('&', "\\u0026")
 }
 
-/// A figure as people read it: at most 6 decimals, no trailing zeros.
-pub fn number(value: f64) -> String {
-    let text = format!("{value:.6}");
-    let text = text.trim_end_matches('0').trim_end_matches('.');
-    if text.is_empty() || text == "-0" {
-        "0".to_owned()
-    } else {
-        text.to_owned()
-    }
+/// An exact figure, without trailing zeros.
+pub fn number(value: Decimal) -> String {
+    value.normalize().to_string()
 }
 
 /// A key's cap, as one line.
@@ -390,43 +392,48 @@ pub fn hits_table(
     }
 }
 
-/// Usage groups summed by day (and by model): a chart's series.
+/// Usage groups summed by day (and by model), exactly.
 pub struct Daily {
     pub days: Vec<i64>,
-    pub usd: Vec<f64>,
-    pub diem: Vec<f64>,
-    pub requests: Vec<f64>,
-    /// USD and DIEM spent per model over the range.
-    pub by_model: Vec<(String, f64, f64, u64)>,
+    pub usd: Vec<Decimal>,
+    pub diem: Vec<Decimal>,
+    pub requests: Vec<Decimal>,
+    /// USD, DIEM and requests per model over the range, most spent first.
+    pub by_model: Vec<(String, Decimal, Decimal, u64)>,
 }
 
 impl Daily {
     pub fn of(groups: &[rialto_proto::billing::v1::UsageGroup], first: i64, last: i64) -> Self {
         let days: Vec<i64> = (first..=last).collect();
         let n = days.len();
-        let (mut usd, mut diem, mut requests) = (vec![0.0; n], vec![0.0; n], vec![0.0; n]);
-        let mut by_model: std::collections::BTreeMap<String, (f64, f64, u64)> = Default::default();
+        let zero = || vec![Decimal::ZERO; n];
+        let (mut usd, mut diem, mut requests) = (zero(), zero(), zero());
+        let mut by_model: std::collections::BTreeMap<String, (Decimal, Decimal, u64)> =
+            Default::default();
         for group in groups {
-            let amount: f64 = group.amount.parse().unwrap_or(0.0);
+            let amount: Decimal = group.amount.parse().unwrap_or_default();
             let model = by_model.entry(group.model_id.clone()).or_default();
             model.2 += group.requests;
+            if group.currency == "DIEM" {
+                model.1 += amount;
+            } else {
+                model.0 += amount;
+            }
             let Some(i) = usize::try_from(group.day - first).ok().filter(|i| *i < n) else {
                 continue;
             };
-            requests[i] += group.requests as f64;
+            requests[i] += Decimal::from(group.requests);
             if group.currency == "DIEM" {
                 diem[i] += amount;
-                model.1 += amount;
             } else {
                 usd[i] += amount;
-                model.0 += amount;
             }
         }
-        let mut by_model: Vec<(String, f64, f64, u64)> = by_model
+        let mut by_model: Vec<(String, Decimal, Decimal, u64)> = by_model
             .into_iter()
             .map(|(model, (usd, diem, requests))| (model, usd, diem, requests))
             .collect();
-        by_model.sort_by(|a, b| (b.1 + b.2).total_cmp(&(a.1 + a.2)));
+        by_model.sort_by_key(|model| std::cmp::Reverse(model.1 + model.2));
         Self {
             days,
             usd,
@@ -434,6 +441,27 @@ impl Daily {
             requests,
             by_model,
         }
+    }
+
+    /// The usual three series: USD, DIEM, and requests on their own axis.
+    pub fn series(&self) -> Vec<Series> {
+        vec![
+            Series {
+                label: "USD".into(),
+                values: self.usd.clone(),
+                count: false,
+            },
+            Series {
+                label: "DIEM".into(),
+                values: self.diem.clone(),
+                count: false,
+            },
+            Series {
+                label: "Requests".into(),
+                values: self.requests.clone(),
+                count: true,
+            },
+        ]
     }
 }
 

@@ -72,7 +72,9 @@ pub fn configure(cfg: &mut web::ServiceConfig) {
                 actix_web::middleware::DefaultHeaders::new()
                     .add((header::CONTENT_SECURITY_POLICY, CSP))
                     .add((header::X_FRAME_OPTIONS, "DENY"))
-                    .add((header::REFERRER_POLICY, "no-referrer"))
+                    // Not no-referrer: under it a browser sends `Origin: null`
+                    // with a form's post, and the same-origin check needs it.
+                    .add((header::REFERRER_POLICY, "same-origin"))
                     .add((header::X_CONTENT_TYPE_OPTIONS, "nosniff")),
             )
             .route("/", web::get().to(home))

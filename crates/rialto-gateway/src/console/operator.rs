@@ -12,7 +12,7 @@ use rialto_proto::auth::v1 as auth_pb;
 use rialto_proto::billing::v1 as billing_pb;
 use serde_json::{Value, json};
 
-use super::layout::{self, Daily, Series, csrf, number, time};
+use super::layout::{self, Daily, Series, csrf, time};
 use super::{Refusal, Reply, Visitor, html, operator_posted, operator_visitor, redirect};
 use crate::operator::ledger_owner_of;
 use crate::{ApiError, Details, Gateway};
@@ -269,20 +269,16 @@ async fn account_page(
                 div { dt { "Id" } dd { code { (account.id) } } }
                 @if !account.wallet.is_empty() { div { dt { "Wallet" } dd { code { (account.wallet) } } } }
                 div { dt { "Status" } dd #status { @if suspended { "suspended" } @else { "active" } } }
-                div { dt { "Tier" } dd #tier { (account.tier) } }
+                div { dt { "Tier" } dd #tier-value { (account.tier) } }
                 div { dt { "USD balance" } dd #balance-usd { (balance.usd) } }
                 div { dt { "USD held by requests in flight" } dd #usd-held { (balance.usd_held) } }
                 div { dt { "DIEM balance" } dd #balance-diem { (balance.diem) } }
-                div { dt { "DIEM stake (per day)" } dd #stake { (balance.diem_per_day) } }
+                div { dt { "DIEM stake (per day)" } dd #stake-value { (balance.diem_per_day) } }
             }
         }
         section aria-labelledby="usage-heading" {
             h2 #usage-heading { "Usage, last 30 days" }
-            (layout::chart("usage", "Spend and requests by day", "USD", &daily.days, &[
-                Series { label: "USD".into(), values: daily.usd.clone() },
-                Series { label: "DIEM".into(), values: daily.diem.clone() },
-                Series { label: "Requests".into(), values: daily.requests.clone() },
-            ]))
+            (layout::chart("usage", "Spend and requests by day", "USD", &daily.days, &daily.series()))
             (layout::by_model_table(&daily))
         }
         section aria-labelledby="keys-heading" {
@@ -600,7 +596,7 @@ pub async fn models(gateway: web::Data<Gateway>, request: HttpRequest) -> Reply 
                                 td.num { (backend.passed) }
                                 td.num { (backend.failed) }
                                 td.num {
-                                    @if total == 0 { "–" } @else { (number(100.0 * backend.failed as f64 / total as f64)) "%" }
+                                    @if total == 0 { "–" } @else { (format!("{:.1}", 100.0 * backend.failed as f64 / total as f64)) "%" }
                                 }
                             }
                         }
@@ -662,10 +658,11 @@ pub async fn spend(gateway: web::Data<Gateway>, request: HttpRequest, query: Que
         .iter()
         .map(|model| Series {
             label: (*model).to_owned(),
-            values: vec![0.0; daily.days.len()],
+            values: vec![rust_decimal::Decimal::ZERO; daily.days.len()],
+            count: false,
         })
         .collect();
-    let mut other = vec![0.0; daily.days.len()];
+    let mut other = vec![rust_decimal::Decimal::ZERO; daily.days.len()];
     for group in &groups {
         let Some(i) = usize::try_from(group.day - first)
             .ok()
@@ -673,7 +670,7 @@ pub async fn spend(gateway: web::Data<Gateway>, request: HttpRequest, query: Que
         else {
             continue;
         };
-        let amount: f64 = group.amount.parse().unwrap_or(0.0);
+        let amount: rust_decimal::Decimal = group.amount.parse().unwrap_or_default();
         match top.iter().position(|m| *m == group.model_id) {
             Some(s) => series[s].values[i] += amount,
             None => other[i] += amount,
@@ -683,6 +680,7 @@ pub async fn spend(gateway: web::Data<Gateway>, request: HttpRequest, query: Que
         series.push(Series {
             label: "Other models".into(),
             values: other,
+            count: false,
         });
     }
     let body = html! {
