@@ -28,6 +28,7 @@ mod health;
 pub mod inprocess;
 mod local;
 mod speech;
+mod sse;
 pub mod thinking;
 
 pub use health::{BackendHealth, CircuitState};

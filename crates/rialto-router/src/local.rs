@@ -18,7 +18,6 @@ use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use async_trait::async_trait;
-use eventsource_stream::Eventsource;
 use futures_util::StreamExt;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::histogram::Histogram;
@@ -166,8 +165,11 @@ impl StreamClock {
         }
         self.last = now;
         self.chunks += 1;
-        // Only the usage chunk says `completion_tokens`: parsed once.
-        if memchr::memmem::find(data, b"\"completion_tokens\"").is_some()
+        // Only the usage chunk says `completion_tokens`: parsed once. (The
+        // searcher is built once: building it was more than the search.)
+        static COMPLETION_TOKENS: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+            std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"completion_tokens\""));
+        if COMPLETION_TOKENS.find(data).is_some()
             && let Ok(chunk) = serde_json::from_slice::<Value>(data)
             && let Some(tokens) = chunk
                 .pointer("/usage/completion_tokens")
@@ -1339,17 +1341,15 @@ fn broken_off() -> Error {
 /// ends with one error.
 fn sse_chunks(response: reqwest::Response, request_id: &str) -> ChunkStream {
     let request_id = Arc::<str>::from(request_id);
-    let chunks = response
-        .bytes_stream()
-        .eventsource()
-        .take_while(|event| {
-            let done = matches!(event, Ok(event) if event.data.trim() == "[DONE]");
+    let chunks = crate::sse::data_events(response.bytes_stream())
+        .take_while(|data| {
+            let done = matches!(data, Ok(data) if data.trim_ascii() == b"[DONE]");
             std::future::ready(!done)
         })
-        .filter_map(move |event| {
-            std::future::ready(match event {
-                Ok(event) if event.data.trim().is_empty() => None,
-                Ok(event) => Some(Ok(event.data.into_bytes())),
+        .filter_map(move |data| {
+            std::future::ready(match data {
+                Ok(data) if data.trim_ascii().is_empty() => None,
+                Ok(data) => Some(Ok(data)),
                 Err(error) => {
                     tracing::warn!(request_id = %request_id, %error, "upstream stream broke");
                     Some(Err(broken_off()))
