@@ -607,8 +607,12 @@ class Suite:
         rialto = [self.binary("rialto"), "--config", config, "serve"]
         env = {}
         if split:
+            # Five processes on the machine's two cores: each of the four
+            # behind the gateway runs one Tokio worker rather than one per
+            # core (as a pod's CPU limit of 1 would give it), which the
+            # cores shared by twelve runtime threads measured worse.
             for service in ("auth", "limiter", "billing", "router"):
-                addr = procs.start(service, [*rialto, "--services", service],
+                addr = procs.start(service, [*rialto, "--services", service], env={"TOKIO_WORKER_THREADS": "1"},
                                    announce=r"grpc listening on (\S+)")
                 env[f"RIALTO_REMOTE__{service.upper()}"] = f"http://{addr}"
             addr = procs.start("gateway", [*rialto, "--services", "gateway"], env=env,
@@ -916,13 +920,95 @@ class Suite:
                 procs.stop()
             self.upstream.stop()
 
+    # What `instructions` measures: (label, mode, model, concurrency).
+    INSTRUCTION_ROWS = (("priced chat", "closed", "bench-fast", 4), ("priced stream", "stream", "bench-stream", 8))
+
+    def instructions(self):
+        """Instructions per request of `rialto serve` (one process) under
+        callgrind, for this build and each `--instructions-also` one:
+        unlike time on this shared VM, a count that moves only when the
+        code does. User space only (valgrind does not see the kernel);
+        every thread of the process; after a warm-up, the counters are
+        zeroed, a load runs `duration` seconds, and the count is divided by
+        the requests it completed."""
+        if shutil.which("valgrind") is None:
+            sys.exit("valgrind is missing: make bench installs it")
+        builds = [("this build", self.bin), *self.args.instructions_also]
+        self.start_upstreams()
+        try:
+            result = {}
+            for label, folder in builds:
+                result[label] = {"bin": folder}
+                for row, mode, model, concurrency in self.INSTRUCTION_ROWS:
+                    result[label][row] = self.count_instructions(folder, mode, model, concurrency)
+                    print(f"   {label}, {row}: {result[label][row]['per_request']:,} instructions a request "
+                          f"({result[label][row]['requests']} requests)", flush=True)
+            return result
+        finally:
+            self.upstream.stop()
+
+    def count_instructions(self, folder, mode, model, concurrency):
+        procs = Processes(self.workdir)
+        out = os.path.join(self.workdir, f"callgrind-{secrets.token_hex(4)}.out")
+        try:
+            config = os.path.join(self.workdir, "instructions.toml")
+            operator = self.rialto_config(config)
+            addr = procs.start("callgrind", ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
+                                             os.path.join(folder, "rialto"), "--config", config, "serve"],
+                               announce=r"gateway listening on http://(\S+)")
+            base = f"http://{addr}"
+            wait_http(f"{base}/healthz", 180)
+            headers = {"Authorization": f"Bearer {inference_key(base, operator)}"}
+            url = f"{base}/api/v1/chat/completions"
+            body = {"model": model, "messages": CHAT, **({"stream": True} if mode == "stream" else {})}
+            self.load(mode, url, headers, body, concurrency=concurrency)
+            pid = str(procs.pids(["callgrind"])[0])
+            dumps = []
+
+            def dump():
+                """The instructions since the last dump (or zeroing)."""
+                subprocess.run(["callgrind_control", "--dump", pid], check=True, capture_output=True)
+                name = f"{out}.{len(dumps) + 1}"
+                for _ in range(100):
+                    if os.path.exists(name):
+                        time.sleep(0.5)
+                        with open(name, errors="replace") as f:
+                            dumps.append(next((int(line.split()[1]) for line in f if line.startswith("summary:")), 0))
+                        return dumps[-1]
+                    time.sleep(0.1)
+                raise RuntimeError("callgrind wrote no count")
+
+            # What the process does with no request (the writer's, the
+            # sweeper's, the checkpointer's clocks) is counted by the second
+            # and taken out: under valgrind's slowness it would otherwise be
+            # charged to fewer requests than at full speed.
+            subprocess.run(["callgrind_control", "--zero", pid], check=True, capture_output=True)
+            idle_started = time.monotonic()
+            time.sleep(self.duration)
+            idle = dump() / (time.monotonic() - idle_started)
+            load_started = time.monotonic()
+            run = self.load(mode, url, headers, body, concurrency=concurrency)
+            loaded = dump()
+            load_seconds = time.monotonic() - load_started
+            # The load's own warm-up is counted too: it ran after the zero.
+            requests = (run.get("streams") or run["requests"]) * (self.duration + self.warmup) / self.duration
+            if not loaded or not requests:
+                raise RuntimeError("callgrind counted nothing")
+            work = loaded - idle * load_seconds
+            return {"requests": round(requests), "instructions": loaded, "idle_per_second": round(idle),
+                    "load_seconds": round(load_seconds, 1), "per_request": round(work / requests),
+                    "errors": run["errors"]}
+        finally:
+            procs.stop()
+
     def run_only(self, step):
         """One step alone (`--only`): its results section."""
         started = time.time()
         results = {"local-model": lambda: {"local_model": self.local_model()},
                    "soak": lambda: {"soak": self.soak()},
                    "failover": lambda: {"failover": self.failover()},
-                   "media": lambda: {"media": self.media()}}[step]()
+                   "media": lambda: {"media": self.media()},
+                   "instructions": lambda: {"instructions": self.instructions()}}[step]()
         elapsed = round(time.time() - started)
         shutil.rmtree(self.workdir, ignore_errors=True)
         return results, elapsed
@@ -941,6 +1027,8 @@ class Suite:
         finally:
             self.upstream.stop()
         results["media"] = self.media()
+        if not self.smoke:
+            results["instructions"] = self.instructions()
         # make test runs the soak on its own (make test-soak); a smoke does not repeat it.
         if not self.smoke:
             results["soak"] = self.soak()
@@ -1081,6 +1169,7 @@ def report(results, meta):
     lines += soak_report(results, meta)
     lines += failover_report(results, meta)
     lines += media_report(results, meta)
+    lines += instructions_report(results, meta)
 
     lines += targets_report(results, meta)
     notes = os.path.join(ROOT, "bench", "NOTES.md")
@@ -1747,12 +1836,16 @@ def main():
     parser.add_argument("--litellm-venv", default=os.path.join(ROOT, "bench", ".venv"))
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
     parser.add_argument("--command", help="recorded in the report (default: make bench, or this command line)")
-    parser.add_argument("--only", choices=["local-model", "soak", "failover", "media"],
+    parser.add_argument("--only", choices=["local-model", "soak", "failover", "media", "instructions"],
                         help="run this step alone into bench/results/<time>-<step>.json (BENCHMARKS.md untouched: "
                              "add it to a full run's with --from-results)")
     parser.add_argument("--llama-bench-also", metavar="LABEL=PATH", action="append", default=[],
                         type=labelled_binary,
                         help="another llama-bench to measure next to Rialto's engine (e.g. a -DGGML_NATIVE=ON build)")
+    parser.add_argument("--instructions-also", metavar="LABEL=FOLDER", action="append", default=[],
+                        type=labelled_binary,
+                        help="another build's folder (holding its rialto) whose instructions per request are "
+                             "counted next to this one's (e.g. the commit before a change)")
     parser.add_argument("--report-to", metavar="FILE",
                         help="with --smoke: write the report rendered from the smoke's figures here")
     parser.add_argument("--from-results", metavar="FILE", nargs="+",
@@ -1864,6 +1957,32 @@ def media_report(results, meta):
             added = ("–", "–") if name == "floor" else (lat["p50"] - floor["p50"], lat["p99"] - floor["p99"])
             lines.append(f"| {kind} | {name} | {ms(lat['p50'])} | {ms(lat['p99'])} | {added[0]} | {added[1]} | "
                          f"{run['rps']:.0f} | {run['errors']} |")
+    return lines
+
+
+def instructions_report(results, meta):
+    """Instructions per request under callgrind; empty for results of runs
+    before it."""
+    counted = results.get("instructions")
+    if not counted:
+        return []
+    lines = ["", "## Instructions per request (callgrind)", "",
+             measured_on_its_own(counted, meta) + "Time on this shared VM moves by a factor of two or more between "
+             "runs; the instructions a request costs move only when the code does, so a change's effect on CPU is "
+             "read here. `rialto serve` (one process, the bench configuration) under valgrind's callgrind: "
+             "user-space instructions of every thread (the ledger's writer and the log thread included; the "
+             "kernel's TCP work is not seen), counted over a load of "
+             f"{meta.get('duration_s', 5)} s after a warm-up, less what the process does idle over as long (its "
+             "background clocks, counted before the load), and divided by the requests completed: a priced chat at "
+             "4 connections (`bench-fast`) and a priced stream of 16 chunks at 8 (`bench-stream`).", "",
+             "| build | request | instructions a request | requests counted | errors |", "|---|---|---|---|---|"]
+    for label, rows in counted.items():
+        if label == "meta":
+            continue
+        for row, *_ in Suite.INSTRUCTION_ROWS:
+            if row in rows:
+                r = rows[row]
+                lines.append(f"| {label} | {row} | {r['per_request']:,} | {r['requests']} | {r['errors']} |")
     return lines
 
 

@@ -1,0 +1,128 @@
+"""A/B runs of single rows of `make bench` between builds, on this noisy VM:
+run.py's upstreams, configuration and load generator, one build folder
+(holding rialto and the bench binaries) and one environment per run, only the
+rows asked for, each printed as a JSON line with the CPU its processes used
+per request (per stream). Interleave runs of two builds and compare medians:
+
+    python3 bench/ab.py --bin /tmp/before --rows streams512,max
+    python3 bench/ab.py --bin target/release --split --rows open \
+        --env auth:TOKIO_WORKER_THREADS=1 --env limiter:TOKIO_WORKER_THREADS=1
+
+Rows: c1 (concurrency 1), open (the fixed rate: 5,000 req/s, 2,000 split),
+max (64 connections), streamsN (N concurrent streams). --floor and --proxy
+measure the upstream alone and bench-proxy in front of it."""
+import argparse
+import json
+import os
+import sys
+import types
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import run as B  # noqa: E402
+
+p = argparse.ArgumentParser()
+p.add_argument("--bin", required=True)
+p.add_argument("--rows", default="c1,open,streams,max")
+p.add_argument("--split", action="store_true")
+p.add_argument("--floor", action="store_true")
+p.add_argument("--proxy", action="store_true")
+p.add_argument("--env", action="append", default=[], help="SERVICE:NAME=VALUE or NAME=VALUE for all")
+p.add_argument("--duration", type=float, default=5.0)
+p.add_argument("--rate", type=int)
+a = p.parse_args()
+
+args = types.SimpleNamespace(target_dir="/nonexistent", profile="release", smoke=False, duration=a.duration,
+                             litellm_venv="")
+s = B.Suite(args)
+s.bin = a.bin
+s.start_upstreams()
+
+def env_for(service):
+    env = {}
+    for item in a.env:
+        svc, _, kv = item.rpartition(":")
+        if svc in ("", service):
+            k, _, v = kv.partition("=")
+            env[k] = v
+    return env
+
+procs = B.Processes(s.workdir)
+out = {}
+try:
+    if a.proxy:
+        urls = {}
+        for name, b in s.upstreams.items():
+            up = b.removeprefix("http://").removesuffix("/v1")
+            addr = procs.start(f"proxy-{name}", [s.binary("bench-proxy"), "--listen", "127.0.0.1:0", "--upstream", up,
+                                                 "--threads", "2"], announce=r"bench-proxy listening on (\S+)")
+            urls[name] = f"http://{addr}/v1"
+            B.wait_http(f"{urls[name]}/models", 10)
+        url = lambda m: f"{urls[m]}/chat/completions"
+        headers = {}
+        model = lambda m: "bench-model"
+    elif a.floor:
+        url = lambda m: f"{s.upstreams[m]}/chat/completions"
+        headers = {}
+        model = lambda m: "bench-model"
+    else:
+        config = os.path.join(s.workdir, "r.toml")
+        operator = s.rialto_config(config)
+        rialto = [s.binary("rialto"), "--config", config, "serve"]
+        if a.split:
+            env = {}
+            for service in ("auth", "limiter", "billing", "router"):
+                addr = procs.start(service, [*rialto, "--services", service], env=env_for(service),
+                                   announce=r"grpc listening on (\S+)")
+                env[f"RIALTO_REMOTE__{service.upper()}"] = f"http://{addr}"
+            addr = procs.start("gateway", [*rialto, "--services", "gateway"], env={**env, **env_for("gateway")},
+                               announce=r"gateway listening on http://(\S+)")
+        else:
+            addr = procs.start("gateway", rialto, env=env_for("gateway"), announce=r"gateway listening on http://(\S+)")
+        base = f"http://{addr}"
+        B.wait_http(f"{base}/healthz", 30)
+        key = B.inference_key(base, operator)
+        url = lambda m: f"{base}/api/v1/chat/completions"
+        headers = {"Authorization": f"Bearer {key}"}
+        model = lambda m: f"bench-{m}"
+    body = lambda m, **x: {"model": model(m), "messages": B.CHAT, **x}
+    rows = a.rows.split(",")
+    def ticks():
+        total = 0
+        for pid in procs.pids(None):
+            try:
+                f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+                total += int(f[11]) + int(f[12])
+            except OSError:
+                pass
+        return total
+    hz = os.sysconf("SC_CLK_TCK")
+    rate = a.rate or (2000 if a.split else 5000)
+    for row in rows:
+        t0 = ticks()
+        if row == "c1":
+            r = s.load("closed", url("fast"), headers, body("fast"), concurrency=1)
+            out["c1"] = {q: r["latency_us"][q] for q in ("p50", "p99", "p999")}
+        elif row == "open":
+            r = s.load("open", url("fast"), headers, body("fast"), rate=rate, connections=min(256, max(64, rate // 20)))
+            out[f"open{rate}"] = {"p50": r["latency_us"]["p50"], "p99": r["latency_us"]["p99"], "rps": r["rps"], "errors": r["errors"]}
+        elif row == "max":
+            r = s.load("closed", url("fast"), headers, body("fast"), concurrency=64)
+            out["max"] = {"rps": r["rps"], "p50": r["latency_us"]["p50"], "p99": r["latency_us"]["p99"], "errors": r["errors"]}
+        elif row.startswith("streams"):
+            n = int(row[7:] or 512)
+            r = s.load("stream", url("stream"), headers, body("stream", stream=True), concurrency=n)
+            out[row] = {"first_p50": r["first_token_us"]["p50"], "first_p99": r["first_token_us"]["p99"],
+                        "streams": r["streams"], "errors": r["errors"]}
+        cpu_s = (ticks() - t0) / hz
+        res = out.get(row) or out.get(f"open{rate}")
+        n = res.get("streams") or (res.get("rps", 0) * a.duration) or 0
+        if row == "c1":
+            n = None
+        if n:
+            res["cpu_us_each"] = round(cpu_s * 1e6 / (n * (a.duration + 1.0) / a.duration))
+        print(json.dumps({row: res}), flush=True)
+finally:
+    procs.stop()
+    s.upstream.stop()
+    import shutil
+    shutil.rmtree(s.workdir, ignore_errors=True)
