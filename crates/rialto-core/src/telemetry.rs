@@ -143,7 +143,11 @@ fn plain_fields() -> impl for<'writer> tracing_subscriber::fmt::FormatFields<'wr
     tracing_subscriber::fmt::format::debug_fn(|writer, field, value| match field.name() {
         "message" => write!(writer, "{value:?}"),
         name if name.starts_with("log.") => Ok(()),
-        name => write!(writer, "{}={value:?}", name.strip_prefix("r#").unwrap_or(name)),
+        name => write!(
+            writer,
+            "{}={value:?}",
+            name.strip_prefix("r#").unwrap_or(name)
+        ),
     })
     .delimited(" ")
 }
@@ -369,10 +373,20 @@ mod tests {
             let log = || {
                 let span = tracing::info_span!("request", request_id = %"r-1", status = tracing::field::Empty);
                 span.record("status", 200u16);
-                span.in_scope(|| tracing::info!(path = "/chat", elapsed_us = 12u64, ok = true, "request served"));
+                span.in_scope(|| {
+                    tracing::info!(
+                        path = "/chat",
+                        elapsed_us = 12u64,
+                        ok = true,
+                        "request served"
+                    )
+                });
             };
             if plain {
-                tracing::subscriber::with_default(tracing_subscriber::registry().with(layer.fmt_fields(plain_fields())), log);
+                tracing::subscriber::with_default(
+                    tracing_subscriber::registry().with(layer.fmt_fields(plain_fields())),
+                    log,
+                );
             } else {
                 tracing::subscriber::with_default(tracing_subscriber::registry().with(layer), log);
             }
@@ -380,8 +394,14 @@ mod tests {
         };
         let plain = line(true);
         assert_eq!(plain, line(false));
-        assert!(plain.contains("request{request_id=r-1 status=200}"), "{plain}");
-        assert!(plain.contains("request served path=\"/chat\" elapsed_us=12 ok=true"), "{plain}");
+        assert!(
+            plain.contains("request{request_id=r-1 status=200}"),
+            "{plain}"
+        );
+        assert!(
+            plain.contains("request served path=\"/chat\" elapsed_us=12 ok=true"),
+            "{plain}"
+        );
     }
 
     #[test]

@@ -2475,14 +2475,21 @@ mod chunks {
     /// What a line says: its JSON, after `data: `.
     fn said(line: &[u8]) -> Value {
         let text = std::str::from_utf8(line).unwrap();
-        let json = text.strip_prefix("data: ").unwrap().strip_suffix("\n\n").unwrap();
+        let json = text
+            .strip_prefix("data: ")
+            .unwrap()
+            .strip_suffix("\n\n")
+            .unwrap();
         serde_json::from_str(json).unwrap()
     }
 
     /// Both readers on one chunk (each with a fresh stream): the fast one's
     /// verdict, when it gives one, is the tree's.
     fn agree(json: &[u8]) -> Result<bool, TestCaseError> {
-        let (mut fast_head, mut tree_head) = (ChunkHead::new("chatcmpl-x", "m"), ChunkHead::new("chatcmpl-x", "m"));
+        let (mut fast_head, mut tree_head) = (
+            ChunkHead::new("chatcmpl-x", "m"),
+            ChunkHead::new("chatcmpl-x", "m"),
+        );
         let (mut fast_usage, mut tree_usage) = (None, None);
         let tree = read_chunk_tree(json, &mut tree_head, &mut tree_usage, false);
         let Some(fast) = read_chunk(json, &mut fast_head, &mut fast_usage) else {
@@ -2499,11 +2506,18 @@ mod chunks {
                 if json_has(json, "created") {
                     prop_assert_eq!(a, b);
                 } else {
-                    let strip = |mut v: Value| { v.as_object_mut().unwrap().remove("created"); v };
+                    let strip = |mut v: Value| {
+                        v.as_object_mut().unwrap().remove("created");
+                        v
+                    };
                     prop_assert_eq!(strip(a), strip(b));
                 }
             }
-            _ => prop_assert!(false, "the readers disagree on {}", String::from_utf8_lossy(json)),
+            _ => prop_assert!(
+                false,
+                "the readers disagree on {}",
+                String::from_utf8_lossy(json)
+            ),
         }
         Ok(true)
     }
@@ -2540,21 +2554,34 @@ mod chunks {
             b"not json",
         ] {
             let (mut head, mut usage) = (ChunkHead::new("c", "m"), None);
-            assert!(read_chunk(json, &mut head, &mut usage).is_none(), "{}", String::from_utf8_lossy(json));
+            assert!(
+                read_chunk(json, &mut head, &mut usage).is_none(),
+                "{}",
+                String::from_utf8_lossy(json)
+            );
         }
     }
 
     fn member() -> impl Strategy<Value = (String, Value)> {
-        let text = prop_oneof![Just(Value::Null), any::<String>().prop_map(Value::from), Just(json!(7))];
+        let text = prop_oneof![
+            Just(Value::Null),
+            any::<String>().prop_map(Value::from),
+            Just(json!(7))
+        ];
         let choice = (text, proptest::option::of(prop_oneof![Just("stop"), Just("length")]))
             .prop_map(|(content, finish)| json!({"index": 0, "delta": {"content": content}, "finish_reason": finish}));
         prop_oneof![
-            proptest::collection::vec(choice, 0..3).prop_map(|c| ("choices".to_owned(), Value::from(c))),
+            proptest::collection::vec(choice, 0..3)
+                .prop_map(|c| ("choices".to_owned(), Value::from(c))),
             (0u64..1000).prop_map(|n| ("usage".to_owned(), json!({"completion_tokens": n}))),
             Just(("usage".to_owned(), Value::Null)),
             Just(("error".to_owned(), json!({"message": "no"}))),
-            prop_oneof![Just(json!(1_800_000_000u64)), Just(Value::Null), Just(json!("x"))]
-                .prop_map(|v| ("created".to_owned(), v)),
+            prop_oneof![
+                Just(json!(1_800_000_000u64)),
+                Just(Value::Null),
+                Just(json!("x"))
+            ]
+            .prop_map(|v| ("created".to_owned(), v)),
             ("[a-z_]{1,12}", any::<String>()).prop_map(|(k, v)| (k, Value::from(v))),
         ]
     }

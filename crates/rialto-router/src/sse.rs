@@ -210,15 +210,23 @@ mod tests {
 
     #[test]
     fn a_cr_ends_a_line_when_no_lf_follows() {
-        assert_eq!(parse_in_pieces(b"data: a\r\rdata: b\r", &[8]), vec![b"a".to_vec()]);
+        assert_eq!(
+            parse_in_pieces(b"data: a\r\rdata: b\r", &[8]),
+            vec![b"a".to_vec()]
+        );
         assert_eq!(parse_in_pieces(b"data: a\r\r", &[8]), vec![b"a".to_vec()]);
     }
 
     #[tokio::test]
     async fn a_failed_body_is_given_once_after_what_came_before() {
-        let pieces: Vec<Result<Bytes, &str>> =
-            vec![Ok(Bytes::from_static(b"data: x\n\ndata: y")), Err("reset"), Ok(Bytes::from_static(b"\n\n"))];
-        let events: Vec<_> = data_events(futures_util::stream::iter(pieces)).collect().await;
+        let pieces: Vec<Result<Bytes, &str>> = vec![
+            Ok(Bytes::from_static(b"data: x\n\ndata: y")),
+            Err("reset"),
+            Ok(Bytes::from_static(b"\n\n")),
+        ];
+        let events: Vec<_> = data_events(futures_util::stream::iter(pieces))
+            .collect()
+            .await;
         assert_eq!(events, vec![Ok(b"x".to_vec()), Err("reset")]);
     }
 
