@@ -21,7 +21,7 @@ use reqwest::{Client, RequestBuilder, Response, StatusCode};
 use rialto_test_kit::{MockUpstream, Sandbox, Topology};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
-use crate::support::models_toml;
+use crate::support::{free_port, models_toml};
 
 /// The wallet of the browser's Sign-In-With-X (the first of the usual
 /// development mnemonic's accounts).
@@ -36,14 +36,6 @@ const README_SCREENSHOTS: [(&str, &str); 2] = [
     ("operator-account.png", "operator-account.png"),
     ("account-usage.png", "account-usage.png"),
 ];
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// A one-process sandbox serving the console with `console` appended to its
 /// `[console]` section, the models of [`models_toml`] on `mock`, on a port

@@ -27,6 +27,8 @@ use rialto_test_kit::{MockUpstream, Sandbox, Topology};
 use rust_decimal::Decimal;
 use serde_json::{Value, json};
 
+use crate::support::free_port;
+
 /// The PostgreSQL server pgbouncer forwards to (trust auth, user postgres).
 const POSTGRES: &str = "postgres://postgres@127.0.0.1:5432";
 
@@ -190,14 +192,6 @@ async fn postgres_admin(sql: &str) -> Result<(), sqlx::Error> {
         .execute(&mut conn)
         .await?;
     conn.close().await
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 fn running_as_root() -> bool {

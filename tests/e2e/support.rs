@@ -109,6 +109,15 @@ macro_rules! both_topologies {
     };
 }
 
+/// A loopback port nobody listens on (for a server a test starts on it).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
 /// One sample of the gateway's `GET /metrics` (the line starting with
 /// `sample`, labels included), 0 when absent.
 pub async fn metric(sandbox: &Sandbox, sample: &str) -> f64 {
