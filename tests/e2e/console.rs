@@ -240,6 +240,14 @@ fn cookie_value(headers: &HeaderMap, name: &str) -> Option<String> {
     Some(pair[name.len() + 1..].to_owned())
 }
 
+/// The `Cookie` header that sends back the console session `headers` set.
+fn session_cookie(headers: &HeaderMap) -> String {
+    format!(
+        "rialto_console={}",
+        cookie_value(headers, "rialto_console").expect("a console session cookie")
+    )
+}
+
 /// The hidden `csrf` input's value in `html`, in `form#<form_id>` when given.
 fn csrf_in(html: &str, form_id: Option<&str>) -> String {
     let scope = match form_id {
@@ -385,10 +393,7 @@ impl Console {
                 "the session cookie lacks {attribute}: {header}"
             );
         }
-        let cookie = format!(
-            "rialto_console={}",
-            cookie_value(response.headers(), "rialto_console").unwrap()
-        );
+        let cookie = session_cookie(response.headers());
         let page = self
             .get("/console/accounts", Some(&cookie))
             .send()
@@ -694,10 +699,7 @@ async fn tampered_and_foreign_sessions_are_refused() {
         .unwrap();
     assert_eq!(response.status(), StatusCode::SEE_OTHER);
     assert_eq!(location(&response, &console.base), "/console/account");
-    let holder = format!(
-        "rialto_console={}",
-        cookie_value(response.headers(), "rialto_console").unwrap()
-    );
+    let holder = session_cookie(response.headers());
     let response = console
         .get("/console/account", Some(&holder))
         .send()
