@@ -21,6 +21,7 @@ pub mod db;
 pub mod error;
 pub mod grpc_auth;
 pub mod ids;
+pub mod log_writer;
 pub mod membership;
 pub mod metrics;
 pub mod placement;

@@ -3,8 +3,9 @@
 //! spans exported over OTLP (HTTP/JSON) to a collector.
 //!
 //! Log lines are formatted on the thread that logs and written to stdout by
-//! a thread of their own (`tracing-appender`'s non-blocking writer): a
-//! request never waits for stdout. [`shutdown`] writes out what is queued.
+//! a thread of their own, in batches ([`crate::log_writer`]): a request
+//! never waits for stdout, nor wakes a thread per line. [`shutdown`] writes
+//! out what is queued.
 //!
 //! One trace follows a request across processes: W3C `traceparent` is
 //! read from the incoming HTTP request, carried in gRPC metadata
@@ -13,7 +14,7 @@
 //! never reach a log line or a span: they are `secrecy` types and are not
 //! recorded as fields.
 
-use std::io::{BufWriter, Stdout};
+use std::io::Stdout;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 
@@ -21,7 +22,6 @@ use opentelemetry::propagation::{Extractor, Injector};
 use opentelemetry::trace::TracerProvider as _;
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::SdkTracerProvider;
-use tracing_appender::non_blocking::{ErrorCounter, NonBlocking, NonBlockingBuilder, WorkerGuard};
 use tracing_opentelemetry::OpenTelemetrySpanExt;
 use tracing_subscriber::EnvFilter;
 use tracing_subscriber::fmt::MakeWriter;
@@ -30,6 +30,8 @@ use tracing_subscriber::layer::SubscriberExt;
 use tracing_subscriber::util::SubscriberInitExt;
 
 pub use opentelemetry::Context;
+
+use crate::log_writer::{self, LogWriter, LogWriterGuard};
 
 /// The exporter's provider, flushed by [`shutdown`].
 static PROVIDER: OnceLock<SdkTracerProvider> = OnceLock::new();
@@ -43,21 +45,21 @@ static LOG_WORKER: Mutex<Option<LogWorker>> = Mutex::new(None);
 static LOG_STOPPED: AtomicBool = AtomicBool::new(false);
 
 struct LogWorker {
-    guard: WorkerGuard,
-    dropped: ErrorCounter,
+    guard: LogWriterGuard,
+    dropped: LogWriter,
 }
 
-/// Stdout through the non-blocking writer, or directly once it stopped.
-struct LogWriter(NonBlocking);
+/// Stdout through the log writer's thread, or directly once it stopped
+/// (or could not start).
+struct Logs(Option<LogWriter>);
 
-impl<'a> MakeWriter<'a> for LogWriter {
-    type Writer = EitherWriter<NonBlocking, Stdout>;
+impl<'a> MakeWriter<'a> for Logs {
+    type Writer = EitherWriter<LogWriter, Stdout>;
 
     fn make_writer(&'a self) -> Self::Writer {
-        if LOG_STOPPED.load(Ordering::Acquire) {
-            EitherWriter::B(std::io::stdout())
-        } else {
-            EitherWriter::A(self.0.clone())
+        match &self.0 {
+            Some(writer) if !LOG_STOPPED.load(Ordering::Acquire) => EitherWriter::A(writer.clone()),
+            _ => EitherWriter::B(std::io::stdout()),
         }
     }
 }
@@ -87,24 +89,26 @@ pub fn init(format: &str, level: &str, service: &str) {
             let _ = PROVIDER.set(provider);
             tracing_opentelemetry::layer().with_tracer(tracer)
         });
-    // Lossy: when stdout falls 128,000 lines behind (a stalled log
+    // Lossy: when 32 MiB of lines wait for stdout (a stalled log
     // collector), a new line is dropped rather than the logging thread (an
     // HTTP worker, serving every request on it) blocked until stdout drains:
     // a log line is not worth stalling requests. Drops are not silent: they
     // are counted in `rialto_log_lines_dropped_total` and reported on stderr
-    // at exit. The writer's thread writes each batch it finds queued in one
-    // write (the buffer), flushed when the queue is empty.
-    let (writer, guard) = NonBlockingBuilder::default()
-        .lossy(true)
-        .thread_name("rialto-log")
-        .finish(BufWriter::new(std::io::stdout()));
-    let dropped = writer.error_counter();
+    // at exit.
+    let spawned = log_writer::spawn(std::io::stdout(), "rialto-log")
+        .inspect_err(|error| {
+            eprintln!(
+                "rialto: cannot start the log writer's thread ({error}); logging synchronously"
+            )
+        })
+        .ok();
+    let writer = spawned.as_ref().map(|(writer, _)| writer.clone());
     // Colours only for a person at a terminal: a log collector gets plain
     // text, and the escape codes cost ~1.5% of a worker's time under load.
     let colours = std::io::IsTerminal::is_terminal(&std::io::stdout());
     let fmt = tracing_subscriber::fmt::layer()
         .with_ansi(colours)
-        .with_writer(LogWriter(writer));
+        .with_writer(Logs(writer));
     let registry = tracing_subscriber::registry().with(filter).with(otel);
     // A second init (tests) is harmless: keep the first subscriber (the new
     // writer's thread stops with its guard, dropped here).
@@ -123,10 +127,10 @@ pub fn init(format: &str, level: &str, service: &str) {
     } else {
         registry.with(fmt.fmt_fields(plain_fields())).try_init()
     };
-    if installed.is_ok() {
+    if let (Ok(()), Some((dropped, guard))) = (installed, spawned) {
         let counter = dropped.clone();
         crate::metrics::metrics().on_scrape(move |metrics| {
-            let now = counter.dropped_lines() as u64;
+            let now = counter.dropped_lines();
             let seen = metrics.log_lines_dropped.get();
             metrics.log_lines_dropped.inc_by(now.saturating_sub(seen));
         });
@@ -269,7 +273,7 @@ pub fn flush_logs() {
         return;
     };
     LOG_STOPPED.store(true, Ordering::Release);
-    drop(guard);
+    guard.stop();
     let lost = dropped.dropped_lines();
     if lost > 0 {
         eprintln!("rialto: {lost} log lines dropped (stdout fell behind)");
