@@ -1382,7 +1382,10 @@ pub(crate) mod tests {
                     [NANO, 0, 0],
                     Some(&held),
                 );
-                opened.log.append(record, None, &jobs).unwrap();
+                opened
+                    .log
+                    .append(record, None, &jobs, &Default::default())
+                    .unwrap();
             }
         }
         let book = Book::start(db.clone(), 30_000);

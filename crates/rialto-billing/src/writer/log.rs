@@ -41,7 +41,7 @@ use std::sync::{Arc, Mutex};
 use rialto_core::{Error, ErrorCode, Result};
 use tokio::sync::{mpsc, oneshot};
 
-use super::{Job, Record, RecordKind, Written};
+use super::{Job, Nudge, Record, RecordKind, Written};
 use crate::book::Owner;
 
 /// A segment is closed, and a new one begun, past this size.
@@ -150,6 +150,7 @@ impl Log {
         mut record: Record,
         done: Option<oneshot::Sender<Result<Written>>>,
         jobs: &mpsc::UnboundedSender<Job>,
+        nudge: &Nudge,
     ) -> Result<()> {
         let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let seq = inner.seq + 1;
@@ -187,8 +188,10 @@ impl Log {
             }
             done => done,
         };
+        let waited_on = done.is_some();
         jobs.send(Job::Write { record, done })
             .map_err(|_| super::stopped())?;
+        nudge.job(waited_on);
         if inner.bytes >= SEGMENT_BYTES {
             self.rotate(&mut inner);
         }
@@ -603,7 +606,10 @@ mod tests {
         assert!(Log::open(&database).unwrap().is_none());
         let (jobs, mut queue) = mpsc::unbounded_channel();
         for _ in 0..3 {
-            first.log.append(settlement(), None, &jobs).unwrap();
+            first
+                .log
+                .append(settlement(), None, &jobs, &Nudge::default())
+                .unwrap();
         }
         // A power loss in the middle of a fourth append.
         let mut torn = Vec::new();
@@ -633,7 +639,8 @@ mod tests {
         let (jobs, _queue) = mpsc::unbounded_channel();
         let mut appended = 0;
         while log.inner.lock().unwrap().closed.is_empty() {
-            log.append(settlement(), None, &jobs).unwrap();
+            log.append(settlement(), None, &jobs, &Nudge::default())
+                .unwrap();
             appended += 1;
         }
         let count = || existing_segments(&log.base).unwrap().len();

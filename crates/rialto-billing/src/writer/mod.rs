@@ -343,6 +343,18 @@ pub(crate) enum Job {
     Checkpoint,
 }
 
+impl Job {
+    /// Whether someone waits for this job's outcome: a gathering batch
+    /// stops gathering for it.
+    fn waited_on(&self) -> bool {
+        match self {
+            Job::Write { done, .. } => done.is_some(),
+            Job::Load { .. } | Job::Flush { .. } => true,
+            Job::Checkpoint => false,
+        }
+    }
+}
+
 /// The queue into the writer.
 #[derive(Debug, Clone)]
 pub(crate) struct Handle {
@@ -350,6 +362,21 @@ pub(crate) struct Handle {
     stats: Arc<Stats>,
     /// The ledger's log (SQLite, when this process holds it).
     log: Option<Arc<log::Log>>,
+    nudge: Arc<Nudge>,
+}
+
+/// Wakes the SQLite writer's thread from a gathering batch's sleep for a
+/// job someone waits on. Nobody else wakes it while it gathers: a batch
+/// sleeps once, not once per record or per step.
+#[derive(Debug, Default)]
+pub(crate) struct Nudge(std::sync::OnceLock<std::thread::Thread>);
+
+impl Nudge {
+    pub(crate) fn job(&self, job_waited_on: bool) {
+        if job_waited_on && let Some(thread) = self.0.get() {
+            thread.unpark();
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -360,7 +387,10 @@ struct Stats {
 
 impl Handle {
     pub(crate) fn send(&self, job: Job) -> Result<()> {
-        self.jobs.send(job).map_err(|_| stopped())
+        let waited_on = job.waited_on();
+        self.jobs.send(job).map_err(|_| stopped())?;
+        self.nudge.job(waited_on);
+        Ok(())
     }
 
     /// Queues `record`; `done` hears how it was written. With the ledger's
@@ -372,7 +402,9 @@ impl Handle {
         done: Option<oneshot::Sender<Result<Written>>>,
     ) -> Result<()> {
         match &self.log {
-            Some(log) if record.kind != RecordKind::Refresh => log.append(record, done, &self.jobs),
+            Some(log) if record.kind != RecordKind::Refresh => {
+                log.append(record, done, &self.jobs, &self.nudge)
+            }
             _ => self.send(Job::Write { record, done }),
         }
     }
@@ -404,6 +436,7 @@ pub(crate) fn stopped() -> Error {
 pub(crate) fn start(db: Database, logged: bool) -> Handle {
     let (jobs, queue) = mpsc::unbounded_channel();
     let stats = Arc::new(Stats::default());
+    let nudge = Arc::new(Nudge::default());
     let mut log = None;
     match db.sqlite_file() {
         Some(file) => {
@@ -446,13 +479,19 @@ pub(crate) fn start(db: Database, logged: bool) -> Handle {
                     (None, Some(error)) => sqlite::LogState::Refused(error),
                     (None, None) => sqlite::LogState::Unlogged,
                 },
+                &nudge,
             );
         }
         None => {
             tokio::spawn(pooled::run(db, queue, stats.clone()));
         }
     }
-    Handle { jobs, stats, log }
+    Handle {
+        jobs,
+        stats,
+        log,
+        nudge,
+    }
 }
 
 pub(crate) struct WriteJob {
