@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import types
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -95,10 +96,44 @@ try:
             except OSError:
                 pass
         return total
+    def switches():
+        # Context switches of every thread (voluntary and not): each is a
+        # wake-up or a preemption, the cost a VM's CPU time shows least
+        # faithfully and that does not move with the host's noise.
+        total = 0
+        for pid in procs.pids(None):
+            try:
+                for tid in os.listdir(f"/proc/{pid}/task"):
+                    for line in open(f"/proc/{pid}/task/{tid}/status"):
+                        if line.endswith("ctxt_switches:", 0, line.find(":") + 1):
+                            total += int(line.split()[1])
+            except OSError:
+                pass
+        return total
     hz = os.sysconf("SC_CLK_TCK")
     rate = a.rate or (2000 if a.split else 5000)
     for row in rows:
-        t0 = ticks()
+        t0, w0 = ticks(), switches()
+        if row == "idle":
+            # What the memory row reads: VmRSS after start-up and the key's
+            # creation, before any load; with the largest mappings.
+            time.sleep(2)
+            for pid in procs.pids(None):
+                status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
+                rss, mappings, name = {}, {}, "?"
+                for line in open(f"/proc/{pid}/smaps"):
+                    head = line.split()
+                    if "-" in head[0] and not head[0].endswith(":"):
+                        name = head[5] if len(head) > 5 else "[anon]"
+                    elif head[0] == "Rss:":
+                        mappings[name] = mappings.get(name, 0) + int(head[1])
+                top = sorted(mappings.items(), key=lambda kv: -kv[1])[:5]
+                out.setdefault("idle", []).append({
+                    "pid": pid, "rss_kb": int(status["VmRSS"].split()[0]),
+                    "anon_kb": int(status["RssAnon"].split()[0]), "file_kb": int(status["RssFile"].split()[0]),
+                    "threads": int(status["Threads"]), "largest_kb": top})
+            print(json.dumps({"idle": out["idle"]}), flush=True)
+            continue
         if row == "c1":
             r = s.load("closed", url("fast"), headers, body("fast"), concurrency=1)
             out["c1"] = {q: r["latency_us"][q] for q in ("p50", "p99", "p999")}
@@ -113,13 +148,16 @@ try:
             r = s.load("stream", url("stream"), headers, body("stream", stream=True), concurrency=n)
             out[row] = {"first_p50": r["first_token_us"]["p50"], "first_p99": r["first_token_us"]["p99"],
                         "streams": r["streams"], "errors": r["errors"]}
-        cpu_s = (ticks() - t0) / hz
+        cpu_s, woken = (ticks() - t0) / hz, switches() - w0
         res = out.get(row) or out.get(f"open{rate}")
         n = res.get("streams") or (res.get("rps", 0) * a.duration) or 0
         if row == "c1":
             n = None
         if n:
-            res["cpu_us_each"] = round(cpu_s * 1e6 / (n * (a.duration + 1.0) / a.duration))
+            # The warm-up's requests count too (load runs it before the measured window).
+            each = n * (a.duration + 1.0) / a.duration
+            res["cpu_us_each"] = round(cpu_s * 1e6 / each)
+            res["switches_each"] = round(woken / each, 2)
         print(json.dumps({row: res}), flush=True)
 finally:
     procs.stop()
