@@ -32,10 +32,11 @@ mod serve;
 
 // The request path allocates many short-lived buffers (JSON values, headers);
 // glibc's malloc and free were a quarter of the gateway's CPU under load.
-// Built without transparent huge pages (the `no_thp` feature): with them each
-// 2 MiB of mimalloc's arena that any thread touched was resident, 30 MB of a
-// 60 MB idle process; without, idle is 40 MB for ~5% of the throughput at 64
-// connections (BENCHMARKS.md). `MIMALLOC_ALLOW_THP=1` turns them back on.
+// Built without transparent huge pages (the `no_thp` feature, which takes
+// out mimalloc's MADV_HUGEPAGE altogether): with them each 2 MiB of its arena
+// that any thread touched was resident, 30 MB of a 60 MB idle process; without,
+// idle is ~40 MB, and 64-connection throughput moved less than this VM's noise
+// (BENCHMARKS.md).
 #[global_allocator]
 static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
