@@ -8,9 +8,11 @@ per request (per stream). Interleave runs of two builds and compare medians:
     python3 bench/ab.py --bin target/release --split --rows open \
         --env auth:TOKIO_WORKER_THREADS=1 --env limiter:TOKIO_WORKER_THREADS=1
 
-Rows: c1 (concurrency 1), open (the fixed rate: 5,000 req/s, 2,000 split),
-max (64 connections), streamsN (N concurrent streams). --floor and --proxy
-measure the upstream alone and bench-proxy in front of it."""
+Rows: idle (VmRSS after start-up, with the largest mappings), c1
+(concurrency 1), open (the fixed rate: 5,000 req/s, 2,000 split), max (64
+connections), streamsN (N concurrent streams); each loaded row also reports
+CPU and context switches per request. --floor and --proxy measure the
+upstream alone and bench-proxy in front of it."""
 import argparse
 import json
 import os
