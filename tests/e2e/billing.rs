@@ -754,7 +754,10 @@ async fn settlements_survive_a_killed_billing_replica() {
         reported.insert(request_id, 32_000i64);
     }
     assert!(
-        sandbox.logs().contains("queueing its usage record"),
+        sandbox
+            .logs_containing("queueing its usage record")
+            .await
+            .contains("queueing its usage record"),
         "the streams ended while billing was down"
     );
     let db = sqlx::PgPool::connect(sandbox.database_url()).await.unwrap();

@@ -449,7 +449,9 @@ async fn transaction_pooling_breaks_requests(sandbox: &Sandbox, database: &str) 
         failed > 0,
         "transaction pooling broke nothing: the README can stop warning"
     );
-    let logs = sandbox.logs();
+    let logs = sandbox
+        .logs_containing("prepared statement \"sqlx_s_")
+        .await;
     let causes = logs
         .lines()
         .filter(|line| {

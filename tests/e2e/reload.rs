@@ -223,7 +223,9 @@ backends = [{{ kind = "openai", url = "{}", model = "mock-model" }}]
         (200, "0.000024".into())
     );
     assert_eq!(chat(&sandbox, &limited_key, "paid-chat").await.0, 429);
-    let logs = sandbox.logs();
+    let logs = sandbox
+        .logs_containing("configuration reload refused")
+        .await;
     assert!(
         logs.contains("configuration reload refused") && logs.contains("hologram"),
         "the refusal and its reason are logged"

@@ -166,7 +166,7 @@ async fn failover_when_a_backend_dies(mut world: World) {
     assert!(after.iter().all(|backend| *backend == "pair-chat/0"));
     assert!(world.survivor.request_count() > after.len());
     // Requests did meet the dead backend, and were sent again.
-    let logs = world.sandbox.logs();
+    let logs = world.sandbox.logs_containing("backend failed").await;
     let failovers = logs
         .lines()
         .filter(|line| line.contains("backend failed") && line.contains("pair-chat/1"))

@@ -132,13 +132,16 @@ async fn one_chat_request_is_one_trace_across_every_service() {
                 assert!(port > 0);
             }
             // A JSON log line of the request leads to its trace.
-            let logs = sandbox.logs();
-            let line = logs
-                .lines()
-                .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-                .find(|line| {
-                    line["fields"]["message"] == "request served" && line["trace_id"] == trace_id
-                });
+            let served = |logs: &str| {
+                logs.lines()
+                    .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+                    .find(|line| {
+                        line["fields"]["message"] == "request served"
+                            && line["trace_id"] == trace_id
+                    })
+            };
+            let logs = sandbox.logs_when(|logs| served(logs).is_some()).await;
+            let line = served(&logs);
             assert!(
                 line.is_some(),
                 "no JSON line of the request with its trace_id in:\n{logs}"

@@ -493,6 +493,27 @@ impl Sandbox {
             .join("\n")
     }
 
+    /// The logs once they hold `needle`, or after 10 s without it. A
+    /// process writes its lines in batches a few milliseconds after they
+    /// are logged (`rialto_core::log_writer`): a test looking for a line
+    /// (or for the absence of a secret in the lines of a request) waits
+    /// for a line it knows comes.
+    pub async fn logs_containing(&self, needle: &str) -> String {
+        self.logs_when(|logs| logs.contains(needle)).await
+    }
+
+    /// The logs once `done` says so of them, or after 10 s.
+    pub async fn logs_when(&self, done: impl Fn(&str) -> bool) -> String {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let logs = self.logs();
+            if done(&logs) || std::time::Instant::now() > deadline {
+                return logs;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     fn log_path(&self, name: &str) -> PathBuf {
         self.dir.path().join(format!("{name}.log"))
     }
