@@ -223,7 +223,7 @@ fn gather(queue: &mut mpsc::UnboundedReceiver<Job>, jobs: &mut Vec<Job>, since: 
 }
 
 /// How long a batch nobody waits for gathers records.
-const GATHER: Duration = Duration::from_millis(2);
+const GATHER: Duration = Duration::from_millis(10);
 
 /// Applies the records an earlier process logged (some of them, or all,
 /// the database may have already: those are duplicates and change
