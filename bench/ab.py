@@ -107,7 +107,7 @@ try:
             try:
                 for tid in os.listdir(f"/proc/{pid}/task"):
                     for line in open(f"/proc/{pid}/task/{tid}/status"):
-                        if line.endswith("ctxt_switches:", 0, line.find(":") + 1):
+                        if "ctxt_switches:" in line:
                             total += int(line.split()[1])
             except OSError:
                 pass
@@ -122,7 +122,7 @@ try:
             time.sleep(2)
             for pid in procs.pids(None):
                 status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
-                rss, mappings, name = {}, {}, "?"
+                mappings, name = {}, "?"
                 for line in open(f"/proc/{pid}/smaps"):
                     head = line.split()
                     if "-" in head[0] and not head[0].endswith(":"):

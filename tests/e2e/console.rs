@@ -329,6 +329,16 @@ impl Console {
         self.post_from(Some(&self.base), path, cookie, fields)
     }
 
+    /// The new-account form (`name`, tier `standard`) posted from this
+    /// origin with `cookie` and `csrf`: what the refusal checks forge.
+    fn new_account(&self, cookie: &str, name: &str, csrf: &str) -> RequestBuilder {
+        self.post(
+            "/console/accounts",
+            cookie,
+            &[("name", name), ("tier", "standard"), ("csrf", csrf)],
+        )
+    }
+
     /// A form POST with `Origin: origin` (none when `None`).
     fn post_from(
         &self,
@@ -645,11 +655,7 @@ async fn tampered_and_foreign_sessions_are_refused() {
         );
         for csrf in [&session.csrf, &foreign.csrf] {
             let response = console
-                .post(
-                    "/console/accounts",
-                    cookie,
-                    &[("name", "forged"), ("tier", "standard"), ("csrf", csrf)],
-                )
+                .new_account(cookie, "forged", csrf)
                 .send()
                 .await
                 .unwrap();
@@ -664,15 +670,7 @@ async fn tampered_and_foreign_sessions_are_refused() {
     );
     assert!(location(&response, &console.base).starts_with("/console/login"));
     let response = console
-        .post(
-            "/console/accounts",
-            "",
-            &[
-                ("name", "forged"),
-                ("tier", "standard"),
-                ("csrf", &session.csrf),
-            ],
-        )
+        .new_account("", "forged", &session.csrf)
         .send()
         .await
         .unwrap();
@@ -764,15 +762,7 @@ async fn an_expired_session_is_refused() {
     );
 
     let response = console
-        .post(
-            "/console/accounts",
-            &session.cookie,
-            &[
-                ("name", "too-late"),
-                ("tier", "standard"),
-                ("csrf", &session.csrf),
-            ],
-        )
+        .new_account(&session.cookie, "too-late", &session.csrf)
         .send()
         .await
         .unwrap();

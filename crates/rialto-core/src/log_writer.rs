@@ -80,6 +80,18 @@ impl LogWriter {
 
 impl Write for LogWriter {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        (&*self).write(buf)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Writing through a shared reference: the subscriber's writer for one
+/// event borrows the process's writer rather than cloning its `Arc`.
+impl Write for &LogWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
         self.0.push(buf);
         Ok(buf.len())
     }

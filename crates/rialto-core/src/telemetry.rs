@@ -54,11 +54,11 @@ struct LogWorker {
 struct Logs(Option<LogWriter>);
 
 impl<'a> MakeWriter<'a> for Logs {
-    type Writer = EitherWriter<LogWriter, Stdout>;
+    type Writer = EitherWriter<&'a LogWriter, Stdout>;
 
     fn make_writer(&'a self) -> Self::Writer {
         match &self.0 {
-            Some(writer) if !LOG_STOPPED.load(Ordering::Acquire) => EitherWriter::A(writer.clone()),
+            Some(writer) if !LOG_STOPPED.load(Ordering::Acquire) => EitherWriter::A(writer),
             _ => EitherWriter::B(std::io::stdout()),
         }
     }
