@@ -183,6 +183,8 @@ fn write_out(queue: &Queue, mut sink: impl Write) {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::AtomicBool;
+
     use super::*;
 
     /// A sink that keeps every `write` call.
@@ -259,10 +261,12 @@ mod tests {
 
     #[test]
     fn lines_past_the_cap_are_dropped_and_counted() {
-        /// A stdout whose reader stalled until told.
-        struct Stalled(Arc<(Mutex<bool>, Condvar)>, Calls);
+        /// A stdout whose reader stalled until told; `entered` says a
+        /// write began (the first line left the buffer).
+        struct Stalled(Arc<(Mutex<bool>, Condvar)>, Calls, Arc<AtomicBool>);
         impl Write for Stalled {
             fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+                self.2.store(true, Ordering::SeqCst);
                 let (open, turn) = &*self.0;
                 let mut open = open.lock().unwrap();
                 while !*open {
@@ -276,10 +280,19 @@ mod tests {
         }
         let gate = Arc::new((Mutex::new(false), Condvar::new()));
         let sink = Calls::default();
-        let (mut writer, guard) = spawn(Stalled(gate.clone(), sink.clone()), "log-test").unwrap();
+        let entered = Arc::new(AtomicBool::new(false));
+        let stalled = Stalled(gate.clone(), sink.clone(), entered.clone());
+        let (mut writer, guard) = spawn(stalled, "log-test").unwrap();
         // The first line is taken and its write stalls; then the buffer fills.
         writer.write_all(b"first\n").unwrap();
-        std::thread::sleep(GATHER * 5);
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while !entered.load(Ordering::SeqCst) {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the first line was never written"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
         let line = vec![b'x'; 1 << 20];
         for _ in 0..40 {
             writer.write_all(&line).unwrap();
