@@ -38,6 +38,15 @@ impl Limiter for LimiterGrpc {
         Ok(Response::new(self.0.commit(request.into_inner()).await?))
     }
 
+    async fn commit_many(
+        &self,
+        request: Request<pb::CommitBatch>,
+    ) -> Result<Response<pb::CommitResponse>, Status> {
+        Ok(Response::new(
+            self.0.commit_many(request.into_inner()).await?,
+        ))
+    }
+
     async fn record_hits(
         &self,
         request: Request<pb::RecordHitsRequest>,
@@ -74,6 +83,20 @@ impl LimiterService for RemoteLimiter {
 
     async fn commit(&self, request: pb::CommitRequest) -> Result<pb::CommitResponse> {
         Ok(self.0.clone().commit(request).await?.into_inner())
+    }
+
+    async fn commit_many(&self, batch: pb::CommitBatch) -> Result<pb::CommitResponse> {
+        match self.0.clone().commit_many(batch.clone()).await {
+            Ok(response) => Ok(response.into_inner()),
+            // A replica older than the batch call: one call per commit.
+            Err(status) if status.code() == tonic::Code::Unimplemented => {
+                for request in batch.commits {
+                    self.commit(request).await?;
+                }
+                Ok(pb::CommitResponse {})
+            }
+            Err(status) => Err(status.into()),
+        }
     }
 
     async fn record_hits(&self, request: pb::RecordHitsRequest) -> Result<pb::RecordHitsResponse> {

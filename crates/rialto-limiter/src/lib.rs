@@ -65,6 +65,17 @@ pub trait LimiterService: Send + Sync + 'static {
     /// Replaces the estimate taken at admission by the tokens really used,
     /// or releases the slot.
     async fn commit(&self, request: pb::CommitRequest) -> Result<pb::CommitResponse>;
+    /// Applies each commit of `batch` as [`commit`](Self::commit) would,
+    /// in order; fails with the first that fails, the others applied.
+    async fn commit_many(&self, batch: pb::CommitBatch) -> Result<pb::CommitResponse> {
+        let mut failed = None;
+        for request in batch.commits {
+            if let Err(error) = self.commit(request).await {
+                failed.get_or_insert(error);
+            }
+        }
+        failed.map_or(Ok(pb::CommitResponse {}), Err)
+    }
     /// Records limit hits found elsewhere (the gateway's abuse guard).
     async fn record_hits(&self, request: pb::RecordHitsRequest) -> Result<pb::RecordHitsResponse>;
     /// The latest hits of an account (of every account with

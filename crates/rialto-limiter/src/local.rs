@@ -567,6 +567,90 @@ id = "chat"
         commits_correct_the_estimate(Reached::Messages).await;
     }
 
+    /// A replica in another process that counts the commit calls it gets.
+    struct Counted {
+        replica: LimiterClient,
+        batches: Arc<std::sync::Mutex<Vec<usize>>>,
+    }
+
+    #[async_trait]
+    impl LimiterService for Counted {
+        async fn admit(&self, request: pb::AdmitRequest) -> Result<pb::AdmitResponse> {
+            self.replica.admit(request).await
+        }
+        async fn commit(&self, request: pb::CommitRequest) -> Result<pb::CommitResponse> {
+            self.batches.lock().unwrap().push(1);
+            self.replica.commit(request).await
+        }
+        async fn commit_many(&self, batch: pb::CommitBatch) -> Result<pb::CommitResponse> {
+            self.batches.lock().unwrap().push(batch.commits.len());
+            self.replica.commit_many(batch).await
+        }
+        async fn record_hits(
+            &self,
+            request: pb::RecordHitsRequest,
+        ) -> Result<pb::RecordHitsResponse> {
+            self.replica.record_hits(request).await
+        }
+        async fn recent_hits(
+            &self,
+            request: pb::RecentHitsRequest,
+        ) -> Result<pb::RecentHitsResponse> {
+            self.replica.recent_hits(request).await
+        }
+    }
+
+    #[tokio::test]
+    async fn without_a_bus_commits_are_gathered_into_one_call_per_replica() {
+        let dir = tempfile::tempdir().unwrap();
+        let (config, local, _) = limiter(&dir).await;
+        let batches = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let remote = LimiterClient::new(Counted {
+            replica: LimiterClient::new(local),
+            batches: batches.clone(),
+        });
+        let rate = RateLimiter::new(&config, vec![("remote".into(), remote)], None);
+        let model = config.model("chat").unwrap();
+        let mut admissions = Vec::new();
+        for i in 0..20 {
+            let admission = rate
+                .admit(caller("k1"), Target::model(model), &format!("r{i}"), 100)
+                .await
+                .unwrap();
+            assert!(admission.refusal.is_none());
+            admissions.push(admission);
+        }
+        // Nineteen commits of 1 token each and one release.
+        let last = admissions.pop().unwrap();
+        for admission in admissions {
+            rate.commit(admission.ticket, 1);
+        }
+        rate.release(last.ticket);
+        let remaining = || async {
+            let headers = rate
+                .peek(caller("k1"), Target::model(model))
+                .await
+                .unwrap()
+                .unwrap();
+            (
+                headers.remaining_requests,
+                headers.tokens.unwrap().remaining,
+            )
+        };
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+        while remaining().await != (31, 10_000 - 19) {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{:?}",
+                remaining().await
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let batches = batches.lock().unwrap().clone();
+        assert_eq!(batches.iter().sum::<usize>(), 20);
+        assert!(batches.len() <= 2, "{batches:?}");
+    }
+
     async fn commits_correct_the_estimate(reached: Reached) {
         let dir = tempfile::tempdir().unwrap();
         let (config, local, rate) = limiter_reached(&dir, reached).await;

@@ -13,7 +13,9 @@
 //! spawned task and no bus event. Only windows of other replicas go through
 //! [`LimiterService`](crate::LimiterService) messages.
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock, Weak};
+use std::time::Duration;
 
 use arc_swap::ArcSwap;
 use bytes::Bytes;
@@ -23,6 +25,7 @@ use rialto_core::membership::Membership;
 use rialto_core::placement::{owner_index, replica_seed};
 use rialto_core::{Config, Error, ErrorCode, Result};
 use rialto_proto::limiter::v1 as pb;
+use tokio::sync::mpsc;
 
 use crate::policy::{Caller, Policy, Scope, Target, WindowSpec};
 use crate::principals::{Admit, Commit};
@@ -46,7 +49,19 @@ struct Inner {
     /// Commits and hits travel on this bus when it reaches the replicas
     /// (one process, or NATS); otherwise they go to the owner over gRPC.
     bus: Option<Bus>,
+    /// Commits and releases for other processes' replicas that do not go
+    /// on the bus, to the task that gathers them ([`send_gathered`]);
+    /// started by the first.
+    outbox: OnceLock<mpsc::UnboundedSender<pb::CommitRequest>>,
 }
+
+/// How long the commits for other replicas gather before they are sent,
+/// one call per replica: they are off every response's path, and a window
+/// that counts a request's estimate a few milliseconds longer refuses
+/// nothing it should not.
+const COMMIT_GATHER: Duration = Duration::from_millis(5);
+/// The most commits one call carries.
+const COMMIT_BATCH: usize = 1024;
 
 /// The values of the `x-ratelimit-*` headers.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -125,6 +140,7 @@ impl RateLimiter {
             replicas,
             membership,
             bus,
+            outbox: OnceLock::new(),
         }))
     }
 
@@ -377,32 +393,32 @@ impl RateLimiter {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let this = self.clone();
+        let requests = held.into_iter().map(|(_, principal)| pb::CommitRequest {
+            request_id: request_id.clone(),
+            principal,
+            window: window.clone(),
+            used_tokens,
+            release,
+            estimated_tokens,
+        });
+        let Some(bus) = self.0.bus.as_ref().filter(|_| !release) else {
+            let outbox = self.0.outbox.get_or_init(|| {
+                let (sender, queue) = mpsc::unbounded_channel();
+                runtime.spawn(send_gathered(Arc::downgrade(&self.0), queue));
+                sender
+            });
+            for request in requests {
+                // Refused only once the runtime is gone, and the task with it.
+                let _ = outbox.send(request);
+            }
+            return;
+        };
+        let requests: Vec<_> = requests.collect();
+        let bus = bus.clone();
         runtime.spawn(async move {
-            for (_, principal) in held {
-                // The replica owning it now: after a failover, the one that
-                // took it over (and holds the slot to give back).
-                let owner = this.owner(&principal);
-                let request = pb::CommitRequest {
-                    request_id: request_id.clone(),
-                    principal,
-                    window: window.clone(),
-                    used_tokens,
-                    release,
-                    estimated_tokens,
-                };
-                let bus = this.0.bus.as_ref().filter(|_| !release);
-                let sent = match bus {
-                    Some(bus) => {
-                        let payload = Bytes::from(request.encode_to_vec());
-                        bus.publish(bus.subject(COMMITS_SUBJECT), payload).await
-                    }
-                    None => match this.replica(owner) {
-                        Ok(replica) => replica.commit(request).await.map(|_| ()),
-                        Err(error) => Err(error),
-                    },
-                };
-                if let Err(error) = sent {
+            for request in requests {
+                let payload = Bytes::from(request.encode_to_vec());
+                if let Err(error) = bus.publish(bus.subject(COMMITS_SUBJECT), payload).await {
                     tracing::warn!(%error, "limiter commit failed");
                 }
             }
@@ -473,6 +489,51 @@ impl RateLimiter {
 /// hash(principal, replica) over the replicas (rendezvous hashing).
 /// Which of `addresses` (as listed in `remote.limiter`) owns `principal`
 /// (`key:<id>`, `user:<account>`, `global:<model>`): for operators and tests.
+/// Sends the commits queued for other processes' replicas: whatever
+/// gathered over [`COMMIT_GATHER`] after the first, in one call to each
+/// replica that owns some of them now (after a failover, the one that took
+/// the principal over, and holds the slot to give back). Ends with the
+/// limiter.
+async fn send_gathered(
+    limiter: Weak<Inner>,
+    mut queue: mpsc::UnboundedReceiver<pb::CommitRequest>,
+) {
+    let mut batch = Vec::with_capacity(COMMIT_BATCH);
+    while queue.recv_many(&mut batch, COMMIT_BATCH).await > 0 {
+        tokio::time::sleep(COMMIT_GATHER).await;
+        // What gathered meanwhile, never waiting for more.
+        while batch.len() < COMMIT_BATCH
+            && let Ok(request) = queue.try_recv()
+        {
+            batch.push(request);
+        }
+        let Some(inner) = limiter.upgrade() else {
+            return;
+        };
+        let this = RateLimiter(inner);
+        let mut by_owner: HashMap<usize, Vec<pb::CommitRequest>> = HashMap::new();
+        for request in batch.drain(..) {
+            by_owner
+                .entry(this.owner(&request.principal))
+                .or_default()
+                .push(request);
+        }
+        for (owner, commits) in by_owner {
+            let this = this.clone();
+            // Each replica on its own: a hung one delays only its own.
+            tokio::spawn(async move {
+                let sent = match this.replica(owner) {
+                    Ok(replica) => replica.commit_many(pb::CommitBatch { commits }).await,
+                    Err(error) => Err(error),
+                };
+                if let Err(error) = sent {
+                    tracing::warn!(%error, "limiter commit failed");
+                }
+            });
+        }
+    }
+}
+
 pub fn owner_of(principal: &str, addresses: &[&str]) -> usize {
     owner_index(principal, addresses.iter().map(|a| replica_seed(a)))
 }
