@@ -53,6 +53,9 @@ struct Inner {
     /// on the bus, to the task that gathers them ([`send_gathered`]);
     /// started by the first.
     outbox: OnceLock<mpsc::UnboundedSender<pb::CommitRequest>>,
+    /// The runtime this limiter was made on (the process's), where that
+    /// task runs: not an HTTP worker's, which may stop before the process.
+    home: Option<tokio::runtime::Handle>,
 }
 
 /// How long the commits for other replicas gather before they are sent,
@@ -141,6 +144,7 @@ impl RateLimiter {
             membership,
             bus,
             outbox: OnceLock::new(),
+            home: tokio::runtime::Handle::try_current().ok(),
         }))
     }
 
@@ -404,7 +408,8 @@ impl RateLimiter {
         let Some(bus) = self.0.bus.as_ref().filter(|_| !release) else {
             let outbox = self.0.outbox.get_or_init(|| {
                 let (sender, queue) = mpsc::unbounded_channel();
-                runtime.spawn(send_gathered(Arc::downgrade(&self.0), queue));
+                let home = self.0.home.as_ref().unwrap_or(&runtime);
+                home.spawn(send_gathered(Arc::downgrade(&self.0), queue));
                 sender
             });
             for request in requests {
