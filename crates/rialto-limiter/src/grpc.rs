@@ -1,5 +1,7 @@
 //! Adapters between [`LimiterService`](crate::LimiterService) and tonic.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use async_trait::async_trait;
 use rialto_core::Result;
 use rialto_core::grpc_auth::{ClientToken, ServerToken};
@@ -67,27 +69,41 @@ impl Limiter for LimiterGrpc {
 }
 
 /// The limiter in another process, reached over gRPC.
-pub struct RemoteLimiter(GrpcClient<InterceptedService<Channel, ClientToken>>);
+pub struct RemoteLimiter {
+    client: GrpcClient<InterceptedService<Channel, ClientToken>>,
+    /// The replica answered a `CommitMany`: a batch need not be kept for
+    /// one `Commit` per record, which a replica older than the call needs.
+    batches_known: AtomicBool,
+}
 
 impl RemoteLimiter {
     pub fn new(channel: Channel, token: ClientToken) -> Self {
-        Self(GrpcClient::with_interceptor(channel, token))
+        Self {
+            client: GrpcClient::with_interceptor(channel, token),
+            batches_known: AtomicBool::new(false),
+        }
     }
 }
 
 #[async_trait]
 impl LimiterService for RemoteLimiter {
     async fn admit(&self, request: pb::AdmitRequest) -> Result<pb::AdmitResponse> {
-        Ok(self.0.clone().admit(request).await?.into_inner())
+        Ok(self.client.clone().admit(request).await?.into_inner())
     }
 
     async fn commit(&self, request: pb::CommitRequest) -> Result<pb::CommitResponse> {
-        Ok(self.0.clone().commit(request).await?.into_inner())
+        Ok(self.client.clone().commit(request).await?.into_inner())
     }
 
     async fn commit_many(&self, batch: pb::CommitBatch) -> Result<pb::CommitResponse> {
-        match self.0.clone().commit_many(batch.clone()).await {
-            Ok(response) => Ok(response.into_inner()),
+        if self.batches_known.load(Ordering::Relaxed) {
+            return Ok(self.client.clone().commit_many(batch).await?.into_inner());
+        }
+        match self.client.clone().commit_many(batch.clone()).await {
+            Ok(response) => {
+                self.batches_known.store(true, Ordering::Relaxed);
+                Ok(response.into_inner())
+            }
             // A replica older than the batch call: one call per commit.
             Err(status) if status.code() == tonic::Code::Unimplemented => {
                 for request in batch.commits {
@@ -100,10 +116,10 @@ impl LimiterService for RemoteLimiter {
     }
 
     async fn record_hits(&self, request: pb::RecordHitsRequest) -> Result<pb::RecordHitsResponse> {
-        Ok(self.0.clone().record_hits(request).await?.into_inner())
+        Ok(self.client.clone().record_hits(request).await?.into_inner())
     }
 
     async fn recent_hits(&self, request: pb::RecentHitsRequest) -> Result<pb::RecentHitsResponse> {
-        Ok(self.0.clone().recent_hits(request).await?.into_inner())
+        Ok(self.client.clone().recent_hits(request).await?.into_inner())
     }
 }

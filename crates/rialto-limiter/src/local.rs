@@ -409,8 +409,9 @@ id = "chat"
         Messages,
     }
 
-    /// The replica behind the trait only, as gRPC would see it.
-    struct Messages(LimiterClient);
+    /// The replica behind the trait only, as gRPC would see it; with the
+    /// number of commits each commit call carried.
+    struct Messages(LimiterClient, Arc<std::sync::Mutex<Vec<usize>>>);
 
     #[async_trait]
     impl LimiterService for Messages {
@@ -418,7 +419,12 @@ id = "chat"
             self.0.admit(request).await
         }
         async fn commit(&self, request: pb::CommitRequest) -> Result<pb::CommitResponse> {
+            self.1.lock().unwrap().push(1);
             self.0.commit(request).await
+        }
+        async fn commit_many(&self, batch: pb::CommitBatch) -> Result<pb::CommitResponse> {
+            self.1.lock().unwrap().push(batch.commits.len());
+            self.0.commit_many(batch).await
         }
         async fn record_hits(
             &self,
@@ -448,7 +454,7 @@ id = "chat"
         let client = match reached {
             Reached::InPlace => client,
             Reached::Messages => {
-                let messages = LimiterClient::new(Messages(client));
+                let messages = LimiterClient::new(Messages(client, Default::default()));
                 assert!(messages.local().is_none());
                 messages
             }
@@ -567,48 +573,12 @@ id = "chat"
         commits_correct_the_estimate(Reached::Messages).await;
     }
 
-    /// A replica in another process that counts the commit calls it gets.
-    struct Counted {
-        replica: LimiterClient,
-        batches: Arc<std::sync::Mutex<Vec<usize>>>,
-    }
-
-    #[async_trait]
-    impl LimiterService for Counted {
-        async fn admit(&self, request: pb::AdmitRequest) -> Result<pb::AdmitResponse> {
-            self.replica.admit(request).await
-        }
-        async fn commit(&self, request: pb::CommitRequest) -> Result<pb::CommitResponse> {
-            self.batches.lock().unwrap().push(1);
-            self.replica.commit(request).await
-        }
-        async fn commit_many(&self, batch: pb::CommitBatch) -> Result<pb::CommitResponse> {
-            self.batches.lock().unwrap().push(batch.commits.len());
-            self.replica.commit_many(batch).await
-        }
-        async fn record_hits(
-            &self,
-            request: pb::RecordHitsRequest,
-        ) -> Result<pb::RecordHitsResponse> {
-            self.replica.record_hits(request).await
-        }
-        async fn recent_hits(
-            &self,
-            request: pb::RecentHitsRequest,
-        ) -> Result<pb::RecentHitsResponse> {
-            self.replica.recent_hits(request).await
-        }
-    }
-
     #[tokio::test]
     async fn without_a_bus_commits_are_gathered_into_one_call_per_replica() {
         let dir = tempfile::tempdir().unwrap();
         let (config, local, _) = limiter(&dir).await;
         let batches = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let remote = LimiterClient::new(Counted {
-            replica: LimiterClient::new(local),
-            batches: batches.clone(),
-        });
+        let remote = LimiterClient::new(Messages(LimiterClient::new(local), batches.clone()));
         let rate = RateLimiter::new(&config, vec![("remote".into(), remote)], None);
         let model = config.model("chat").unwrap();
         let mut admissions = Vec::new();

@@ -490,10 +490,6 @@ impl RateLimiter {
     }
 }
 
-/// The index of the replica owning `principal`: the highest of
-/// hash(principal, replica) over the replicas (rendezvous hashing).
-/// Which of `addresses` (as listed in `remote.limiter`) owns `principal`
-/// (`key:<id>`, `user:<account>`, `global:<model>`): for operators and tests.
 /// Sends the commits queued for other processes' replicas: whatever
 /// gathered over [`COMMIT_GATHER`] after the first, in one call to each
 /// replica that owns some of them now (after a failover, the one that took
@@ -539,6 +535,10 @@ async fn send_gathered(
     }
 }
 
+/// The index of the replica owning `principal`: the highest of
+/// hash(principal, replica) over the replicas (rendezvous hashing).
+/// Which of `addresses` (as listed in `remote.limiter`) owns `principal`
+/// (`key:<id>`, `user:<account>`, `global:<model>`): for operators and tests.
 pub fn owner_of(principal: &str, addresses: &[&str]) -> usize {
     owner_index(principal, addresses.iter().map(|a| replica_seed(a)))
 }
