@@ -11,7 +11,8 @@ per request (per stream). Interleave runs of two builds and compare medians:
 Rows: idle (VmRSS after start-up, with the largest mappings), c1
 (concurrency 1), open (the fixed rate: 5,000 req/s, 2,000 split), max (64
 connections), streamsN (N concurrent streams); each loaded row also reports
-CPU and context switches per request. --floor and --proxy measure the
+CPU and context switches per request (--by-thread: by process and thread
+name). --floor and --proxy measure the
 upstream alone and bench-proxy in front of it."""
 import argparse
 import json
@@ -32,6 +33,7 @@ p.add_argument("--proxy", action="store_true")
 p.add_argument("--env", action="append", default=[], help="SERVICE:NAME=VALUE or NAME=VALUE for all")
 p.add_argument("--duration", type=float, default=5.0)
 p.add_argument("--rate", type=int)
+p.add_argument("--by-thread", action="store_true", help="context switches per request by process and thread name")
 a = p.parse_args()
 
 args = types.SimpleNamespace(target_dir="/nonexistent", profile="release", smoke=False, duration=a.duration,
@@ -101,17 +103,21 @@ try:
     def switches():
         # Context switches of every thread (voluntary and not): each is a
         # wake-up or a preemption, the cost a VM's CPU time shows least
-        # faithfully and that does not move with the host's noise.
-        total = 0
-        for pid in procs.pids(None):
-            try:
-                for tid in os.listdir(f"/proc/{pid}/task"):
-                    for line in open(f"/proc/{pid}/task/{tid}/status"):
-                        if "ctxt_switches:" in line:
-                            total += int(line.split()[1])
-            except OSError:
-                pass
-        return total
+        # faithfully and that does not move with the host's noise. By
+        # process and thread name, for --by-thread.
+        counts = {}
+        for name, child in procs.children:
+            for pid in procs.pids([name]):
+                try:
+                    for tid in os.listdir(f"/proc/{pid}/task"):
+                        comm = open(f"/proc/{pid}/task/{tid}/comm").read().strip()
+                        for line in open(f"/proc/{pid}/task/{tid}/status"):
+                            if "ctxt_switches:" in line:
+                                key = f"{name}/{comm}"
+                                counts[key] = counts.get(key, 0) + int(line.split()[1])
+                except OSError:
+                    pass
+        return counts
     hz = os.sysconf("SC_CLK_TCK")
     rate = a.rate or (2000 if a.split else 5000)
     for row in rows:
@@ -150,7 +156,9 @@ try:
             r = s.load("stream", url("stream"), headers, body("stream", stream=True), concurrency=n)
             out[row] = {"first_p50": r["first_token_us"]["p50"], "first_p99": r["first_token_us"]["p99"],
                         "streams": r["streams"], "errors": r["errors"]}
-        cpu_s, woken = (ticks() - t0) / hz, switches() - w0
+        w1 = switches()
+        by_thread = {k: v - w0.get(k, 0) for k, v in w1.items()}
+        cpu_s, woken = (ticks() - t0) / hz, sum(by_thread.values())
         res = out.get(row) or out.get(f"open{rate}")
         n = res.get("streams") or (res.get("rps", 0) * a.duration) or 0
         if row == "c1":
@@ -160,6 +168,9 @@ try:
             each = n * (a.duration + 1.0) / a.duration
             res["cpu_us_each"] = round(cpu_s * 1e6 / each)
             res["switches_each"] = round(woken / each, 2)
+            if a.by_thread:
+                res["switches_by_thread"] = {k: round(v / each, 2) for k, v in
+                                             sorted(by_thread.items(), key=lambda kv: -kv[1]) if v / each >= 0.05}
         print(json.dumps({row: res}), flush=True)
 finally:
     procs.stop()

@@ -5,6 +5,7 @@
 use async_trait::async_trait;
 use rialto_core::Result;
 use rialto_core::grpc_auth::{ClientToken, ServerToken};
+use rialto_core::per_thread::PerThread;
 use rialto_proto::auth::v1 as pb;
 use rialto_proto::auth::v1::auth_client::AuthClient as GrpcClient;
 use rialto_proto::auth::v1::auth_server::{Auth, AuthServer};
@@ -197,62 +198,74 @@ impl Auth for AuthGrpc {
 }
 
 /// The auth service in another process, reached over gRPC.
-pub struct RemoteAuth(GrpcClient<InterceptedService<Channel, ClientToken>>);
+pub struct RemoteAuth {
+    /// Made on each calling thread (see [`PerThread`]).
+    channel: PerThread<Channel>,
+    token: ClientToken,
+}
 
 impl RemoteAuth {
-    pub fn new(channel: Channel, token: ClientToken) -> Self {
-        Self(GrpcClient::with_interceptor(channel, token))
+    pub fn new(channel: impl Into<PerThread<Channel>>, token: ClientToken) -> Self {
+        Self {
+            channel: channel.into(),
+            token,
+        }
+    }
+
+    /// A client on this thread's channel.
+    fn client(&self) -> GrpcClient<InterceptedService<Channel, ClientToken>> {
+        GrpcClient::with_interceptor(self.channel.get(), self.token.clone())
     }
 }
 
 #[async_trait]
 impl AuthService for RemoteAuth {
     async fn authenticate(&self, request: pb::AuthenticateRequest) -> Result<pb::Principal> {
-        Ok(self.0.clone().authenticate(request).await?.into_inner())
+        Ok(self.client().authenticate(request).await?.into_inner())
     }
 
     async fn create_account(
         &self,
         request: pb::CreateAccountRequest,
     ) -> Result<pb::CreateAccountResponse> {
-        Ok(self.0.clone().create_account(request).await?.into_inner())
+        Ok(self.client().create_account(request).await?.into_inner())
     }
 
     async fn create_api_key(&self, request: pb::CreateApiKeyRequest) -> Result<pb::CreatedKey> {
-        Ok(self.0.clone().create_api_key(request).await?.into_inner())
+        Ok(self.client().create_api_key(request).await?.into_inner())
     }
 
     async fn list_api_keys(
         &self,
         request: pb::ListApiKeysRequest,
     ) -> Result<pb::ListApiKeysResponse> {
-        Ok(self.0.clone().list_api_keys(request).await?.into_inner())
+        Ok(self.client().list_api_keys(request).await?.into_inner())
     }
 
     async fn get_api_key(&self, request: pb::GetApiKeyRequest) -> Result<pb::ApiKeyRecord> {
-        Ok(self.0.clone().get_api_key(request).await?.into_inner())
+        Ok(self.client().get_api_key(request).await?.into_inner())
     }
 
     async fn delete_api_key(
         &self,
         request: pb::DeleteApiKeyRequest,
     ) -> Result<pb::DeleteApiKeyResponse> {
-        Ok(self.0.clone().delete_api_key(request).await?.into_inner())
+        Ok(self.client().delete_api_key(request).await?.into_inner())
     }
 
     async fn update_api_key(&self, request: pb::UpdateApiKeyRequest) -> Result<pb::ApiKeyRecord> {
-        Ok(self.0.clone().update_api_key(request).await?.into_inner())
+        Ok(self.client().update_api_key(request).await?.into_inner())
     }
 
     async fn create_web3_key(&self, request: pb::CreateWeb3KeyRequest) -> Result<pb::CreatedKey> {
-        Ok(self.0.clone().create_web3_key(request).await?.into_inner())
+        Ok(self.client().create_web3_key(request).await?.into_inner())
     }
 
     async fn list_accounts(
         &self,
         request: pb::ListAccountsRequest,
     ) -> Result<pb::ListAccountsResponse> {
-        Ok(self.0.clone().list_accounts(request).await?.into_inner())
+        Ok(self.client().list_accounts(request).await?.into_inner())
     }
 
     async fn set_account_suspended(
@@ -260,8 +273,7 @@ impl AuthService for RemoteAuth {
         request: pb::SetAccountSuspendedRequest,
     ) -> Result<pb::Account> {
         Ok(self
-            .0
-            .clone()
+            .client()
             .set_account_suspended(request)
             .await?
             .into_inner())
@@ -272,8 +284,7 @@ impl AuthService for RemoteAuth {
         request: pb::PutCharacterReviewRequest,
     ) -> Result<pb::CharacterReview> {
         Ok(self
-            .0
-            .clone()
+            .client()
             .put_character_review(request)
             .await?
             .into_inner())
@@ -284,8 +295,7 @@ impl AuthService for RemoteAuth {
         request: pb::ListCharacterReviewsRequest,
     ) -> Result<pb::ListCharacterReviewsResponse> {
         Ok(self
-            .0
-            .clone()
+            .client()
             .list_character_reviews(request)
             .await?
             .into_inner())
@@ -295,41 +305,36 @@ impl AuthService for RemoteAuth {
         &self,
         request: pb::CharacterRatingsRequest,
     ) -> Result<pb::CharacterRatingsResponse> {
-        Ok(self
-            .0
-            .clone()
-            .character_ratings(request)
-            .await?
-            .into_inner())
+        Ok(self.client().character_ratings(request).await?.into_inner())
     }
 
     async fn get_account(&self, request: pb::GetAccountRequest) -> Result<pb::Account> {
-        Ok(self.0.clone().get_account(request).await?.into_inner())
+        Ok(self.client().get_account(request).await?.into_inner())
     }
 
     async fn set_account_tier(&self, request: pb::SetAccountTierRequest) -> Result<pb::Account> {
-        Ok(self.0.clone().set_account_tier(request).await?.into_inner())
+        Ok(self.client().set_account_tier(request).await?.into_inner())
     }
 
     async fn sign_in(&self, request: pb::SignInRequest) -> Result<pb::SignInResponse> {
-        Ok(self.0.clone().sign_in(request).await?.into_inner())
+        Ok(self.client().sign_in(request).await?.into_inner())
     }
 
     async fn put_character(&self, request: pb::Character) -> Result<pb::Character> {
-        Ok(self.0.clone().put_character(request).await?.into_inner())
+        Ok(self.client().put_character(request).await?.into_inner())
     }
 
     async fn delete_character(
         &self,
         request: pb::DeleteCharacterRequest,
     ) -> Result<pb::DeleteCharacterResponse> {
-        Ok(self.0.clone().delete_character(request).await?.into_inner())
+        Ok(self.client().delete_character(request).await?.into_inner())
     }
 
     async fn list_characters(
         &self,
         request: pb::ListCharactersRequest,
     ) -> Result<pb::ListCharactersResponse> {
-        Ok(self.0.clone().list_characters(request).await?.into_inner())
+        Ok(self.client().list_characters(request).await?.into_inner())
     }
 }

@@ -3,6 +3,7 @@
 use async_trait::async_trait;
 use rialto_core::Result;
 use rialto_core::grpc_auth::{ClientToken, ServerToken};
+use rialto_core::per_thread::PerThread;
 use rialto_proto::billing::v1 as pb;
 use rialto_proto::billing::v1::billing_client::BillingClient as GrpcClient;
 use rialto_proto::billing::v1::billing_server::{Billing, BillingServer};
@@ -195,106 +196,116 @@ impl Billing for BillingGrpc {
 }
 
 /// Billing in another process, reached over gRPC.
-pub struct RemoteBilling(GrpcClient<InterceptedService<Channel, ClientToken>>);
+pub struct RemoteBilling {
+    /// Made on each calling thread (see [`PerThread`]).
+    channel: PerThread<Channel>,
+    token: ClientToken,
+}
 
 impl RemoteBilling {
-    pub fn new(channel: Channel, token: ClientToken) -> Self {
-        Self(
-            GrpcClient::with_interceptor(channel, token)
-                .max_decoding_message_size(MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_MESSAGE_BYTES),
-        )
+    pub fn new(channel: impl Into<PerThread<Channel>>, token: ClientToken) -> Self {
+        Self {
+            channel: channel.into(),
+            token,
+        }
+    }
+
+    /// A client on this thread's channel.
+    fn client(&self) -> GrpcClient<InterceptedService<Channel, ClientToken>> {
+        GrpcClient::with_interceptor(self.channel.get(), self.token.clone())
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES)
     }
 }
 
 #[async_trait]
 impl BillingService for RemoteBilling {
     async fn quote(&self, request: pb::QuoteRequest) -> Result<pb::Cost> {
-        Ok(self.0.clone().quote(request).await?.into_inner())
+        Ok(self.client().quote(request).await?.into_inner())
     }
 
     async fn hold(&self, request: pb::HoldRequest) -> Result<pb::HoldResponse> {
-        Ok(self.0.clone().hold(request).await?.into_inner())
+        Ok(self.client().hold(request).await?.into_inner())
     }
 
     async fn checkpoint(&self, request: pb::CheckpointRequest) -> Result<pb::CheckpointResponse> {
-        Ok(self.0.clone().checkpoint(request).await?.into_inner())
+        Ok(self.client().checkpoint(request).await?.into_inner())
     }
 
     async fn settle(&self, request: pb::SettleRequest) -> Result<pb::Cost> {
-        Ok(self.0.clone().settle(request).await?.into_inner())
+        Ok(self.client().settle(request).await?.into_inner())
     }
 
     async fn credit(&self, request: pb::CreditRequest) -> Result<pb::CreditResponse> {
-        Ok(self.0.clone().credit(request).await?.into_inner())
+        Ok(self.client().credit(request).await?.into_inner())
     }
 
     async fn get_balance(&self, request: pb::GetBalanceRequest) -> Result<pb::Balance> {
-        Ok(self.0.clone().get_balance(request).await?.into_inner())
+        Ok(self.client().get_balance(request).await?.into_inner())
     }
 
     async fn usage_history(
         &self,
         request: pb::UsageHistoryRequest,
     ) -> Result<pb::UsageHistoryResponse> {
-        Ok(self.0.clone().usage_history(request).await?.into_inner())
+        Ok(self.client().usage_history(request).await?.into_inner())
     }
 
     async fn put_response(&self, request: pb::StoredResponse) -> Result<pb::PutResponseAck> {
-        Ok(self.0.clone().put_response(request).await?.into_inner())
+        Ok(self.client().put_response(request).await?.into_inner())
     }
 
     async fn get_response(&self, request: pb::GetResponseRequest) -> Result<pb::StoredResponse> {
-        Ok(self.0.clone().get_response(request).await?.into_inner())
+        Ok(self.client().get_response(request).await?.into_inner())
     }
 
     async fn usage_analytics(
         &self,
         request: pb::UsageAnalyticsRequest,
     ) -> Result<pb::UsageAnalyticsResponse> {
-        Ok(self.0.clone().usage_analytics(request).await?.into_inner())
+        Ok(self.client().usage_analytics(request).await?.into_inner())
     }
 
     async fn set_stake(&self, request: pb::SetStakeRequest) -> Result<pb::Balance> {
-        Ok(self.0.clone().set_stake(request).await?.into_inner())
+        Ok(self.client().set_stake(request).await?.into_inner())
     }
 
     async fn key_spend(&self, request: pb::KeySpendRequest) -> Result<pb::KeySpendResponse> {
-        Ok(self.0.clone().key_spend(request).await?.into_inner())
+        Ok(self.client().key_spend(request).await?.into_inner())
     }
 
     async fn top_up(&self, request: pb::TopUpRequest) -> Result<pb::TopUpResponse> {
-        Ok(self.0.clone().top_up(request).await?.into_inner())
+        Ok(self.client().top_up(request).await?.into_inner())
     }
 
     async fn transactions(
         &self,
         request: pb::TransactionsRequest,
     ) -> Result<pb::TransactionsResponse> {
-        Ok(self.0.clone().transactions(request).await?.into_inner())
+        Ok(self.client().transactions(request).await?.into_inner())
     }
 
     async fn top_ups(&self, request: pb::TopUpsRequest) -> Result<pb::TopUpsResponse> {
-        Ok(self.0.clone().top_ups(request).await?.into_inner())
+        Ok(self.client().top_ups(request).await?.into_inner())
     }
 
     async fn submit_job(&self, request: pb::SubmitJobRequest) -> Result<pb::Job> {
-        Ok(self.0.clone().submit_job(request).await?.into_inner())
+        Ok(self.client().submit_job(request).await?.into_inner())
     }
 
     async fn claim_jobs(&self, request: pb::ClaimJobsRequest) -> Result<pb::ClaimJobsResponse> {
-        Ok(self.0.clone().claim_jobs(request).await?.into_inner())
+        Ok(self.client().claim_jobs(request).await?.into_inner())
     }
 
     async fn update_job(&self, request: pb::UpdateJobRequest) -> Result<pb::Job> {
-        Ok(self.0.clone().update_job(request).await?.into_inner())
+        Ok(self.client().update_job(request).await?.into_inner())
     }
 
     async fn get_job(&self, request: pb::GetJobRequest) -> Result<pb::Job> {
-        Ok(self.0.clone().get_job(request).await?.into_inner())
+        Ok(self.client().get_job(request).await?.into_inner())
     }
 
     async fn complete_job(&self, request: pb::CompleteJobRequest) -> Result<pb::Job> {
-        Ok(self.0.clone().complete_job(request).await?.into_inner())
+        Ok(self.client().complete_job(request).await?.into_inner())
     }
 }

@@ -10,6 +10,8 @@
 //! - [`db`]: opening the database chosen by URL scheme and applying migrations.
 //! - [`placement`] and [`membership`]: which replica owns a principal, and
 //!   which replicas are alive (heartbeats on the bus) to own it.
+//! - [`per_thread`]: a client (a gRPC channel, an HTTP client) made on each
+//!   thread that calls through it, so its connections run on that thread.
 //! - [`telemetry`]: the tracing subscriber.
 //!
 //! This crate holds no service logic and no HTTP or actor code.
@@ -24,6 +26,7 @@ pub mod ids;
 pub mod log_writer;
 pub mod membership;
 pub mod metrics;
+pub mod per_thread;
 pub mod placement;
 pub mod secrets;
 pub mod telemetry;

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use async_trait::async_trait;
 use rialto_core::Result;
 use rialto_core::grpc_auth::{ClientToken, ServerToken};
+use rialto_core::per_thread::PerThread;
 use rialto_proto::limiter::v1 as pb;
 use rialto_proto::limiter::v1::limiter_client::LimiterClient as GrpcClient;
 use rialto_proto::limiter::v1::limiter_server::{Limiter, LimiterServer};
@@ -70,36 +71,44 @@ impl Limiter for LimiterGrpc {
 
 /// The limiter in another process, reached over gRPC.
 pub struct RemoteLimiter {
-    client: GrpcClient<InterceptedService<Channel, ClientToken>>,
+    /// Made on each calling thread (see [`PerThread`]).
+    channel: PerThread<Channel>,
+    token: ClientToken,
     /// The replica answered a `CommitMany`: a batch need not be kept for
     /// one `Commit` per record, which a replica older than the call needs.
     batches_known: AtomicBool,
 }
 
 impl RemoteLimiter {
-    pub fn new(channel: Channel, token: ClientToken) -> Self {
+    pub fn new(channel: impl Into<PerThread<Channel>>, token: ClientToken) -> Self {
         Self {
-            client: GrpcClient::with_interceptor(channel, token),
+            channel: channel.into(),
+            token,
             batches_known: AtomicBool::new(false),
         }
+    }
+
+    /// A client on this thread's channel.
+    fn client(&self) -> GrpcClient<InterceptedService<Channel, ClientToken>> {
+        GrpcClient::with_interceptor(self.channel.get(), self.token.clone())
     }
 }
 
 #[async_trait]
 impl LimiterService for RemoteLimiter {
     async fn admit(&self, request: pb::AdmitRequest) -> Result<pb::AdmitResponse> {
-        Ok(self.client.clone().admit(request).await?.into_inner())
+        Ok(self.client().admit(request).await?.into_inner())
     }
 
     async fn commit(&self, request: pb::CommitRequest) -> Result<pb::CommitResponse> {
-        Ok(self.client.clone().commit(request).await?.into_inner())
+        Ok(self.client().commit(request).await?.into_inner())
     }
 
     async fn commit_many(&self, batch: pb::CommitBatch) -> Result<pb::CommitResponse> {
         if self.batches_known.load(Ordering::Relaxed) {
-            return Ok(self.client.clone().commit_many(batch).await?.into_inner());
+            return Ok(self.client().commit_many(batch).await?.into_inner());
         }
-        match self.client.clone().commit_many(batch.clone()).await {
+        match self.client().commit_many(batch.clone()).await {
             Ok(response) => {
                 self.batches_known.store(true, Ordering::Relaxed);
                 Ok(response.into_inner())
@@ -116,10 +125,10 @@ impl LimiterService for RemoteLimiter {
     }
 
     async fn record_hits(&self, request: pb::RecordHitsRequest) -> Result<pb::RecordHitsResponse> {
-        Ok(self.client.clone().record_hits(request).await?.into_inner())
+        Ok(self.client().record_hits(request).await?.into_inner())
     }
 
     async fn recent_hits(&self, request: pb::RecentHitsRequest) -> Result<pb::RecentHitsResponse> {
-        Ok(self.client.clone().recent_hits(request).await?.into_inner())
+        Ok(self.client().recent_hits(request).await?.into_inner())
     }
 }

@@ -1,58 +1,37 @@
 //! The upstream HTTP client, one per thread.
 //!
 //! A pooled connection of a `reqwest::Client` is a task of the runtime
-//! that opened it. actix-web runs each HTTP worker on a single-thread
-//! runtime of its own, so with one client for the process a request on one
-//! worker that reuses a connection opened by another waits for two
-//! cross-thread wake-ups: the other worker writes the request and reads
-//! the answer. Each thread here gets its own client, built the same way,
-//! so its requests use the connections its own runtime drives.
+//! that opened it, so with one client for the process a request on one
+//! HTTP worker that reuses a connection opened by another waits for two
+//! cross-thread wake-ups. Each thread here gets its own client, built the
+//! same way ([`PerThread`]), so its requests use the connections its own
+//! runtime drives.
 
-use std::cell::RefCell;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
-
-/// Builds a client; every thread's is built by the same function.
-type Build = dyn Fn() -> reqwest::Result<reqwest::Client> + Send + Sync;
+use rialto_core::per_thread::PerThread;
 
 /// Clients of one router, one per thread that sends.
 pub(crate) struct Clients {
-    id: u64,
-    build: Arc<Build>,
+    per_thread: PerThread<reqwest::Client>,
     /// Built first (so a bad setting fails at start), and a thread's client
     /// when its own cannot be built; the health probes use it.
     shared: reqwest::Client,
-}
-
-thread_local! {
-    /// This thread's client of each router (by id).
-    static OWN: RefCell<Vec<(u64, reqwest::Client)>> = const { RefCell::new(Vec::new()) };
 }
 
 impl Clients {
     pub(crate) fn new(
         build: impl Fn() -> reqwest::Result<reqwest::Client> + Send + Sync + 'static,
     ) -> reqwest::Result<Self> {
-        static NEXT: AtomicU64 = AtomicU64::new(1);
         let shared = build()?;
+        let fallback = shared.clone();
         Ok(Self {
-            id: NEXT.fetch_add(1, Ordering::Relaxed),
-            build: Arc::new(build),
+            per_thread: PerThread::new(move || build().unwrap_or_else(|_| fallback.clone())),
             shared,
         })
     }
 
     /// The calling thread's client (built at its first request).
     pub(crate) fn get(&self) -> reqwest::Client {
-        OWN.with(|own| {
-            let mut own = own.borrow_mut();
-            if let Some((_, client)) = own.iter().find(|(id, _)| *id == self.id) {
-                return client.clone();
-            }
-            let client = (self.build)().unwrap_or_else(|_| self.shared.clone());
-            own.push((self.id, client.clone()));
-            client
-        })
+        self.per_thread.get()
     }
 
     /// A client for tasks that may run on any thread (health probes).
@@ -61,44 +40,40 @@ impl Clients {
     }
 }
 
-impl Drop for Clients {
-    fn drop(&mut self) {
-        // This thread's entry; other threads' go when they end.
-        let _ = OWN.try_with(|own| own.borrow_mut().retain(|(id, _)| *id != self.id));
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
 
     #[test]
-    fn each_thread_has_its_own_client_and_each_router_its_own() {
+    fn each_thread_builds_its_own_client_once() {
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let clients = Arc::new(Clients::new(|| reqwest::Client::builder().build()).unwrap());
-        let _ = clients.get();
-        assert_eq!(
-            OWN.with(|own| own.borrow().len()),
-            1,
-            "one client of this router on this thread"
-        );
-        // The same thread's client again: no second one.
-        let _ = clients.get();
-        assert_eq!(OWN.with(|own| own.borrow().len()), 1);
-        let other = Clients::new(|| reqwest::Client::builder().build()).unwrap();
-        let _ = other.get();
-        assert_eq!(OWN.with(|own| own.borrow().len()), 2);
-        drop(other);
-        assert_eq!(OWN.with(|own| own.borrow().len()), 1);
-        let elsewhere = {
-            let clients = clients.clone();
-            std::thread::spawn(move || {
-                let _ = clients.get();
-                OWN.with(|own| own.borrow().len())
+        let built = Arc::new(AtomicUsize::new(0));
+        let counter = Arc::clone(&built);
+        let clients = Arc::new(
+            Clients::new(move || {
+                counter.fetch_add(1, Ordering::Relaxed);
+                reqwest::Client::builder().build()
             })
-            .join()
-            .unwrap()
-        };
-        assert_eq!(elsewhere, 1, "another thread builds its own");
+            .unwrap(),
+        );
+        assert_eq!(built.load(Ordering::Relaxed), 1, "the shared one, at start");
+        let _ = clients.get();
+        let _ = clients.get();
+        assert_eq!(built.load(Ordering::Relaxed), 2, "one for this thread");
+        let elsewhere = Arc::clone(&clients);
+        std::thread::spawn(move || {
+            let _ = elsewhere.get();
+        })
+        .join()
+        .unwrap();
+        assert_eq!(
+            built.load(Ordering::Relaxed),
+            3,
+            "another thread builds its own"
+        );
+        let _ = clients.shared();
+        assert_eq!(built.load(Ordering::Relaxed), 3);
     }
 }

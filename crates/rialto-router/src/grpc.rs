@@ -6,6 +6,7 @@ use std::pin::Pin;
 use async_trait::async_trait;
 use futures_util::{Stream, StreamExt};
 use rialto_core::grpc_auth::{ClientToken, ServerToken};
+use rialto_core::per_thread::PerThread;
 use rialto_core::{Error, Result};
 use rialto_proto::router::v1 as pb;
 use rialto_proto::router::v1::router_client::RouterClient as GrpcClient;
@@ -91,28 +92,43 @@ impl Router for RouterGrpc {
 }
 
 /// The router in another process, reached over gRPC.
-pub struct RemoteRouter(GrpcClient<InterceptedService<Channel, ClientToken>>);
+pub struct RemoteRouter {
+    /// Made on each calling thread (see [`PerThread`]).
+    channel: PerThread<Channel>,
+    token: ClientToken,
+    max_message_bytes: usize,
+}
 
 impl RemoteRouter {
-    pub fn new(channel: Channel, token: ClientToken, max_message_bytes: usize) -> Self {
-        Self(
-            GrpcClient::with_interceptor(channel, token)
-                .max_decoding_message_size(max_message_bytes)
-                .max_encoding_message_size(max_message_bytes),
-        )
+    pub fn new(
+        channel: impl Into<PerThread<Channel>>,
+        token: ClientToken,
+        max_message_bytes: usize,
+    ) -> Self {
+        Self {
+            channel: channel.into(),
+            token,
+            max_message_bytes,
+        }
+    }
+
+    /// A client on this thread's channel.
+    fn client(&self) -> GrpcClient<InterceptedService<Channel, ClientToken>> {
+        GrpcClient::with_interceptor(self.channel.get(), self.token.clone())
+            .max_decoding_message_size(self.max_message_bytes)
+            .max_encoding_message_size(self.max_message_bytes)
     }
 }
 
 #[async_trait]
 impl RouterService for RemoteRouter {
     async fn chat(&self, chat: Chat) -> Result<pb::ChatResponse> {
-        Ok(self.0.clone().chat(chat.into_wire()?).await?.into_inner())
+        Ok(self.client().chat(chat.into_wire()?).await?.into_inner())
     }
 
     async fn chat_stream(&self, chat: Chat) -> Result<ChatStream> {
         let stream = self
-            .0
-            .clone()
+            .client()
             .chat_stream(chat.into_wire()?)
             .await?
             .into_inner();
@@ -120,22 +136,21 @@ impl RouterService for RemoteRouter {
     }
 
     async fn embed(&self, request: pb::EmbedRequest) -> Result<pb::EmbedResponse> {
-        Ok(self.0.clone().embed(request).await?.into_inner())
+        Ok(self.client().embed(request).await?.into_inner())
     }
 
     async fn media(&self, request: pb::MediaRequest) -> Result<pb::MediaResponse> {
-        Ok(self.0.clone().media(request).await?.into_inner())
+        Ok(self.client().media(request).await?.into_inner())
     }
 
     async fn media_stream(&self, request: pb::MediaRequest) -> Result<MediaStream> {
-        let stream = self.0.clone().media_stream(request).await?.into_inner();
+        let stream = self.client().media_stream(request).await?.into_inner();
         Ok(Box::pin(stream.map(|event| event.map_err(Error::from))))
     }
 
     async fn backends(&self) -> Result<pb::BackendsResponse> {
         Ok(self
-            .0
-            .clone()
+            .client()
             .backends(pb::BackendsRequest {})
             .await?
             .into_inner())

@@ -22,6 +22,7 @@ use std::time::Duration;
 use rialto_auth::grpc::RemoteAuth;
 use rialto_billing::grpc::RemoteBilling;
 use rialto_core::grpc_auth::{ClientToken, ServerToken};
+use rialto_core::per_thread::PerThread;
 use rialto_limiter::grpc::RemoteLimiter;
 use rialto_router::grpc::RemoteRouter;
 use tonic::transport::server::TcpIncoming;
@@ -170,13 +171,20 @@ fn refuse_open_exposure(config: &Config, here: &BTreeSet<&'static str>) -> anyho
 /// A lazy channel to a remote service: processes of a split deployment may
 /// start in any order. Keepalives find dead peers; `call_timeout` bounds
 /// unary calls (none for the router, whose streams may run for minutes).
-fn channel(url: &str, service: &str, call_timeout: Option<Duration>) -> anyhow::Result<Channel> {
+/// Each thread that calls makes its own on first use, so that a call stays
+/// on its HTTP worker's thread ([`PerThread`]).
+fn channel(
+    url: &str,
+    service: &str,
+    call_timeout: Option<Duration>,
+) -> anyhow::Result<PerThread<Channel>> {
     let host = url
         .parse::<http::Uri>()
         .ok()
         .and_then(|uri| uri.host().map(str::to_owned))
         .unwrap_or_default();
-    Ok(endpoint(url, service, call_timeout, &host)?.connect_lazy())
+    let endpoint = endpoint(url, service, call_timeout, &host)?;
+    Ok(PerThread::new(move || endpoint.connect_lazy()))
 }
 
 /// The certificate authority `https://` remotes are checked against
@@ -243,7 +251,7 @@ fn stateless_channel(
     url: &str,
     service: &'static str,
     call_timeout: Option<Duration>,
-) -> anyhow::Result<Channel> {
+) -> anyhow::Result<PerThread<Channel>> {
     let Some((host, port)) = crate::discovery::named_host(url) else {
         return channel(url, service, call_timeout);
     };
