@@ -4,7 +4,7 @@
 
 use async_trait::async_trait;
 use rialto_core::Result;
-use rialto_core::grpc_auth::{ClientToken, ServerToken};
+use rialto_core::grpc_auth::{ClientToken, RemoteChannel, ServerToken};
 use rialto_core::per_thread::PerThread;
 use rialto_proto::auth::v1 as pb;
 use rialto_proto::auth::v1::auth_client::AuthClient as GrpcClient;
@@ -198,23 +198,16 @@ impl Auth for AuthGrpc {
 }
 
 /// The auth service in another process, reached over gRPC.
-pub struct RemoteAuth {
-    /// Made on each calling thread (see [`PerThread`]).
-    channel: PerThread<Channel>,
-    token: ClientToken,
-}
+pub struct RemoteAuth(RemoteChannel);
 
 impl RemoteAuth {
     pub fn new(channel: impl Into<PerThread<Channel>>, token: ClientToken) -> Self {
-        Self {
-            channel: channel.into(),
-            token,
-        }
+        Self(RemoteChannel::new(channel, token))
     }
 
     /// A client on this thread's channel.
     fn client(&self) -> GrpcClient<InterceptedService<Channel, ClientToken>> {
-        GrpcClient::with_interceptor(self.channel.get(), self.token.clone())
+        GrpcClient::new(self.0.here())
     }
 }
 

@@ -2,7 +2,7 @@
 
 use async_trait::async_trait;
 use rialto_core::Result;
-use rialto_core::grpc_auth::{ClientToken, ServerToken};
+use rialto_core::grpc_auth::{ClientToken, RemoteChannel, ServerToken};
 use rialto_core::per_thread::PerThread;
 use rialto_proto::billing::v1 as pb;
 use rialto_proto::billing::v1::billing_client::BillingClient as GrpcClient;
@@ -196,23 +196,16 @@ impl Billing for BillingGrpc {
 }
 
 /// Billing in another process, reached over gRPC.
-pub struct RemoteBilling {
-    /// Made on each calling thread (see [`PerThread`]).
-    channel: PerThread<Channel>,
-    token: ClientToken,
-}
+pub struct RemoteBilling(RemoteChannel);
 
 impl RemoteBilling {
     pub fn new(channel: impl Into<PerThread<Channel>>, token: ClientToken) -> Self {
-        Self {
-            channel: channel.into(),
-            token,
-        }
+        Self(RemoteChannel::new(channel, token))
     }
 
     /// A client on this thread's channel.
     fn client(&self) -> GrpcClient<InterceptedService<Channel, ClientToken>> {
-        GrpcClient::with_interceptor(self.channel.get(), self.token.clone())
+        GrpcClient::new(self.0.here())
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES)
     }

@@ -5,6 +5,9 @@
 //! `grpc.token` set, every server refuses calls without
 //! `authorization: Bearer <token>` (compared in constant time) and every
 //! client sends it. The standard health service stays open for probes.
+//!
+//! [`RemoteChannel`] is what every client of another process calls
+//! through: its channel for the calling thread, with the token added.
 
 use std::sync::Arc;
 
@@ -12,8 +15,11 @@ use arc_swap::ArcSwapOption;
 use secrecy::{ExposeSecret, SecretString};
 use tonic::metadata::{AsciiMetadataValue, MetadataValue};
 use tonic::service::Interceptor;
+use tonic::service::interceptor::InterceptedService;
+use tonic::transport::Channel;
 use tonic::{Request, Status};
 
+use crate::per_thread::PerThread;
 use crate::secrets::LiveSecret;
 
 /// Adds the token to outgoing calls. Clones share the value, which
@@ -43,6 +49,30 @@ impl ClientToken {
     pub fn replace(&self, token: &SecretString) -> Result<(), crate::config::ConfigError> {
         self.0.store(Some(Arc::new(header_value(token)?)));
         Ok(())
+    }
+}
+
+/// Where a client of another process (`Remote*`) sends its calls: a
+/// channel made on each calling thread ([`PerThread`]), each call carrying
+/// the token.
+pub struct RemoteChannel {
+    channel: PerThread<Channel>,
+    token: ClientToken,
+}
+
+impl RemoteChannel {
+    /// A plain `Channel` converts too, shared by every thread.
+    pub fn new(channel: impl Into<PerThread<Channel>>, token: ClientToken) -> Self {
+        Self {
+            channel: channel.into(),
+            token,
+        }
+    }
+
+    /// This thread's channel, adding the token to each call: what a
+    /// generated client is built on.
+    pub fn here(&self) -> InterceptedService<Channel, ClientToken> {
+        InterceptedService::new(self.channel.get(), self.token.clone())
     }
 }
 

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use async_trait::async_trait;
 use rialto_core::Result;
-use rialto_core::grpc_auth::{ClientToken, ServerToken};
+use rialto_core::grpc_auth::{ClientToken, RemoteChannel, ServerToken};
 use rialto_core::per_thread::PerThread;
 use rialto_proto::limiter::v1 as pb;
 use rialto_proto::limiter::v1::limiter_client::LimiterClient as GrpcClient;
@@ -71,9 +71,7 @@ impl Limiter for LimiterGrpc {
 
 /// The limiter in another process, reached over gRPC.
 pub struct RemoteLimiter {
-    /// Made on each calling thread (see [`PerThread`]).
-    channel: PerThread<Channel>,
-    token: ClientToken,
+    remote: RemoteChannel,
     /// The replica answered a `CommitMany`: a batch need not be kept for
     /// one `Commit` per record, which a replica older than the call needs.
     batches_known: AtomicBool,
@@ -82,15 +80,14 @@ pub struct RemoteLimiter {
 impl RemoteLimiter {
     pub fn new(channel: impl Into<PerThread<Channel>>, token: ClientToken) -> Self {
         Self {
-            channel: channel.into(),
-            token,
+            remote: RemoteChannel::new(channel, token),
             batches_known: AtomicBool::new(false),
         }
     }
 
     /// A client on this thread's channel.
     fn client(&self) -> GrpcClient<InterceptedService<Channel, ClientToken>> {
-        GrpcClient::with_interceptor(self.channel.get(), self.token.clone())
+        GrpcClient::new(self.remote.here())
     }
 }
 

@@ -5,7 +5,7 @@ use std::pin::Pin;
 
 use async_trait::async_trait;
 use futures_util::{Stream, StreamExt};
-use rialto_core::grpc_auth::{ClientToken, ServerToken};
+use rialto_core::grpc_auth::{ClientToken, RemoteChannel, ServerToken};
 use rialto_core::per_thread::PerThread;
 use rialto_core::{Error, Result};
 use rialto_proto::router::v1 as pb;
@@ -93,9 +93,7 @@ impl Router for RouterGrpc {
 
 /// The router in another process, reached over gRPC.
 pub struct RemoteRouter {
-    /// Made on each calling thread (see [`PerThread`]).
-    channel: PerThread<Channel>,
-    token: ClientToken,
+    remote: RemoteChannel,
     max_message_bytes: usize,
 }
 
@@ -106,15 +104,14 @@ impl RemoteRouter {
         max_message_bytes: usize,
     ) -> Self {
         Self {
-            channel: channel.into(),
-            token,
+            remote: RemoteChannel::new(channel, token),
             max_message_bytes,
         }
     }
 
     /// A client on this thread's channel.
     fn client(&self) -> GrpcClient<InterceptedService<Channel, ClientToken>> {
-        GrpcClient::with_interceptor(self.channel.get(), self.token.clone())
+        GrpcClient::new(self.remote.here())
             .max_decoding_message_size(self.max_message_bytes)
             .max_encoding_message_size(self.max_message_bytes)
     }
