@@ -34,6 +34,7 @@ p.add_argument("--env", action="append", default=[], help="SERVICE:NAME=VALUE or
 p.add_argument("--duration", type=float, default=5.0)
 p.add_argument("--rate", type=int)
 p.add_argument("--by-thread", action="store_true", help="context switches per request by process and thread name")
+p.add_argument("--model", default="fast", help="the non-streamed rows' model: fast (priced), fast-free, fast-unlimited")
 a = p.parse_args()
 
 args = types.SimpleNamespace(target_dir="/nonexistent", profile="release", smoke=False, duration=a.duration,
@@ -143,13 +144,13 @@ try:
             print(json.dumps({"idle": out["idle"]}), flush=True)
             continue
         if row == "c1":
-            r = s.load("closed", url("fast"), headers, body("fast"), concurrency=1)
+            r = s.load("closed", url(a.model), headers, body(a.model), concurrency=1)
             out["c1"] = {q: r["latency_us"][q] for q in ("p50", "p99", "p999")}
         elif row == "open":
-            r = s.load("open", url("fast"), headers, body("fast"), rate=rate, connections=min(256, max(64, rate // 20)))
+            r = s.load("open", url(a.model), headers, body(a.model), rate=rate, connections=min(256, max(64, rate // 20)))
             out[f"open{rate}"] = {"p50": r["latency_us"]["p50"], "p99": r["latency_us"]["p99"], "rps": r["rps"], "errors": r["errors"]}
         elif row == "max":
-            r = s.load("closed", url("fast"), headers, body("fast"), concurrency=64)
+            r = s.load("closed", url(a.model), headers, body(a.model), concurrency=64)
             out["max"] = {"rps": r["rps"], "p50": r["latency_us"]["p50"], "p99": r["latency_us"]["p99"], "errors": r["errors"]}
         elif row.startswith("streams"):
             n = int(row[7:] or 512)

@@ -19,6 +19,12 @@ input_usd_per_mtok = 1.0
 output_usd_per_mtok = 1.0
 backends = [{{ kind = "openai", url = "{mock_url}", model = "mock-model" }}]
 
+[[models]]
+id = "pricey-chat"
+input_usd_per_mtok = 100.0
+output_usd_per_mtok = 100.0
+backends = [{{ kind = "openai", url = "{mock_url}", model = "mock-model" }}]
+
 # Rate limits far above these tests' bursts: this file tests money.
 [limits.tiers.standard.XS]
 rpm = 100000
@@ -340,6 +346,61 @@ backends = [{{ kind = "openai", url = "{}", model = "mock-model" }}]
     assert_eq!(mock.request_count(), 0, "the backend saw it");
     let response = chat(&sandbox, &key, &shouting("paid-chat")).await;
     assert_eq!(response.status(), 200, "{}", response.text().await.unwrap());
+}
+
+/// In a split deployment a caller that had room to spare a moment ago has
+/// its route asked beside its admission and hold (the gateway's
+/// `ahead.rs`): its answer is the same, and when the hold refuses after
+/// all (the balance went meanwhile) the answer is dropped: 402, nothing
+/// charged, and the caller's next request waits for its hold again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_route_asked_ahead_serves_only_what_the_hold_covers() {
+    let world = world(Topology::Split, Storage::Sqlite).await;
+    let sandbox = &world.sandbox;
+    let (id, admin, key) = funded(sandbox, "0.1").await;
+    let (_, other_key) = sandbox.create_key(&admin, "INFERENCE").await.unwrap();
+    let ahead = async |outcome: &str| {
+        let sample = format!("rialto_routes_ahead_total{{outcome=\"{outcome}\"}}");
+        crate::support::metric(sandbox, &sample).await
+    };
+    // The first request waits for its hold ($0.001003 of $0.1, room for
+    // 64 more) and the second is asked ahead: served and charged alike.
+    for expected_ahead in [0.0, 1.0] {
+        let response = chat(sandbox, &key, &thousand_words()).await;
+        assert_eq!(response.status(), 200, "{}", response.text().await.unwrap());
+        let body: Value = response.json().await.unwrap();
+        assert_eq!(body["usage"]["completion_tokens"], 1000);
+        assert_eq!(body["cost"]["usd"].to_string(), "0.001002");
+        assert_eq!(ahead("used").await, expected_ahead);
+    }
+    // Another key of the account spends all but $0.000796 of it: 970 words
+    // at $100 per million tokens, (2 + 970) * 0.0001.
+    let pricey = json!({"model": "pricey-chat", "max_tokens": 970,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "mock": {"words": 970}});
+    let response = chat(sandbox, &other_key, &pricey).await;
+    assert_eq!(response.status(), 200, "{}", response.text().await.unwrap());
+    let usd = async || balance(sandbox, &admin).await["balances"]["usd"].to_string();
+    assert_eq!(usd().await, "0.000796");
+    // The first key still has room as far as this gateway knows: its route
+    // is asked ahead, the hold refuses, the answer is dropped.
+    let response = chat(sandbox, &key, &thousand_words()).await;
+    assert_eq!(response.status(), 402, "{}", response.text().await.unwrap());
+    assert_eq!(ahead("dropped").await, 1.0);
+    // Now it has not: asked in order, refused before any backend call
+    // (once the dropped call, which may have reached the backend, is done).
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    let calls = world._mock.request_count();
+    let response = chat(sandbox, &key, &thousand_words()).await;
+    assert_eq!(response.status(), 402, "{}", response.text().await.unwrap());
+    assert_eq!(ahead("dropped").await, 1.0);
+    assert_eq!(world._mock.request_count(), calls, "the backend saw it");
+    // Nothing of either refusal was charged or is still held.
+    assert_eq!(usd().await, "0.000796");
+    sandbox.credit(&id, "1", "top-up").await.unwrap();
+    let response = chat(sandbox, &key, &thousand_words()).await;
+    assert_eq!(response.status(), 200, "{}", response.text().await.unwrap());
+    assert_eq!(ahead("used").await, 1.0);
 }
 
 /// An account without credit is refused with 402 before any backend call.

@@ -195,6 +195,9 @@ pub struct Metrics {
     pub grpc_duration: Family<GrpcLabels, Histogram, LatencyBuckets>,
     pub limiter_decisions: Family<DecisionLabels, Counter>,
     pub ledger_holds: Family<OutcomeLabels, Counter>,
+    /// Routes asked beside the caller's admission and hold (a split
+    /// deployment's gateway): used, or dropped on a refusal.
+    pub routes_ahead: Family<OutcomeLabels, Counter>,
     pub ledger_settlements: Family<OutcomeLabels, Counter>,
     /// The ledger writer's batches: how long each took to commit.
     pub ledger_batch_seconds: Histogram,
@@ -258,6 +261,7 @@ impl Metrics {
         let grpc_duration = Family::new_with_constructor(LatencyBuckets);
         let limiter_decisions = Family::default();
         let ledger_holds = Family::default();
+        let routes_ahead = Family::default();
         let ledger_settlements = Family::default();
         // 50 µs to ~3 s, doubling.
         let ledger_batch_seconds = Histogram::new(exponential_buckets(0.00005, 2.0, 16));
@@ -305,6 +309,11 @@ impl Metrics {
             "ledger_holds",
             "Credit holds asked of the ledger: placed or refused",
             ledger_holds.clone(),
+        );
+        registry.register(
+            "routes_ahead",
+            "Routes asked beside the caller's admission and hold: used, or dropped on a refusal",
+            routes_ahead.clone(),
         );
         registry.register(
             "ledger_settlements",
@@ -452,6 +461,7 @@ impl Metrics {
             grpc_duration,
             limiter_decisions,
             ledger_holds,
+            routes_ahead,
             ledger_settlements,
             ledger_batch_seconds,
             ledger_batch_records,

@@ -476,6 +476,32 @@ async fn complete_or_stream(
         .saturating_add(most_prompt_tokens);
     chat.estimated_tokens = chat.estimated_tokens.saturating_add(most_prompt_tokens);
 
+    // Handed over parsed: a router in this process reads no bytes again.
+    let router_request = rialto_router::Chat {
+        request_id: request_id.clone(),
+        model_id: chat.model_id.clone(),
+        body,
+        parameters: std::mem::take(&mut chat.service),
+    };
+    // A plain answer for a caller with room to spare: its route is asked
+    // now, beside the admission and the hold (`crate::ahead`). Not before
+    // the key may send its prompt to this model at all.
+    let ahead = !chat.stream
+        && web.is_none()
+        && limited.is_none()
+        && gateway.route_ahead.as_ref().is_some_and(|ahead| {
+            let owner = crate::ledger_owner(principal);
+            ahead.roomy(&owner, crate::api_key_id(principal), &chat.model_id)
+        });
+    let route = if ahead {
+        crate::keys::check_privacy(principal, &model.config)?;
+        Route::Ahead(crate::ahead::Asked::ask(
+            &gateway.services.router,
+            router_request,
+        ))
+    } else {
+        Route::Later(router_request)
+    };
     let Admitted {
         settlement,
         wallet_usd_before,
@@ -498,13 +524,6 @@ async fn complete_or_stream(
     )
     .await?;
 
-    // Handed over parsed: a router in this process reads no bytes again.
-    let router_request = rialto_router::Chat {
-        request_id: request_id.clone(),
-        model_id: chat.model_id.clone(),
-        body,
-        parameters: std::mem::take(&mut chat.service),
-    };
     let exchange = Exchange {
         completion_id: format!("chatcmpl-{request_id}"),
         request_id,
@@ -516,11 +535,19 @@ async fn complete_or_stream(
         web,
         found: augment::Outcome::default(),
     };
-    if exchange.chat.stream {
-        stream(gateway, model, router_request, exchange).await
-    } else {
-        complete(gateway, model, router_request, exchange).await
+    match route {
+        Route::Later(router_request) if exchange.chat.stream => {
+            stream(gateway, model, router_request, exchange).await
+        }
+        route => complete(gateway, model, route, exchange).await,
     }
+}
+
+/// A plain answer's call to the router: made once the caller is admitted
+/// and held, or already made beside those ([`crate::ahead`]).
+enum Route {
+    Later(rialto_router::Chat),
+    Ahead(crate::ahead::Asked),
 }
 
 /// A request with file parts is admitted by the limiter before its files
@@ -675,6 +702,13 @@ pub(crate) async fn admit(
         extra_usd_nanos: reservation.extra_usd_nanos,
     });
     let (admission, hold) = futures_util::future::join(admitting, holding).await;
+    if let Some(ahead) = &gateway.route_ahead {
+        let tokens = reservation
+            .total_tokens
+            .saturating_add(reservation.limiter_extra_tokens);
+        let roomy = crate::ahead::room_left(&admission, &hold, tokens);
+        ahead.answered(&owner, crate::api_key_id(principal), model_id, roomy);
+    }
     // A hold the limiter's refusal makes useless is released at once.
     let release_hold = |hold: &billing_pb::HoldResponse| {
         if !(hold.placed && hold.reserved) {
@@ -862,7 +896,7 @@ struct Answered {
 async fn complete(
     gateway: &web::Data<Gateway>,
     model: &Arc<ModelEntry>,
-    router_request: rialto_router::Chat,
+    route: Route,
     exchange: Exchange,
 ) -> Result<HttpResponse, ApiError> {
     // The backend's work and its settlement run as a task of their own: a
@@ -874,7 +908,7 @@ async fn complete(
         let model = Arc::clone(model);
         // In the request's span: the router's call continues its trace.
         tracing::Instrument::instrument(
-            async move { answer(&gateway, &model, router_request, exchange).await },
+            async move { answer(&gateway, &model, route, exchange).await },
             tracing::Span::current(),
         )
     });
@@ -900,14 +934,19 @@ async fn complete(
 async fn answer(
     gateway: &Gateway,
     model: &ModelEntry,
-    router_request: rialto_router::Chat,
+    route: Route,
     exchange: Exchange,
 ) -> Result<Answered, ApiError> {
     let mut exchange = exchange;
-    let mut router_request = router_request;
     let model_id = model.config.id.as_str();
-    search_the_web(gateway, model, &mut router_request, &mut exchange).await;
-    let answer = match gateway.services.router.chat(router_request).await {
+    let answered = match route {
+        Route::Later(mut router_request) => {
+            search_the_web(gateway, model, &mut router_request, &mut exchange).await;
+            gateway.services.router.chat(router_request).await
+        }
+        Route::Ahead(asked) => asked.answer().await,
+    };
+    let answer = match answered {
         Ok(answer) => answer,
         Err(error) => {
             exchange.failed(&error);
@@ -937,6 +976,13 @@ async fn answer(
         completion_text,
     );
     let cost = exchange.settlement.bill(&usage).await?;
+    if let Some(ahead) = &gateway.route_ahead {
+        let settlement = &exchange.settlement;
+        if !crate::ahead::within_hold(&cost, &settlement.held_usd, &settlement.held_diem) {
+            // The balance may be gone: the next request waits for its hold.
+            ahead.answered(&settlement.owner, &settlement.key_id, model_id, false);
+        }
+    }
     object.insert("usage".into(), usage.json);
     object.insert("cost".into(), cost);
     object.entry("prompt_logprobs").or_insert(Value::Null);

@@ -31,6 +31,7 @@ use rialto_limiter::{Caller, RateHeaders, RateLimiter, Target};
 use rialto_proto::auth::v1 as auth_pb;
 use rialto_router::RouterClient;
 
+mod ahead;
 mod audio;
 mod augment;
 mod characters;
@@ -139,6 +140,10 @@ pub struct Gateway {
     /// How long a stream waits for its client to take a chunk: half the
     /// stream's lease, so a blocked relay cannot outlive its hold.
     reader_patience: std::time::Duration,
+    /// Callers whose route is asked beside their admission and hold: only
+    /// when billing is another process (in one process both are decided
+    /// in memory before a route could start).
+    route_ahead: Option<ahead::RouteAhead>,
 }
 
 impl std::fmt::Debug for Gateway {
@@ -159,6 +164,11 @@ impl Gateway {
         };
         let stamp = headers::Stamp::new(&brand, revision, &host_name)?;
         let catalog = Catalog::new(config, &stamp)?;
+        let route_ahead = services
+            .billing
+            .local()
+            .is_none()
+            .then(ahead::RouteAhead::new);
         Ok(Self {
             catalog: ArcSwap::from_pointee(catalog),
             openapi: Bytes::from(openapi::render(&brand, revision)),
@@ -215,6 +225,7 @@ impl Gateway {
                     .saturating_mul(500)
                     .max(500),
             ),
+            route_ahead,
             client_address_header: match config.gateway.client_address_header.as_str() {
                 "" => None,
                 name => Some(

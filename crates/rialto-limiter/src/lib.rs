@@ -40,7 +40,7 @@ pub mod window;
 
 pub use local::LocalLimiter;
 pub use policy::{Caller, Scope, Target};
-pub use rate_limiter::{Admission, RateHeaders, RateLimiter, Ticket, owner_of};
+pub use rate_limiter::{Admission, RateHeaders, RateLimiter, Ticket, TokenHeaders, owner_of};
 
 /// Bus subject (after the prefix) of token commits; every replica listens.
 pub const COMMITS_SUBJECT: &str = "limiter.commits";
