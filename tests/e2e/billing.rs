@@ -355,8 +355,15 @@ backends = [{{ kind = "openai", url = "{}", model = "mock-model" }}]
 /// charged, and the caller's next request waits for its hold again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_route_asked_ahead_serves_only_what_the_hold_covers() {
-    let world = world(Topology::Split, Storage::Sqlite).await;
-    let sandbox = &world.sandbox;
+    let mock = MockUpstream::start().await.unwrap();
+    // Room believed for a minute, not 2 s: this test's steps on a busy
+    // machine must not outlast it (a refusal, not time, ends it here).
+    let sandbox = &Sandbox::builder(Topology::Split)
+        .config(&models(&mock.base_url()))
+        .env("RIALTO_GATEWAY__ROUTE_AHEAD_MS", "60000")
+        .start()
+        .await
+        .unwrap();
     let (id, admin, key) = funded(sandbox, "0.1").await;
     let (_, other_key) = sandbox.create_key(&admin, "INFERENCE").await.unwrap();
     let ahead = async |outcome: &str| {
@@ -390,13 +397,14 @@ async fn a_route_asked_ahead_serves_only_what_the_hold_covers() {
     // Now it has not: asked in order, refused before any backend call
     // (once the dropped call, which may have reached the backend, is done).
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
-    let calls = world._mock.request_count();
+    let calls = mock.request_count();
     let response = chat(sandbox, &key, &thousand_words()).await;
     assert_eq!(response.status(), 402, "{}", response.text().await.unwrap());
     assert_eq!(ahead("dropped").await, 1.0);
-    assert_eq!(world._mock.request_count(), calls, "the backend saw it");
+    assert_eq!(mock.request_count(), calls, "the backend saw it");
     // Nothing of either refusal was charged or is still held.
     assert_eq!(usd().await, "0.000796");
+    // A top-up serves it again, in order while the refusal stands.
     sandbox.credit(&id, "1", "top-up").await.unwrap();
     let response = chat(sandbox, &key, &thousand_words()).await;
     assert_eq!(response.status(), 200, "{}", response.text().await.unwrap());

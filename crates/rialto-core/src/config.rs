@@ -557,6 +557,13 @@ pub struct GatewayConfig {
     /// them (capped by `net.core.somaxconn`); a burst beyond it waits for
     /// the client's SYN retry, a second or more.
     pub listen_backlog: u32,
+    /// For how long a caller's last admission and hold, when they left
+    /// room for 64 more requests like it, let a plain chat's route start
+    /// beside its next admission and hold rather than after them (a split
+    /// deployment: one round of calls fewer). A refusal drops the route
+    /// (its upstream call cancelled) and stops this for the caller as
+    /// long. 0: every route waits for its admission.
+    pub route_ahead_ms: u64,
 }
 
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -1129,6 +1136,7 @@ impl Default for GatewayConfig {
             max_connections: 25_000,
             client_request_timeout_ms: 5_000,
             listen_backlog: 4_096,
+            route_ahead_ms: 2_000,
         }
     }
 }

@@ -4,25 +4,33 @@
 //! In a split deployment a priced chat costs three rounds of calls before
 //! its answer can leave: the limiter's admission and billing's hold
 //! (together), the route, the settlement. Each round wakes the gateway's
-//! worker and another process on cores those processes share, and the tail
-//! of the latency is those wake-ups queueing behind each other
-//! (bench/NOTES.md). When the caller's last admission and hold left far more
-//! room than this request can use, their answers are all but known: the
-//! route is asked at once, beside them, and its answer waits for theirs.
-//! Nothing leaves before both said yes; a refusal drops the route (its
-//! upstream call is cancelled, and what the backend did is not charged).
+//! worker and another process on cores those processes share (bench/NOTES.md).
+//! When the caller's last admission and hold on this model left room for
+//! [`ROOM`] more requests like it, their answers are all but known: the route
+//! is asked at once, beside them, and its answer waits for theirs. Nothing
+//! leaves before both said yes; a refusal drops the route (its upstream call
+//! is cancelled, and nothing is charged).
 //!
-//! What this costs when the guess is wrong is only an upstream call whose
-//! answer nobody gets, and the guess is wrong only for a caller whose room
-//! went in the last [`FRESH_MS`]: that caller's refusal clears its slot.
-//! The slots are a fixed table of tagged atomics (no lock, no growth): a
-//! caller lands on a slot by a keyed hash of its ledger owner and key, and
-//! the slot's tag (the hash's other half) tells it from a caller that
-//! shares the slot.
+//! A wrong guess costs an upstream call whose answer nobody gets, and it is
+//! kept rare and bounded:
+//! - the room is believed for `gateway.route_ahead_ms` (0 turns this off);
+//! - a refusal, an answer with less room, or a settlement above its hold
+//!   marks the caller refused for as long, and no roomy answer in flight
+//!   undoes that;
+//! - at most [`ROOM`] / 2 of a caller's routes are out ahead at once, each
+//!   no more than twice the size of the request whose answer showed the
+//!   room, so together they fit in it.
+//!
+//! The table is fixed (4,096 slots of one atomic word, no lock, no growth).
+//! A caller lands on a slot by a keyed hash of its ledger owner, key and
+//! model, and the slot's tag (other bits of the hash) tells it from a caller
+//! that shares the slot; a caller that evicts another only costs that one
+//! its next route ahead.
 
 use std::hash::BuildHasher;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use rialto_limiter::Admission;
 use rialto_proto::billing::v1 as billing_pb;
@@ -32,93 +40,207 @@ use rust_decimal::Decimal;
 /// Slots in the table (a power of two): 32 KiB.
 const SLOTS: usize = 4096;
 
-/// How long a caller's room is believed after its last admission and
-/// hold, in milliseconds.
-const FRESH_MS: u32 = 2_000;
-
-/// How many requests like this one the room must still take: a caller
-/// with less (a balance or a window nearly used) is asked in order.
+/// How many more requests like this one an answer must leave room for.
 pub(crate) const ROOM: u64 = 64;
+
+/// A slot's word, from the low bits up: the time of its last answer (ms
+/// since start, wrapping: 25 bits, 9 hours), the routes out ahead (7), the
+/// state (2: empty, roomy, refused), the size of the answered request (6:
+/// the bit length of its tokens), the tag (24, never 0).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Slot {
+    at: u32,
+    out: u64,
+    state: u64,
+    size: u64,
+    tag: u64,
+}
+
+const AT_BITS: u32 = 25;
+const OUT_SHIFT: u32 = AT_BITS;
+const STATE_SHIFT: u32 = OUT_SHIFT + 7;
+const SIZE_SHIFT: u32 = STATE_SHIFT + 2;
+const TAG_SHIFT: u32 = SIZE_SHIFT + 6;
+const ROOMY: u64 = 1;
+const REFUSED: u64 = 2;
+
+impl Slot {
+    fn read(word: u64) -> Self {
+        Self {
+            at: (word & ((1 << AT_BITS) - 1)) as u32,
+            out: (word >> OUT_SHIFT) & 0x7f,
+            state: (word >> STATE_SHIFT) & 0x3,
+            size: (word >> SIZE_SHIFT) & 0x3f,
+            tag: word >> TAG_SHIFT,
+        }
+    }
+
+    fn word(self) -> u64 {
+        u64::from(self.at)
+            | self.out << OUT_SHIFT
+            | self.state << STATE_SHIFT
+            | self.size << SIZE_SHIFT
+            | self.tag << TAG_SHIFT
+    }
+}
+
+/// The bit length of a request's tokens: two requests of one size differ
+/// by less than twice.
+fn size(tokens: u64) -> u64 {
+    u64::from(u64::BITS - tokens.leading_zeros()).min(0x3f)
+}
+
+/// Where a caller's slot is, and its tag.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Caller {
+    slot: usize,
+    tag: u64,
+}
 
 /// The callers whose route may be asked before their admission's answer.
 pub(crate) struct RouteAhead {
-    /// `tag << 32 | milliseconds since start` (wrapping) of the last roomy
-    /// answer; 0 when none.
     slots: Box<[AtomicU64]>,
     keys: std::hash::RandomState,
     start: Instant,
+    fresh_ms: u32,
 }
 
 impl RouteAhead {
-    pub(crate) fn new() -> Self {
-        Self {
-            slots: (0..SLOTS).map(|_| AtomicU64::new(0)).collect(),
-            keys: std::hash::RandomState::new(),
-            start: Instant::now(),
-        }
+    /// None when `fresh` is zero: every route waits for its admission.
+    pub(crate) fn new(fresh: Duration) -> Option<Arc<Self>> {
+        // Well below the clock's wrap, so that "fresh" cannot wrap.
+        let fresh_ms = u32::try_from(fresh.as_millis())
+            .unwrap_or(u32::MAX)
+            .min(1 << (AT_BITS - 1));
+        (fresh_ms > 0).then(|| {
+            Arc::new(Self {
+                slots: (0..SLOTS).map(|_| AtomicU64::new(0)).collect(),
+                keys: std::hash::RandomState::new(),
+                start: Instant::now(),
+                fresh_ms,
+            })
+        })
     }
 
-    /// Whether the caller (a ledger owner and a key) had room on `model` a
-    /// moment ago.
-    pub(crate) fn roomy(&self, owner: &str, key: &str, model: &str) -> bool {
-        let (slot, tag) = self.slot(owner, key, model);
-        let value = self.slots[slot].load(Ordering::Relaxed);
-        // Truncated to 32 bits on purpose: the clock wraps every 49 days,
-        // and an answer that old reads fresh for two seconds at worst.
-        let at = value as u32;
-        value >> 32 == tag && self.now().wrapping_sub(at) < FRESH_MS
-    }
-
-    /// What the limiter and billing just answered the caller: room to
-    /// spare, or not (a refusal, a window or balance running low).
-    pub(crate) fn answered(&self, owner: &str, key: &str, model: &str, roomy: bool) {
-        let (slot, tag) = self.slot(owner, key, model);
-        let slot = &self.slots[slot];
-        if roomy {
-            slot.store(tag << 32 | u64::from(self.now()), Ordering::Relaxed);
-        } else if slot.load(Ordering::Relaxed) >> 32 == tag {
-            slot.store(0, Ordering::Relaxed);
-        }
-    }
-
-    fn slot(&self, owner: &str, key: &str, model: &str) -> (usize, u64) {
-        // The key as well as its ledger owner (an account or a wallet): a
-        // key's own window can run out while its account has room; and the
-        // model, whose window can run out while another's has room.
+    /// The slot of a ledger owner's key on `model`. The key as well as its
+    /// owner (an account or a wallet): a key's own window can run out while
+    /// its account has room; and the model, whose window can run out while
+    /// another's has room.
+    pub(crate) fn caller(&self, owner: &str, key: &str, model: &str) -> Caller {
         let hash = self.keys.hash_one((owner, key, model));
-        // The low bits pick the slot, the high 32 are its tag.
-        (hash as usize & (SLOTS - 1), hash >> 32)
+        Caller {
+            slot: hash as usize & (SLOTS - 1),
+            tag: (hash >> TAG_SHIFT) | 1,
+        }
+    }
+
+    /// Sends one more route of `caller` ahead when its last answer, fresh,
+    /// left room for this request (`tokens` in the windows) and few of its
+    /// routes are out ahead already.
+    pub(crate) fn take(&self, caller: Caller, tokens: u64) -> bool {
+        let now = self.now();
+        self.update(caller.slot, |slot| {
+            (slot.tag == caller.tag
+                && slot.state == ROOMY
+                && self.fresh(now, slot.at)
+                && size(tokens) <= slot.size
+                && slot.out < ROOM / 2)
+                .then_some(Slot {
+                    out: slot.out + 1,
+                    ..slot
+                })
+        })
+    }
+
+    /// A route sent ahead has its admission's answer (or was dropped).
+    fn returned(&self, caller: Caller) {
+        self.update(caller.slot, |slot| {
+            (slot.tag == caller.tag && slot.out > 0).then_some(Slot {
+                out: slot.out - 1,
+                ..slot
+            })
+        });
+    }
+
+    /// What the limiter and billing answered the caller for a request of
+    /// `tokens`: room for [`ROOM`] more like it, or not (a refusal, little
+    /// room, a settlement above its hold). Not-roomy stands for as long as
+    /// room is believed: a roomy answer that was in flight meanwhile
+    /// leaves it.
+    pub(crate) fn answered(&self, caller: Caller, tokens: u64, roomy: bool) {
+        let now = self.now();
+        self.update(caller.slot, |slot| {
+            let ours = slot.tag == caller.tag;
+            let out = if ours { slot.out } else { 0 };
+            if ours && slot.state == REFUSED && self.fresh(now, slot.at) && roomy {
+                return None;
+            }
+            Some(Slot {
+                at: now,
+                out,
+                state: if roomy { ROOMY } else { REFUSED },
+                size: if roomy { size(tokens) } else { 0 },
+                tag: caller.tag,
+            })
+        });
+    }
+
+    /// Applies `change` to the slot's word atomically; whether it changed.
+    fn update(&self, slot: usize, change: impl Fn(Slot) -> Option<Slot>) -> bool {
+        self.slots[slot]
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |word| {
+                change(Slot::read(word)).map(Slot::word)
+            })
+            .is_ok()
+    }
+
+    fn fresh(&self, now: u32, at: u32) -> bool {
+        now.wrapping_sub(at) & ((1 << AT_BITS) - 1) < self.fresh_ms
     }
 
     fn now(&self) -> u32 {
-        // Wrapping, as [`RouteAhead::roomy`] reads it.
-        self.start.elapsed().as_millis() as u32
+        // Truncated on purpose: the slot keeps the low bits, and
+        // [`RouteAhead::fresh`] reads them wrapping.
+        (self.start.elapsed().as_millis() as u32) & ((1 << AT_BITS) - 1)
     }
 }
 
 /// A route asked ahead, running as a task of its own: aborted (its call,
 /// and the upstream's, cancelled) when dropped unanswered, as it is when
 /// the admission or the hold refuses.
-pub(crate) struct Asked(
-    Option<tokio::task::JoinHandle<rialto_core::Result<router_pb::ChatResponse>>>,
-);
+pub(crate) struct Asked {
+    task: Option<tokio::task::JoinHandle<rialto_core::Result<router_pb::ChatResponse>>>,
+    ahead: Arc<RouteAhead>,
+    caller: Caller,
+}
 
 impl Asked {
-    pub(crate) fn ask(router: &rialto_router::RouterClient, chat: rialto_router::Chat) -> Self {
+    pub(crate) fn ask(
+        ahead: &Arc<RouteAhead>,
+        caller: Caller,
+        router: &rialto_router::RouterClient,
+        chat: rialto_router::Chat,
+    ) -> Self {
         let router = router.clone();
         // In the request's span: the router's call continues its trace.
-        Self(Some(tokio::spawn(tracing::Instrument::instrument(
+        let task = tokio::spawn(tracing::Instrument::instrument(
             async move { router.chat(chat).await },
             tracing::Span::current(),
-        ))))
+        ));
+        Self {
+            task: Some(task),
+            ahead: Arc::clone(ahead),
+            caller,
+        }
     }
 
     /// The router's answer, once the caller was admitted and held.
     pub(crate) async fn answer(mut self) -> rialto_core::Result<router_pb::ChatResponse> {
         // Always there: `answer` takes the only handle.
-        let Some(task) = self.0.take() else {
+        let Some(task) = self.task.take() else {
             return Err(rialto_core::Error::internal("a route asked ahead is gone"));
         };
+        self.ahead.returned(self.caller);
         count("used");
         task.await.map_err(|error| {
             rialto_core::Error::internal(format!("the route's task failed: {error}"))
@@ -129,10 +251,43 @@ impl Asked {
 impl Drop for Asked {
     /// Dropped unanswered: refused (or its client left first).
     fn drop(&mut self) {
-        if let Some(task) = self.0.take() {
+        if let Some(task) = self.task.take() {
+            self.ahead.returned(self.caller);
             count("dropped");
             task.abort();
         }
+    }
+}
+
+/// What an admission and hold answered a caller, told to the table when
+/// dropped: not roomy, unless [`Answer::roomy`] said so once nothing was
+/// left to refuse the request (a return with an error on the way, the
+/// wallet's minimum for one, leaves it not roomy).
+pub(crate) struct Answer {
+    ahead: Arc<RouteAhead>,
+    caller: Caller,
+    tokens: u64,
+    roomy: bool,
+}
+
+impl Answer {
+    pub(crate) fn new(ahead: &Arc<RouteAhead>, caller: Caller, tokens: u64) -> Self {
+        Self {
+            ahead: Arc::clone(ahead),
+            caller,
+            tokens,
+            roomy: false,
+        }
+    }
+
+    pub(crate) fn roomy(&mut self, roomy: bool) {
+        self.roomy = roomy;
+    }
+}
+
+impl Drop for Answer {
+    fn drop(&mut self) {
+        self.ahead.answered(self.caller, self.tokens, self.roomy);
     }
 }
 
@@ -143,28 +298,44 @@ fn count(outcome: &'static str) {
         .inc();
 }
 
+/// An exact amount; None when it is not one (a field an older peer left
+/// empty): room is then not assumed.
+fn amount(text: &str) -> Option<Decimal> {
+    text.parse().ok()
+}
+
 /// Whether a settlement's `cost` stayed within what its hold reserved: a
 /// backend that reported more than the hold assumed may have spent the
 /// balance beyond what the hold's answer showed (or into debt).
 pub(crate) fn within_hold(cost: &serde_json::Value, held_usd: &str, held_diem: &str) -> bool {
-    let amount = |text: &str| text.parse::<Decimal>().unwrap_or_default();
-    let charged = amount(&cost["usd"].to_string()) + amount(&cost["diem"].to_string());
-    charged <= amount(held_usd) + amount(held_diem)
+    // Exact: the cost's numbers are written digit for digit
+    // (serde_json's arbitrary_precision).
+    let sum = |usd: Option<Decimal>, diem: Option<Decimal>| usd?.checked_add(diem?);
+    let charged = sum(
+        amount(&cost["usd"].to_string()),
+        amount(&cost["diem"].to_string()),
+    );
+    let held = sum(amount(held_usd), amount(held_diem));
+    matches!((charged, held), (Some(charged), Some(held)) if charged <= held)
 }
 
 /// Whether the limiter's admission and billing's hold left room for
 /// [`ROOM`] more requests like this one (`tokens` in the windows): the shown
 /// window's requests and tokens, and the balance against what was held.
-/// A capped key is never roomy: its cap's remainder is not in the answer.
+/// A capped key is never roomy (its cap's remainder is not in the answer),
+/// nor is an admission whose windows were shown elsewhere (`windows_shown`
+/// false: a request with files, admitted before its file work).
 pub(crate) fn room_left(
     admission: &rialto_core::Result<Admission>,
+    windows_shown: bool,
     hold: &rialto_core::Result<billing_pb::HoldResponse>,
     tokens: u64,
 ) -> bool {
     let (Ok(admission), Ok(hold)) = (admission, hold) else {
         return false;
     };
-    if admission.refusal.is_some() || !hold.placed || !hold.key_period.is_empty() {
+    if !windows_shown || admission.refusal.is_some() || !hold.placed || !hold.key_period.is_empty()
+    {
         return false;
     }
     let windows = admission.headers.as_ref().is_none_or(|shown| {
@@ -174,41 +345,146 @@ pub(crate) fn room_left(
                 .as_ref()
                 .is_none_or(|window| window.remaining >= ROOM.saturating_mul(tokens))
     });
-    let amount = |text: &str| text.parse::<Decimal>().unwrap_or_default();
-    let held = amount(&hold.held_usd) + amount(&hold.held_diem);
-    let balance = hold.before.as_ref().map_or(Decimal::ZERO, |before| {
-        amount(&before.usd) + amount(&before.diem)
-    });
-    windows && (held.is_zero() || balance >= held * Decimal::from(ROOM))
+    let balance = || {
+        let before = hold.before.as_ref()?;
+        let held = amount(&hold.held_usd)?.checked_add(amount(&hold.held_diem)?)?;
+        let balance = amount(&before.usd)?.checked_add(amount(&before.diem)?)?;
+        Some(held.is_zero() || balance >= held.checked_mul(Decimal::from(ROOM))?)
+    };
+    windows && balance() == Some(true)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_caller_is_roomy_once_answered_so_and_not_after_a_refusal() {
-        let ahead = RouteAhead::new();
-        assert!(!ahead.roomy("acct", "key", "m"));
-        ahead.answered("acct", "key", "m", true);
-        assert!(ahead.roomy("acct", "key", "m"));
-        assert!(!ahead.roomy("acct", "other key", "m"));
-        assert!(!ahead.roomy("other acct", "key", "m"));
-        assert!(!ahead.roomy("acct", "key", "other model"));
-        ahead.answered("acct", "key", "m", false);
-        assert!(!ahead.roomy("acct", "key", "m"));
+    fn table() -> Arc<RouteAhead> {
+        RouteAhead::new(Duration::from_secs(2)).unwrap()
     }
 
     #[test]
-    fn another_callers_refusal_does_not_clear_a_slot_it_does_not_own() {
-        let ahead = RouteAhead::new();
-        ahead.answered("acct", "key", "m", true);
-        // Every slot is someone else's refusal at least once: each clears
-        // only its own tag.
-        for n in 0..100_000 {
-            ahead.answered(&format!("acct-{n}"), "key", "m", false);
+    fn a_slot_word_reads_back_as_written() {
+        let slot = Slot {
+            at: (1 << AT_BITS) - 1,
+            out: 0x7f,
+            state: REFUSED,
+            size: 0x3f,
+            tag: (1 << (64 - TAG_SHIFT)) - 1,
+        };
+        assert_eq!(Slot::read(slot.word()), slot);
+        let slot = Slot {
+            at: 12_345,
+            out: 3,
+            state: ROOMY,
+            size: 10,
+            tag: 1,
+        };
+        assert_eq!(Slot::read(slot.word()), slot);
+    }
+
+    #[test]
+    fn a_caller_goes_ahead_once_answered_roomy_and_not_after_a_refusal() {
+        let ahead = table();
+        let caller = ahead.caller("acct", "key", "m");
+        assert!(!ahead.take(caller, 100));
+        ahead.answered(caller, 100, true);
+        assert!(ahead.take(caller, 100));
+        ahead.returned(caller);
+        for other in [
+            ahead.caller("acct", "other key", "m"),
+            ahead.caller("other acct", "key", "m"),
+            ahead.caller("acct", "key", "other model"),
+        ] {
+            assert!(!ahead.take(other, 100));
         }
-        assert!(ahead.roomy("acct", "key", "m"));
+        ahead.answered(caller, 100, false);
+        assert!(!ahead.take(caller, 100));
+        // A roomy answer that was in flight does not undo the refusal.
+        ahead.answered(caller, 100, true);
+        assert!(!ahead.take(caller, 100));
+    }
+
+    #[test]
+    fn only_requests_of_the_answered_size_go_ahead() {
+        let ahead = table();
+        let caller = ahead.caller("acct", "key", "m");
+        ahead.answered(caller, 100, true);
+        // 100 has 7 bits: up to 127 goes ahead, 128 waits.
+        assert!(ahead.take(caller, 127));
+        assert!(!ahead.take(caller, 128));
+        assert!(ahead.take(caller, 1));
+    }
+
+    #[test]
+    fn at_most_half_the_room_is_out_ahead_at_once() {
+        let ahead = table();
+        let caller = ahead.caller("acct", "key", "m");
+        ahead.answered(caller, 100, true);
+        for _ in 0..ROOM / 2 {
+            assert!(ahead.take(caller, 100));
+        }
+        assert!(!ahead.take(caller, 100));
+        // Another roomy answer keeps the count of those out.
+        ahead.answered(caller, 100, true);
+        assert!(!ahead.take(caller, 100));
+        ahead.returned(caller);
+        assert!(ahead.take(caller, 100));
+    }
+
+    #[test]
+    fn a_route_is_counted_out_until_it_returns_even_when_racing() {
+        let ahead = table();
+        let caller = ahead.caller("acct", "key", "m");
+        ahead.answered(caller, 100, true);
+        std::thread::scope(|scope| {
+            for _ in 0..4 {
+                scope.spawn(|| {
+                    for _ in 0..10_000 {
+                        if ahead.take(caller, 100) {
+                            ahead.returned(caller);
+                        }
+                    }
+                });
+            }
+        });
+        assert_eq!(
+            Slot::read(ahead.slots[caller.slot].load(Ordering::Relaxed)).out,
+            0
+        );
+    }
+
+    #[test]
+    fn another_callers_answers_only_evict_it_from_a_shared_slot() {
+        let ahead = table();
+        let caller = ahead.caller("acct", "key", "m");
+        ahead.answered(caller, 100, true);
+        let mut shared = 0;
+        for n in 0..100_000 {
+            let other = ahead.caller(&format!("acct-{n}"), "key", "m");
+            if other.slot == caller.slot {
+                shared += 1;
+                continue;
+            }
+            ahead.answered(other, 100, false);
+        }
+        assert!(shared > 0);
+        assert!(ahead.take(caller, 100));
+    }
+
+    #[test]
+    fn zero_turns_it_off() {
+        assert!(RouteAhead::new(Duration::ZERO).is_none());
+    }
+
+    #[test]
+    fn a_cost_within_its_hold() {
+        let cost = serde_json::json!({"usd": 0.000_5, "diem": 0.000_5});
+        assert!(within_hold(&cost, "0.0005", "0.0005"));
+        assert!(within_hold(&cost, "0.001", "0"));
+        assert!(!within_hold(&cost, "0.0009", "0"));
+        // What cannot be read is not within.
+        assert!(!within_hold(&cost, "", "0"));
+        assert!(!within_hold(&serde_json::json!({}), "1", "0"));
     }
 
     fn hold(before_usd: &str, held_usd: &str) -> rialto_core::Result<billing_pb::HoldResponse> {
@@ -245,48 +521,35 @@ mod tests {
     }
 
     #[test]
-    fn a_cost_within_its_hold() {
-        let cost = serde_json::json!({"usd": 0.000_5, "diem": 0.000_5});
-        assert!(within_hold(&cost, "0.0005", "0.0005"));
-        assert!(within_hold(&cost, "0.001", "0"));
-        assert!(!within_hold(&cost, "0.0009", "0"));
-    }
-
-    #[test]
     fn room_is_left_only_for_many_more_requests_like_this_one() {
         let tokens = 100;
-        assert!(room_left(&admitted(64, 6_400), &hold("6.4", "0.1"), tokens));
+        let roomy = |admission, hold| room_left(&admission, true, &hold, tokens);
+        assert!(roomy(admitted(64, 6_400), hold("6.4", "0.1")));
         // The balance takes fewer than 64 more.
-        assert!(!room_left(
-            &admitted(64, 6_400),
-            &hold("6.3", "0.1"),
-            tokens
-        ));
+        assert!(!roomy(admitted(64, 6_400), hold("6.3", "0.1")));
         // The window's requests, or its tokens.
-        assert!(!room_left(
-            &admitted(63, 6_400),
-            &hold("100", "0.1"),
-            tokens
-        ));
-        assert!(!room_left(
-            &admitted(64, 6_399),
-            &hold("100", "0.1"),
-            tokens
-        ));
+        assert!(!roomy(admitted(63, 6_400), hold("100", "0.1")));
+        assert!(!roomy(admitted(64, 6_399), hold("100", "0.1")));
         // A free model holds nothing: only the window counts.
-        assert!(room_left(&admitted(64, 6_400), &hold("0", "0"), tokens));
+        assert!(roomy(admitted(64, 6_400), hold("0", "0")));
+        // What cannot be read is not room.
+        assert!(!roomy(admitted(64, 6_400), hold("100", "")));
+        assert!(!roomy(admitted(64, 6_400), hold("-", "0.1")));
+        // Windows shown elsewhere (a request with files).
+        let elsewhere = room_left(&admitted(64, 6_400), false, &hold("100", "0.1"), tokens);
+        assert!(!elsewhere);
         // Refusals.
         let mut refused = hold("100", "0.1");
         if let Ok(hold) = &mut refused {
             hold.placed = false;
         }
-        assert!(!room_left(&admitted(64, 6_400), &refused, tokens));
+        assert!(!roomy(admitted(64, 6_400), refused));
         let mut capped = hold("100", "0.1");
         if let Ok(hold) = &mut capped {
             hold.key_period = "EPOCH:2026-11-27".into();
         }
-        assert!(!room_left(&admitted(64, 6_400), &capped, tokens));
+        assert!(!roomy(admitted(64, 6_400), capped));
         let failed = Err(rialto_core::Error::internal("billing is down"));
-        assert!(!room_left(&admitted(64, 6_400), &failed, tokens));
+        assert!(!roomy(admitted(64, 6_400), failed));
     }
 }

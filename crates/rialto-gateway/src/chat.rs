@@ -486,21 +486,24 @@ async fn complete_or_stream(
     // A plain answer for a caller with room to spare: its route is asked
     // now, beside the admission and the hold (`crate::ahead`). Not before
     // the key may send its prompt to this model at all.
-    let ahead = !chat.stream
-        && web.is_none()
-        && limited.is_none()
-        && gateway.route_ahead.as_ref().is_some_and(|ahead| {
+    let ahead = match &gateway.route_ahead {
+        Some(table) if !chat.stream && web.is_none() && limited.is_none() => {
+            crate::keys::check_privacy(principal, &model.config)?;
             let owner = crate::ledger_owner(principal);
-            ahead.roomy(&owner, crate::api_key_id(principal), &chat.model_id)
-        });
-    let route = if ahead {
-        crate::keys::check_privacy(principal, &model.config)?;
-        Route::Ahead(crate::ahead::Asked::ask(
+            let caller = table.caller(&owner, crate::api_key_id(principal), &chat.model_id);
+            let tokens = chat.estimated_tokens.saturating_add(query_tokens);
+            table.take(caller, tokens).then_some((table, caller))
+        }
+        _ => None,
+    };
+    let route = match ahead {
+        Some((table, caller)) => Route::Ahead(crate::ahead::Asked::ask(
+            table,
+            caller,
             &gateway.services.router,
             router_request,
-        ))
-    } else {
-        Route::Later(router_request)
+        )),
+        None => Route::Later(router_request),
     };
     let Admitted {
         settlement,
@@ -667,6 +670,8 @@ pub(crate) async fn admit(
     }
     let limiter = &gateway.services.limiter;
     let owner = crate::ledger_owner(principal);
+    // A request with files showed its windows when it was admitted.
+    let windows_shown = limited.is_none();
     // Sent with the hold, and with the settlement (a charge beyond the hold
     // stays within it).
     let key_limit = crate::key_limit(&principal.key_id, principal.key_limit.as_ref());
@@ -702,13 +707,16 @@ pub(crate) async fn admit(
         extra_usd_nanos: reservation.extra_usd_nanos,
     });
     let (admission, hold) = futures_util::future::join(admitting, holding).await;
-    if let Some(ahead) = &gateway.route_ahead {
+    // What the table of routes asked ahead learns from this answer: told
+    // when this returns, roomy only if it returns admitted.
+    let mut told = gateway.route_ahead.as_ref().map(|table| {
         let tokens = reservation
             .total_tokens
             .saturating_add(reservation.limiter_extra_tokens);
-        let roomy = crate::ahead::room_left(&admission, &hold, tokens);
-        ahead.answered(&owner, crate::api_key_id(principal), model_id, roomy);
-    }
+        let roomy = crate::ahead::room_left(&admission, windows_shown, &hold, tokens);
+        let caller = table.caller(&owner, crate::api_key_id(principal), model_id);
+        (crate::ahead::Answer::new(table, caller, tokens), roomy)
+    });
     // A hold the limiter's refusal makes useless is released at once.
     let release_hold = |hold: &billing_pb::HoldResponse| {
         if !(hold.placed && hold.reserved) {
@@ -842,6 +850,9 @@ pub(crate) async fn admit(
     } else {
         hold.before.as_ref().and_then(|b| b.usd.parse().ok())
     };
+    if let Some((told, roomy)) = &mut told {
+        told.roomy(*roomy);
+    }
     Ok(Admitted {
         settlement,
         wallet_usd_before,
@@ -976,11 +987,12 @@ async fn answer(
         completion_text,
     );
     let cost = exchange.settlement.bill(&usage).await?;
-    if let Some(ahead) = &gateway.route_ahead {
+    if let Some(table) = &gateway.route_ahead {
         let settlement = &exchange.settlement;
         if !crate::ahead::within_hold(&cost, &settlement.held_usd, &settlement.held_diem) {
             // The balance may be gone: the next request waits for its hold.
-            ahead.answered(&settlement.owner, &settlement.key_id, model_id, false);
+            let caller = table.caller(&settlement.owner, &settlement.key_id, model_id);
+            table.answered(caller, 0, false);
         }
     }
     object.insert("usage".into(), usage.json);

@@ -142,8 +142,9 @@ pub struct Gateway {
     reader_patience: std::time::Duration,
     /// Callers whose route is asked beside their admission and hold: only
     /// when billing is another process (in one process both are decided
-    /// in memory before a route could start).
-    route_ahead: Option<ahead::RouteAhead>,
+    /// in memory before a route could start) and `gateway.route_ahead_ms`
+    /// is not 0.
+    route_ahead: Option<Arc<ahead::RouteAhead>>,
 }
 
 impl std::fmt::Debug for Gateway {
@@ -164,11 +165,12 @@ impl Gateway {
         };
         let stamp = headers::Stamp::new(&brand, revision, &host_name)?;
         let catalog = Catalog::new(config, &stamp)?;
-        let route_ahead = services
-            .billing
-            .local()
-            .is_none()
-            .then(ahead::RouteAhead::new);
+        let route_ahead = match services.billing.local() {
+            Some(_) => None,
+            None => ahead::RouteAhead::new(std::time::Duration::from_millis(
+                config.gateway.route_ahead_ms,
+            )),
+        };
         Ok(Self {
             catalog: ArcSwap::from_pointee(catalog),
             openapi: Bytes::from(openapi::render(&brand, revision)),
