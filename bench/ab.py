@@ -13,7 +13,9 @@ Rows: idle (VmRSS after start-up, with the largest mappings), c1
 connections), streamsN (N concurrent streams); each loaded row also reports
 CPU and context switches per request (--by-thread: by process and thread
 name). --floor and --proxy measure the
-upstream alone and bench-proxy in front of it."""
+upstream alone and bench-proxy in front of it; --model picks Rialto's model
+for the non-streamed rows (fast, priced; fast-free; fast-unlimited, which no
+window limits)."""
 import argparse
 import json
 import os
