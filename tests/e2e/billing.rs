@@ -366,10 +366,7 @@ async fn a_route_asked_ahead_serves_only_what_the_hold_covers() {
         .unwrap();
     let (id, admin, key) = funded(sandbox, "0.1").await;
     let (_, other_key) = sandbox.create_key(&admin, "INFERENCE").await.unwrap();
-    let ahead = async |outcome: &str| {
-        let sample = format!("rialto_routes_ahead_total{{outcome=\"{outcome}\"}}");
-        crate::support::metric(sandbox, &sample).await
-    };
+    let ahead = async |outcome| routes_ahead(sandbox, outcome).await;
     // The first request waits for its hold ($0.001003 of $0.1, room for
     // 64 more) and the second is asked ahead: served and charged alike.
     for expected_ahead in [0.0, 1.0] {
@@ -409,6 +406,55 @@ async fn a_route_asked_ahead_serves_only_what_the_hold_covers() {
     let response = chat(sandbox, &key, &thousand_words()).await;
     assert_eq!(response.status(), 200, "{}", response.text().await.unwrap());
     assert_eq!(ahead("used").await, 1.0);
+}
+
+/// `rialto_routes_ahead_total{outcome}` of the gateway.
+async fn routes_ahead(sandbox: &Sandbox, outcome: &str) -> f64 {
+    let sample = format!("rialto_routes_ahead_total{{outcome=\"{outcome}\"}}");
+    crate::support::metric(sandbox, &sample).await
+}
+
+/// A stream that cost more than its hold (its backend counted 30,000
+/// prompt tokens where the gateway estimated 3) may have spent the balance
+/// the hold's answer showed: the caller's next plain chat waits for its own
+/// hold, which refuses it before any backend call, rather than being routed
+/// ahead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_above_its_hold_ends_the_callers_routes_ahead() {
+    let mock = MockUpstream::start().await.unwrap();
+    let sandbox = &Sandbox::builder(Topology::Split)
+        .config(&models(&mock.base_url()))
+        .env("RIALTO_GATEWAY__ROUTE_AHEAD_MS", "60000")
+        .start()
+        .await
+        .unwrap();
+    let (_, _, key) = funded(sandbox, "0.01").await;
+    let light = json!({"model": "paid-chat", "max_tokens": 10,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "mock": {"words": 10}});
+    // $0.01 holds these ($0.000013) 64 times over: the second goes ahead.
+    for _ in 0..2 {
+        let response = chat(sandbox, &key, &light).await;
+        assert_eq!(response.status(), 200, "{}", response.text().await.unwrap());
+    }
+    assert_eq!(routes_ahead(sandbox, "used").await, 1.0);
+    let heavy = json!({"model": "paid-chat", "max_tokens": 10, "stream": true,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "mock": {"words": 10, "prompt_tokens": 30000}});
+    let response = chat(sandbox, &key, &heavy).await;
+    assert_eq!(response.status(), 200);
+    let events = response.text().await.unwrap();
+    assert!(
+        events.contains("\"cost\"") && events.ends_with("data: [DONE]\n\n"),
+        "{events}"
+    );
+    // $0.03001 used of $0.009976: in debt, and told so.
+    let calls = mock.request_count();
+    let response = chat(sandbox, &key, &light).await;
+    assert_eq!(response.status(), 402, "{}", response.text().await.unwrap());
+    assert_eq!(mock.request_count(), calls, "the backend saw it");
+    assert_eq!(routes_ahead(sandbox, "dropped").await, 0.0);
+    assert_eq!(routes_ahead(sandbox, "used").await, 1.0);
 }
 
 /// An account without credit is refused with 402 before any backend call.

@@ -304,19 +304,13 @@ fn amount(text: &str) -> Option<Decimal> {
     text.parse().ok()
 }
 
-/// Whether a settlement's `cost` stayed within what its hold reserved: a
-/// backend that reported more than the hold assumed may have spent the
-/// balance beyond what the hold's answer showed (or into debt).
-pub(crate) fn within_hold(cost: &serde_json::Value, held_usd: &str, held_diem: &str) -> bool {
-    // Exact: the cost's numbers are written digit for digit
-    // (serde_json's arbitrary_precision).
-    let sum = |usd: Option<Decimal>, diem: Option<Decimal>| usd?.checked_add(diem?);
-    let charged = sum(
-        amount(&cost["usd"].to_string()),
-        amount(&cost["diem"].to_string()),
-    );
-    let held = sum(amount(held_usd), amount(held_diem));
-    matches!((charged, held), (Some(charged), Some(held)) if charged <= held)
+/// Whether a settlement's charge (exact decimals, USD and DIEM) stayed
+/// within what its hold reserved: a backend that reported more than the
+/// hold assumed may have spent the balance beyond what the hold's answer
+/// showed (or into debt). What cannot be read is not within.
+pub(crate) fn within_hold(usd: &str, diem: &str, held_usd: &str, held_diem: &str) -> bool {
+    let sum = |usd: &str, diem: &str| amount(usd)?.checked_add(amount(diem)?);
+    matches!((sum(usd, diem), sum(held_usd, held_diem)), (Some(charged), Some(held)) if charged <= held)
 }
 
 /// Whether the limiter's admission and billing's hold left room for
@@ -478,13 +472,12 @@ mod tests {
 
     #[test]
     fn a_cost_within_its_hold() {
-        let cost = serde_json::json!({"usd": 0.000_5, "diem": 0.000_5});
-        assert!(within_hold(&cost, "0.0005", "0.0005"));
-        assert!(within_hold(&cost, "0.001", "0"));
-        assert!(!within_hold(&cost, "0.0009", "0"));
+        assert!(within_hold("0.0005", "0.0005", "0.0005", "0.0005"));
+        assert!(within_hold("0.0005", "0.0005", "0.001", "0"));
+        assert!(!within_hold("0.0005", "0.0005", "0.0009", "0"));
         // What cannot be read is not within.
-        assert!(!within_hold(&cost, "", "0"));
-        assert!(!within_hold(&serde_json::json!({}), "1", "0"));
+        assert!(!within_hold("0.0005", "0.0005", "", "0"));
+        assert!(!within_hold("", "0", "1", "0"));
     }
 
     fn hold(before_usd: &str, held_usd: &str) -> rialto_core::Result<billing_pb::HoldResponse> {

@@ -128,6 +128,9 @@ pub(crate) struct Settlement {
     /// The request's span, which gets the GenAI usage attributes (a stream
     /// keeps it open until its end).
     span: tracing::Span,
+    /// The table of routes asked ahead (a split deployment's gateway),
+    /// told when a charge goes beyond its hold.
+    ahead: Option<Arc<crate::ahead::RouteAhead>>,
 }
 
 impl Settlement {
@@ -211,6 +214,7 @@ impl Settlement {
                 &self.held_diem,
             )?,
         };
+        self.charged(&cost);
         if let Ok(usd) = cost.usd.parse::<f64>() {
             let model = rialto_core::metrics::ModelLabels {
                 model: self.model_id.clone(),
@@ -234,16 +238,46 @@ impl Settlement {
         let billing = self.billing.clone();
         let queue = self.usage_queue.clone();
         let request = self.settle_request(usage);
+        // What `charged` reads, for the task (only where routes go ahead).
+        let told = self.ahead.is_some().then(|| self.told());
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let pending = PendingSettlement::start();
             runtime.spawn(async move {
                 let settled = settle_durably(&billing, queue.as_ref(), request).await;
                 count_settlement(&settled);
-                if let Err(error) = settled {
-                    tracing::warn!(%error, "settlement failed; the hold will expire");
+                match settled {
+                    Ok(Settled::Now(cost)) => {
+                        if let Some(told) = told {
+                            told.charged(&cost);
+                        }
+                    }
+                    Ok(Settled::Queued) => {}
+                    Err(error) => {
+                        tracing::warn!(%error, "settlement failed; the hold will expire");
+                    }
                 }
                 drop(pending);
             });
+        }
+    }
+
+    /// Tells the table of routes asked ahead when `cost` went beyond the
+    /// hold: the balance may be gone, and the caller's next request waits
+    /// for its own hold (`crate::ahead`).
+    fn charged(&self, cost: &billing_pb::Cost) {
+        if self.ahead.is_some() {
+            self.told().charged(cost);
+        }
+    }
+
+    fn told(&self) -> Told {
+        Told {
+            ahead: self.ahead.clone(),
+            owner: self.owner.clone(),
+            key_id: self.key_id.clone(),
+            model_id: self.model_id.clone(),
+            held_usd: self.held_usd.clone(),
+            held_diem: self.held_diem.clone(),
         }
     }
 
@@ -283,6 +317,29 @@ impl Settlement {
     pub(crate) fn release(&mut self) {
         self.extra_usd_nanos = 0;
         self.bill_later(&Usage::none());
+    }
+}
+
+/// What a settlement tells the table of routes asked ahead, apart from it
+/// (a settlement off the response path runs in a task of its own).
+struct Told {
+    ahead: Option<Arc<crate::ahead::RouteAhead>>,
+    owner: String,
+    key_id: String,
+    model_id: String,
+    held_usd: String,
+    held_diem: String,
+}
+
+impl Told {
+    fn charged(&self, cost: &billing_pb::Cost) {
+        let Some(table) = &self.ahead else {
+            return;
+        };
+        if !crate::ahead::within_hold(&cost.usd, &cost.diem, &self.held_usd, &self.held_diem) {
+            let caller = table.caller(&self.owner, &self.key_id, &self.model_id);
+            table.answered(caller, 0, false);
+        }
     }
 }
 
@@ -740,6 +797,7 @@ pub(crate) async fn admit(
             extra_usd_nanos: 0,
             extra_tokens: 0,
             span: tracing::Span::none(),
+            ahead: None,
         };
         orphan.release();
     };
@@ -781,6 +839,7 @@ pub(crate) async fn admit(
         extra_usd_nanos: 0,
         extra_tokens: 0,
         span: tracing::Span::current(),
+        ahead: gateway.route_ahead.clone(),
     };
     let hold = match hold {
         Ok(hold) => hold,
@@ -987,14 +1046,6 @@ async fn answer(
         completion_text,
     );
     let cost = exchange.settlement.bill(&usage).await?;
-    if let Some(table) = &gateway.route_ahead {
-        let settlement = &exchange.settlement;
-        if !crate::ahead::within_hold(&cost, &settlement.held_usd, &settlement.held_diem) {
-            // The balance may be gone: the next request waits for its hold.
-            let caller = table.caller(&settlement.owner, &settlement.key_id, model_id);
-            table.answered(caller, 0, false);
-        }
-    }
     object.insert("usage".into(), usage.json);
     object.insert("cost".into(), cost);
     object.entry("prompt_logprobs").or_insert(Value::Null);
