@@ -355,15 +355,8 @@ backends = [{{ kind = "openai", url = "{}", model = "mock-model" }}]
 /// charged, and the caller's next request waits for its hold again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_route_asked_ahead_serves_only_what_the_hold_covers() {
-    let mock = MockUpstream::start().await.unwrap();
-    // Room believed for a minute, not 2 s: this test's steps on a busy
-    // machine must not outlast it (a refusal, not time, ends it here).
-    let sandbox = &Sandbox::builder(Topology::Split)
-        .config(&models(&mock.base_url()))
-        .env("RIALTO_GATEWAY__ROUTE_AHEAD_MS", "60000")
-        .start()
-        .await
-        .unwrap();
+    let (mock, sandbox) = routing_ahead().await;
+    let sandbox = &sandbox;
     let (id, admin, key) = funded(sandbox, "0.1").await;
     let (_, other_key) = sandbox.create_key(&admin, "INFERENCE").await.unwrap();
     let ahead = async |outcome| routes_ahead(sandbox, outcome).await;
@@ -408,6 +401,20 @@ async fn a_route_asked_ahead_serves_only_what_the_hold_covers() {
     assert_eq!(ahead("used").await, 1.0);
 }
 
+/// The split topology on SQLite, with a caller's room believed for a
+/// minute, not 2 s: a test's steps on a busy machine must not outlast it
+/// (a refusal, not time, ends it in these tests).
+async fn routing_ahead() -> (MockUpstream, Sandbox) {
+    let mock = MockUpstream::start().await.unwrap();
+    let sandbox = Sandbox::builder(Topology::Split)
+        .config(&models(&mock.base_url()))
+        .env("RIALTO_GATEWAY__ROUTE_AHEAD_MS", "60000")
+        .start()
+        .await
+        .unwrap();
+    (mock, sandbox)
+}
+
 /// `rialto_routes_ahead_total{outcome}` of the gateway.
 async fn routes_ahead(sandbox: &Sandbox, outcome: &str) -> f64 {
     let sample = format!("rialto_routes_ahead_total{{outcome=\"{outcome}\"}}");
@@ -421,13 +428,8 @@ async fn routes_ahead(sandbox: &Sandbox, outcome: &str) -> f64 {
 /// ahead.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_above_its_hold_ends_the_callers_routes_ahead() {
-    let mock = MockUpstream::start().await.unwrap();
-    let sandbox = &Sandbox::builder(Topology::Split)
-        .config(&models(&mock.base_url()))
-        .env("RIALTO_GATEWAY__ROUTE_AHEAD_MS", "60000")
-        .start()
-        .await
-        .unwrap();
+    let (mock, sandbox) = routing_ahead().await;
+    let sandbox = &sandbox;
     let (_, _, key) = funded(sandbox, "0.01").await;
     let light = json!({"model": "paid-chat", "max_tokens": 10,
         "messages": [{"role": "user", "content": "hello there"}],

@@ -33,6 +33,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use rialto_limiter::Admission;
+use rialto_proto::auth::v1 as auth_pb;
 use rialto_proto::billing::v1 as billing_pb;
 use rialto_proto::router::v1 as router_pb;
 use rust_decimal::Decimal;
@@ -122,12 +123,22 @@ impl RouteAhead {
         })
     }
 
-    /// The slot of a ledger owner's key on `model`. The key as well as its
-    /// owner (an account or a wallet): a key's own window can run out while
-    /// its account has room; and the model, whose window can run out while
+    /// The slot of a principal's key on `model`. The key as well as its
+    /// ledger owner (a wallet, else the account; hashed as they are, with
+    /// no owner string made): a key's own window can run out while its
+    /// account has room; and the model, whose window can run out while
     /// another's has room.
-    pub(crate) fn caller(&self, owner: &str, key: &str, model: &str) -> Caller {
-        let hash = self.keys.hash_one((owner, key, model));
+    pub(crate) fn caller(&self, principal: &auth_pb::Principal, model: &str) -> Caller {
+        let owner = match principal.wallet.as_str() {
+            "" => principal.account_id.as_str(),
+            wallet => wallet,
+        };
+        let key = crate::api_key_id(principal);
+        self.hash((owner, !principal.wallet.is_empty(), key, model))
+    }
+
+    fn hash(&self, what: impl std::hash::Hash) -> Caller {
+        let hash = self.keys.hash_one(what);
         Caller {
             slot: hash as usize & (SLOTS - 1),
             tag: (hash >> TAG_SHIFT) | 1,
@@ -160,6 +171,16 @@ impl RouteAhead {
                 ..slot
             })
         });
+    }
+
+    /// A settlement of `caller` charged `cost` against a hold of `held`
+    /// ([`held`]): beyond it, the balance may be gone (a backend reported
+    /// more than the hold assumed), and the caller's next request waits for
+    /// its own hold.
+    pub(crate) fn settled(&self, caller: Caller, cost: &billing_pb::Cost, held: Option<Decimal>) {
+        if !within_hold(&cost.usd, &cost.diem, held) {
+            self.answered(caller, 0, false);
+        }
     }
 
     /// What the limiter and billing answered the caller for a request of
@@ -260,34 +281,37 @@ impl Drop for Asked {
 }
 
 /// What an admission and hold answered a caller, told to the table when
-/// dropped: not roomy, unless [`Answer::roomy`] said so once nothing was
-/// left to refuse the request (a return with an error on the way, the
-/// wallet's minimum for one, leaves it not roomy).
+/// dropped: their room ([`room_left`]) once [`Answer::admitted`] says
+/// nothing was left to refuse the request; not roomy otherwise (a return
+/// with an error on the way, the wallet's minimum for one).
 pub(crate) struct Answer {
     ahead: Arc<RouteAhead>,
     caller: Caller,
     tokens: u64,
     roomy: bool,
+    admitted: bool,
 }
 
 impl Answer {
-    pub(crate) fn new(ahead: &Arc<RouteAhead>, caller: Caller, tokens: u64) -> Self {
+    pub(crate) fn new(ahead: &Arc<RouteAhead>, caller: Caller, tokens: u64, roomy: bool) -> Self {
         Self {
             ahead: Arc::clone(ahead),
             caller,
             tokens,
-            roomy: false,
+            roomy,
+            admitted: false,
         }
     }
 
-    pub(crate) fn roomy(&mut self, roomy: bool) {
-        self.roomy = roomy;
+    pub(crate) fn admitted(&mut self) {
+        self.admitted = true;
     }
 }
 
 impl Drop for Answer {
     fn drop(&mut self) {
-        self.ahead.answered(self.caller, self.tokens, self.roomy);
+        let roomy = self.admitted && self.roomy;
+        self.ahead.answered(self.caller, self.tokens, roomy);
     }
 }
 
@@ -304,13 +328,16 @@ fn amount(text: &str) -> Option<Decimal> {
     text.parse().ok()
 }
 
-/// Whether a settlement's charge (exact decimals, USD and DIEM) stayed
-/// within what its hold reserved: a backend that reported more than the
-/// hold assumed may have spent the balance beyond what the hold's answer
-/// showed (or into debt). What cannot be read is not within.
-pub(crate) fn within_hold(usd: &str, diem: &str, held_usd: &str, held_diem: &str) -> bool {
-    let sum = |usd: &str, diem: &str| amount(usd)?.checked_add(amount(diem)?);
-    matches!((sum(usd, diem), sum(held_usd, held_diem)), (Some(charged), Some(held)) if charged <= held)
+/// What a hold reserved of both currencies (exact decimals); None when
+/// it cannot be read.
+pub(crate) fn held(usd: &str, diem: &str) -> Option<Decimal> {
+    amount(usd)?.checked_add(amount(diem)?)
+}
+
+/// Whether a charge (exact decimals, USD and DIEM) stayed within what its
+/// hold reserved. What cannot be read is not within.
+fn within_hold(usd: &str, diem: &str, held: Option<Decimal>) -> bool {
+    matches!((self::held(usd, diem), held), (Some(charged), Some(held)) if charged <= held)
 }
 
 /// Whether the limiter's admission and billing's hold left room for
@@ -356,6 +383,22 @@ mod tests {
         RouteAhead::new(Duration::from_secs(2)).unwrap()
     }
 
+    fn principal(account: &str, key: &str) -> auth_pb::Principal {
+        auth_pb::Principal {
+            account_id: account.into(),
+            key_id: key.into(),
+            ..Default::default()
+        }
+    }
+
+    /// A table, and a caller whose admission of 100 tokens left room.
+    fn answered_roomy() -> (Arc<RouteAhead>, Caller) {
+        let ahead = table();
+        let caller = ahead.caller(&principal("acct", "key"), "m");
+        ahead.answered(caller, 100, true);
+        (ahead, caller)
+    }
+
     #[test]
     fn a_slot_word_reads_back_as_written() {
         let slot = Slot {
@@ -379,15 +422,15 @@ mod tests {
     #[test]
     fn a_caller_goes_ahead_once_answered_roomy_and_not_after_a_refusal() {
         let ahead = table();
-        let caller = ahead.caller("acct", "key", "m");
+        let caller = ahead.caller(&principal("acct", "key"), "m");
         assert!(!ahead.take(caller, 100));
         ahead.answered(caller, 100, true);
         assert!(ahead.take(caller, 100));
         ahead.returned(caller);
         for other in [
-            ahead.caller("acct", "other key", "m"),
-            ahead.caller("other acct", "key", "m"),
-            ahead.caller("acct", "key", "other model"),
+            ahead.caller(&principal("acct", "other key"), "m"),
+            ahead.caller(&principal("other acct", "key"), "m"),
+            ahead.caller(&principal("acct", "key"), "other model"),
         ] {
             assert!(!ahead.take(other, 100));
         }
@@ -400,9 +443,7 @@ mod tests {
 
     #[test]
     fn only_requests_of_the_answered_size_go_ahead() {
-        let ahead = table();
-        let caller = ahead.caller("acct", "key", "m");
-        ahead.answered(caller, 100, true);
+        let (ahead, caller) = answered_roomy();
         // 100 has 7 bits: up to 127 goes ahead, 128 waits.
         assert!(ahead.take(caller, 127));
         assert!(!ahead.take(caller, 128));
@@ -411,9 +452,7 @@ mod tests {
 
     #[test]
     fn at_most_half_the_room_is_out_ahead_at_once() {
-        let ahead = table();
-        let caller = ahead.caller("acct", "key", "m");
-        ahead.answered(caller, 100, true);
+        let (ahead, caller) = answered_roomy();
         for _ in 0..ROOM / 2 {
             assert!(ahead.take(caller, 100));
         }
@@ -427,9 +466,7 @@ mod tests {
 
     #[test]
     fn a_route_is_counted_out_until_it_returns_even_when_racing() {
-        let ahead = table();
-        let caller = ahead.caller("acct", "key", "m");
-        ahead.answered(caller, 100, true);
+        let (ahead, caller) = answered_roomy();
         std::thread::scope(|scope| {
             for _ in 0..4 {
                 scope.spawn(|| {
@@ -450,11 +487,11 @@ mod tests {
     #[test]
     fn another_callers_answers_only_evict_it_from_a_shared_slot() {
         let ahead = table();
-        let caller = ahead.caller("acct", "key", "m");
+        let caller = ahead.caller(&principal("acct", "key"), "m");
         ahead.answered(caller, 100, true);
         let mut shared = 0;
         for n in 0..100_000 {
-            let other = ahead.caller(&format!("acct-{n}"), "key", "m");
+            let other = ahead.caller(&principal(&format!("acct-{n}"), "key"), "m");
             if other.slot == caller.slot {
                 shared += 1;
                 continue;
@@ -472,12 +509,25 @@ mod tests {
 
     #[test]
     fn a_cost_within_its_hold() {
-        assert!(within_hold("0.0005", "0.0005", "0.0005", "0.0005"));
-        assert!(within_hold("0.0005", "0.0005", "0.001", "0"));
-        assert!(!within_hold("0.0005", "0.0005", "0.0009", "0"));
+        assert!(within_hold("0.0005", "0.0005", held("0.0005", "0.0005")));
+        assert!(within_hold("0.0005", "0.0005", held("0.001", "0")));
+        assert!(!within_hold("0.0005", "0.0005", held("0.0009", "0")));
         // What cannot be read is not within.
-        assert!(!within_hold("0.0005", "0.0005", "", "0"));
-        assert!(!within_hold("", "0", "1", "0"));
+        assert!(!within_hold("0.0005", "0.0005", held("", "0")));
+        assert!(!within_hold("", "0", held("1", "0")));
+    }
+
+    #[test]
+    fn a_charge_beyond_its_hold_ends_the_room() {
+        let (ahead, caller) = answered_roomy();
+        let cost = |usd: &str| billing_pb::Cost {
+            usd: usd.into(),
+            diem: "0".into(),
+        };
+        ahead.settled(caller, &cost("0.001"), held("0.001", "0"));
+        assert!(ahead.take(caller, 100));
+        ahead.settled(caller, &cost("0.0011"), held("0.001", "0"));
+        assert!(!ahead.take(caller, 100));
     }
 
     fn hold(before_usd: &str, held_usd: &str) -> rialto_core::Result<billing_pb::HoldResponse> {

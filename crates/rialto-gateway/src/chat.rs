@@ -128,9 +128,9 @@ pub(crate) struct Settlement {
     /// The request's span, which gets the GenAI usage attributes (a stream
     /// keeps it open until its end).
     span: tracing::Span,
-    /// The table of routes asked ahead (a split deployment's gateway),
-    /// told when a charge goes beyond its hold.
-    ahead: Option<Arc<crate::ahead::RouteAhead>>,
+    /// The table of routes asked ahead (a split deployment's gateway) and
+    /// the caller's slot in it, told when a charge goes beyond the hold.
+    ahead: Option<(Arc<crate::ahead::RouteAhead>, crate::ahead::Caller)>,
 }
 
 impl Settlement {
@@ -214,7 +214,10 @@ impl Settlement {
                 &self.held_diem,
             )?,
         };
-        self.charged(&cost);
+        if let Some((table, caller)) = &self.ahead {
+            let held = crate::ahead::held(&self.held_usd, &self.held_diem);
+            table.settled(*caller, &cost, held);
+        }
         if let Ok(usd) = cost.usd.parse::<f64>() {
             let model = rialto_core::metrics::ModelLabels {
                 model: self.model_id.clone(),
@@ -238,8 +241,10 @@ impl Settlement {
         let billing = self.billing.clone();
         let queue = self.usage_queue.clone();
         let request = self.settle_request(usage);
-        // What `charged` reads, for the task (only where routes go ahead).
-        let told = self.ahead.is_some().then(|| self.told());
+        let ahead = self.ahead.clone().map(|(table, caller)| {
+            let held = crate::ahead::held(&self.held_usd, &self.held_diem);
+            (table, caller, held)
+        });
         if let Ok(runtime) = tokio::runtime::Handle::try_current() {
             let pending = PendingSettlement::start();
             runtime.spawn(async move {
@@ -247,8 +252,8 @@ impl Settlement {
                 count_settlement(&settled);
                 match settled {
                     Ok(Settled::Now(cost)) => {
-                        if let Some(told) = told {
-                            told.charged(&cost);
+                        if let Some((table, caller, held)) = ahead {
+                            table.settled(caller, &cost, held);
                         }
                     }
                     Ok(Settled::Queued) => {}
@@ -258,26 +263,6 @@ impl Settlement {
                 }
                 drop(pending);
             });
-        }
-    }
-
-    /// Tells the table of routes asked ahead when `cost` went beyond the
-    /// hold: the balance may be gone, and the caller's next request waits
-    /// for its own hold (`crate::ahead`).
-    fn charged(&self, cost: &billing_pb::Cost) {
-        if self.ahead.is_some() {
-            self.told().charged(cost);
-        }
-    }
-
-    fn told(&self) -> Told {
-        Told {
-            ahead: self.ahead.clone(),
-            owner: self.owner.clone(),
-            key_id: self.key_id.clone(),
-            model_id: self.model_id.clone(),
-            held_usd: self.held_usd.clone(),
-            held_diem: self.held_diem.clone(),
         }
     }
 
@@ -317,29 +302,6 @@ impl Settlement {
     pub(crate) fn release(&mut self) {
         self.extra_usd_nanos = 0;
         self.bill_later(&Usage::none());
-    }
-}
-
-/// What a settlement tells the table of routes asked ahead, apart from it
-/// (a settlement off the response path runs in a task of its own).
-struct Told {
-    ahead: Option<Arc<crate::ahead::RouteAhead>>,
-    owner: String,
-    key_id: String,
-    model_id: String,
-    held_usd: String,
-    held_diem: String,
-}
-
-impl Told {
-    fn charged(&self, cost: &billing_pb::Cost) {
-        let Some(table) = &self.ahead else {
-            return;
-        };
-        if !crate::ahead::within_hold(&cost.usd, &cost.diem, &self.held_usd, &self.held_diem) {
-            let caller = table.caller(&self.owner, &self.key_id, &self.model_id);
-            table.answered(caller, 0, false);
-        }
     }
 }
 
@@ -546,8 +508,7 @@ async fn complete_or_stream(
     let ahead = match &gateway.route_ahead {
         Some(table) if !chat.stream && web.is_none() && limited.is_none() => {
             crate::keys::check_privacy(principal, &model.config)?;
-            let owner = crate::ledger_owner(principal);
-            let caller = table.caller(&owner, crate::api_key_id(principal), &chat.model_id);
+            let caller = table.caller(principal, &chat.model_id);
             let tokens = chat.estimated_tokens.saturating_add(query_tokens);
             table.take(caller, tokens).then_some((table, caller))
         }
@@ -771,8 +732,12 @@ pub(crate) async fn admit(
             .total_tokens
             .saturating_add(reservation.limiter_extra_tokens);
         let roomy = crate::ahead::room_left(&admission, windows_shown, &hold, tokens);
-        let caller = table.caller(&owner, crate::api_key_id(principal), model_id);
-        (crate::ahead::Answer::new(table, caller, tokens), roomy)
+        let caller = table.caller(principal, model_id);
+        (
+            crate::ahead::Answer::new(table, caller, tokens, roomy),
+            table,
+            caller,
+        )
     });
     // A hold the limiter's refusal makes useless is released at once.
     let release_hold = |hold: &billing_pb::HoldResponse| {
@@ -839,7 +804,9 @@ pub(crate) async fn admit(
         extra_usd_nanos: 0,
         extra_tokens: 0,
         span: tracing::Span::current(),
-        ahead: gateway.route_ahead.clone(),
+        ahead: told
+            .as_ref()
+            .map(|(_, table, caller)| (Arc::clone(table), *caller)),
     };
     let hold = match hold {
         Ok(hold) => hold,
@@ -909,8 +876,8 @@ pub(crate) async fn admit(
     } else {
         hold.before.as_ref().and_then(|b| b.usd.parse().ok())
     };
-    if let Some((told, roomy)) = &mut told {
-        told.roomy(*roomy);
+    if let Some((told, ..)) = &mut told {
+        told.admitted();
     }
     Ok(Admitted {
         settlement,
