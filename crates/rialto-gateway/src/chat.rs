@@ -1171,23 +1171,34 @@ async fn stream(
         (before - held).normalize().to_string()
     });
     let exchange_error = exchange.found.error.clone();
-    let (sender, mut receiver) = mpsc::channel::<Bytes>(64);
     let parameters_field = gateway.brand.parameters_field.clone();
-    tokio::spawn(relay(
-        events,
-        sender,
-        exchange,
-        checkpoints,
-        parameters_field,
-    ));
+    let mut relay = Relay::new(exchange, checkpoints, parameters_field);
     // The head leaves with the first chunk, in one write: answered at once,
     // it would go out alone and the first chunk a write (and two turns of
-    // a busy worker's queue) later. A backend slow to its first chunk gets
-    // its head after `FIRST_CHUNK_WAIT` anyway.
-    let first = tokio::time::timeout(FIRST_CHUNK_WAIT, receiver.recv())
-        .await
-        .ok()
-        .flatten();
+    // a busy worker's queue) later. The first chunk is read here, not by
+    // the relay's task: handed over, it would wait for that task's turn on
+    // the worker and then for this one's again. Anything but an ordinary
+    // chunk (the end, a failure, a chunk with nothing for the client) is
+    // left to the relay, and a backend slow to its first chunk gets its
+    // head after `FIRST_CHUNK_WAIT`.
+    let mut first = relay.documents_chunk();
+    let mut ending = None;
+    let deadline = tokio::time::Instant::now() + FIRST_CHUNK_WAIT;
+    while first.is_none() {
+        let Ok(event) = tokio::time::timeout_at(deadline, events.next()).await else {
+            break;
+        };
+        match relay.read(event) {
+            Read::Line(line) => first = Some(line),
+            Read::Skip => {}
+            read => ending = Some(read),
+        }
+        if ending.is_some() {
+            break;
+        }
+    }
+    let (sender, receiver) = mpsc::channel::<Bytes>(64);
+    tokio::spawn(relay.run(events, ending, sender));
     let rest = futures_util::stream::unfold(receiver, |mut receiver| async move {
         receiver
             .recv()
@@ -1216,170 +1227,250 @@ const DONE: &[u8] = b"data: [DONE]\n\n";
 /// How long a stream's head waits for its first chunk to leave with it.
 const FIRST_CHUNK_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
 
-/// Relays upstream chunks to the client, then a final chunk with `usage` and
-/// `cost`, then `[DONE]`. Runs as its own task so a slow client never holds
-/// a worker; stops reading the upstream as soon as the client goes away.
-///
-/// The stream's hold lives on a lease that each checkpoint renews, so the
-/// relay checkpoints on the stream's clock (`checkpoints`, started with its
-/// hold), whether chunks come or not (a backend
-/// silent for longer than the lease must not let the hold expire and the
-/// stream go free), and never waits longer than `reader_patience` for the
-/// client to take a chunk: a reader that slow is ended and charged what it
-/// was sent, before the lease could run out under it.
-async fn relay(
-    mut events: rialto_router::ChatStream,
-    sender: mpsc::Sender<Bytes>,
-    mut exchange: Exchange,
-    mut checkpoints: tokio::time::Interval,
+/// One event of the router's stream: `None` once it ended.
+type StreamEvent = Option<rialto_core::Result<router_pb::ChatStreamEvent>>;
+
+/// What [`Relay::read`] made of an event.
+enum Read {
+    /// A chunk for the client, counted.
+    Line(Bytes),
+    /// Nothing for the client (a usage-only chunk, an event that is not a
+    /// chunk).
+    Skip,
+    /// The stream failed: this line for the client, then `[DONE]`.
+    Failed(Bytes),
+    /// The upstream's stream ended.
+    End,
+}
+
+/// A stream's relay: what the upstream has sent so far, and the exchange
+/// it is billed by. The first chunk is read by the handler (so it leaves
+/// with the head), the rest by [`Relay::run`] in a task of its own.
+struct Relay {
+    exchange: Exchange,
+    /// The stream's checkpoint clock, started with its hold.
+    checkpoints: tokio::time::Interval,
     parameters_field: String,
-) {
-    let mut upstream_usage: Option<Value> = None;
-    let mut completion_text = 0usize;
-    let mut head = ChunkHead::new(&exchange.completion_id, &exchange.chat.model_id);
-    let estimate = |usage: &Option<Value>, text: usize| {
-        usage_or_estimate(usage.as_ref(), exchange.chat.prompt_tokens_estimate, text)
-    };
-    let patience = exchange.reader_patience;
-    let mut content_chunks = 0u64;
-    // Search results as documents: a tool call before the content, and
-    // the choices finish with `tool_calls`.
-    let documents = exchange
-        .web
-        .as_ref()
-        .and_then(|plan| augment::documents_call(plan, &exchange.found));
-    if let Some(call) = &documents {
+    head: ChunkHead,
+    /// The upstream's own `usage`, when it sent one.
+    upstream_usage: Option<Value>,
+    /// Characters of text sent so far.
+    completion_text: usize,
+    /// Chunks with text sent so far.
+    content_chunks: u64,
+    /// Search results as documents: a tool call before the content, and
+    /// the choices finish with `tool_calls`.
+    documents: Option<Value>,
+}
+
+impl Relay {
+    fn new(
+        exchange: Exchange,
+        checkpoints: tokio::time::Interval,
+        parameters_field: String,
+    ) -> Self {
+        let head = ChunkHead::new(&exchange.completion_id, &exchange.chat.model_id);
+        let documents = exchange
+            .web
+            .as_ref()
+            .and_then(|plan| augment::documents_call(plan, &exchange.found));
+        Self {
+            exchange,
+            checkpoints,
+            parameters_field,
+            head,
+            upstream_usage: None,
+            completion_text: 0,
+            content_chunks: 0,
+            documents,
+        }
+    }
+
+    /// The chunk that comes before the upstream's, when search results
+    /// are documents: their tool call.
+    fn documents_chunk(&mut self) -> Option<Bytes> {
+        let call = self.documents.as_ref()?;
         let mut delta_call = call.clone();
         delta_call["index"] = json!(0);
-        let choices: Vec<Value> = (0..exchange.chat.choices)
+        let choices: Vec<Value> = (0..self.exchange.chat.choices)
             .map(|index| {
                 json!({"index": index, "delta": {"role": "assistant", "content": null,
                     "tool_calls": [delta_call]}, "logprobs": null, "finish_reason": null})
             })
             .collect();
         let first = json!({
-            "id": exchange.completion_id,
+            "id": self.exchange.completion_id,
             "object": "chat.completion.chunk",
-            "created": head.created(|| None).clone(),
-            "model": exchange.chat.model_id,
+            "created": self.head.created(|| None).clone(),
+            "model": self.exchange.chat.model_id,
             "choices": choices,
         });
-        let _ = sender.send(sse(&first)).await;
+        Some(sse(&first))
     }
-    loop {
-        let event = tokio::select! {
-            biased;
-            () = sender.closed() => {
-                tracing::info!(request_id = exchange.request_id, "client left the stream");
-                let used = estimate(&upstream_usage, completion_text);
-                exchange.settlement.bill_later(&used);
-                return;
-            }
-            _ = checkpoints.tick() => {
-                // The least the stream has used: a token per chunk of text
-                // so far and no prompt (estimates could overshoot the
-                // upstream's own count), so a crash never charges more
-                // than the stream would have cost.
-                exchange
-                    .settlement
-                    .checkpoint(&Usage::completion_only(content_chunks));
-                continue;
-            }
-            event = events.next() => event,
-        };
+
+    /// Reads one event of the router's stream, counting the text it
+    /// sends.
+    fn read(&mut self, event: StreamEvent) -> Read {
         let json = match event {
-            None => break,
+            None => return Read::End,
             Some(Ok(router_pb::ChatStreamEvent {
                 event: Some(Event::ChunkJson(json)),
                 ..
             })) => json,
-            Some(Ok(_)) => continue,
+            Some(Ok(_)) => return Read::Skip,
             Some(Err(error)) => {
-                tracing::warn!(request_id = exchange.request_id, %error, "stream failed upstream");
-                let chunk = in_band_error(&error);
-                let _ = sender.send(sse(&chunk)).await;
-                let _ = sender.send(Bytes::from_static(DONE)).await;
-                let used = estimate(&upstream_usage, completion_text);
-                exchange.settlement.bill_later(&used);
-                return;
+                tracing::warn!(request_id = self.exchange.request_id, %error, "stream failed upstream");
+                return Read::Failed(sse(&in_band_error(&error)));
             }
         };
+        let documents = self.documents.is_some();
         let read = match documents {
-            None => read_chunk(&json, &mut head, &mut upstream_usage),
-            Some(_) => None,
+            false => read_chunk(&json, &mut self.head, &mut self.upstream_usage),
+            true => None,
         };
         let read = read.unwrap_or_else(|| {
-            read_chunk_tree(&json, &mut head, &mut upstream_usage, documents.is_some())
+            read_chunk_tree(&json, &mut self.head, &mut self.upstream_usage, documents)
         });
-        let (line, chars) = match read {
-            Chunk::Forward { line, chars } => (line, chars),
+        match read {
+            Chunk::Forward { line, chars } => {
+                self.completion_text += chars;
+                self.content_chunks += u64::from(chars > 0);
+                Read::Line(line)
+            }
             // A usage-only chunk: folded into our final chunk.
-            Chunk::Skip => continue,
-            Chunk::Error(line) => {
-                // The upstream reported a failure in-band: pass it on as it
-                // is and end the stream.
-                let _ = sender.send(line).await;
-                let _ = sender.send(Bytes::from_static(DONE)).await;
-                let used = estimate(&upstream_usage, completion_text);
-                exchange.settlement.bill_later(&used);
-                return;
-            }
-        };
-        completion_text += chars;
-        content_chunks += u64::from(chars > 0);
-        match tokio::time::timeout(patience, sender.send(line)).await {
-            Ok(Ok(())) => {}
-            // Closed: the select above settles on the next turn.
-            Ok(Err(_)) => continue,
-            Err(_) => {
-                tracing::warn!(
-                    request_id = exchange.request_id,
-                    patience_secs = patience.as_secs(),
-                    "the client stopped reading the stream: ended"
-                );
-                let used = estimate(&upstream_usage, completion_text);
-                exchange.settlement.bill_later(&used);
-                return;
-            }
+            Chunk::Skip => Read::Skip,
+            // The upstream reported a failure in-band: passed on as it is.
+            Chunk::Error(line) => Read::Failed(line),
         }
     }
-    let usage = estimate(&upstream_usage, completion_text);
-    let created = head.created(|| None).clone();
-    let last = match exchange.settlement.bill(&usage).await {
-        Ok(cost) => json!({
-            "id": exchange.completion_id,
-            "object": "chat.completion.chunk",
-            "created": created.clone(),
-            "model": exchange.chat.model_id,
-            "choices": [],
-            "usage": usage.json,
-            "cost": cost,
-        }),
-        Err(error) => json!({"error": {
-            "message": error.message(),
-            "type": "server_error",
-            "code": "billing_error",
-            "param": null,
-        }}),
-    };
-    let _ = sender.send(sse(&last)).await;
-    // The citations, when asked for in the stream: last before `[DONE]`.
-    if let Some(plan) = exchange.web.as_ref().filter(|plan| plan.in_stream) {
-        let mut parameters = std::mem::take(&mut exchange.chat.parameters);
-        augment::echo(&mut parameters, plan, &exchange.found);
-        if parameters.contains_key("web_search_citations") {
-            let citations = json!({
+
+    /// What the stream used so far: the upstream's count, or an estimate.
+    fn used(&self) -> Usage {
+        usage_or_estimate(
+            self.upstream_usage.as_ref(),
+            self.exchange.chat.prompt_tokens_estimate,
+            self.completion_text,
+        )
+    }
+
+    /// Relays the rest of the upstream's chunks to the client (`read`
+    /// first: what the handler read and did not send), then a final chunk
+    /// with `usage` and `cost`, then `[DONE]`. Runs as its own task so a
+    /// slow client never holds a worker; stops reading the upstream as
+    /// soon as the client goes away.
+    ///
+    /// The stream's hold lives on a lease that each checkpoint renews, so
+    /// the relay checkpoints on the stream's clock whether chunks come or
+    /// not (a backend silent for longer than the lease must not let the
+    /// hold expire and the stream go free), and never waits longer than
+    /// `reader_patience` for the client to take a chunk: a reader that
+    /// slow is ended and charged what it was sent, before the lease could
+    /// run out under it.
+    async fn run(
+        mut self,
+        mut events: rialto_router::ChatStream,
+        mut read: Option<Read>,
+        sender: mpsc::Sender<Bytes>,
+    ) {
+        let patience = self.exchange.reader_patience;
+        loop {
+            let next = match read.take() {
+                Some(next) => next,
+                None => tokio::select! {
+                    biased;
+                    () = sender.closed() => {
+                        tracing::info!(request_id = self.exchange.request_id, "client left the stream");
+                        let used = self.used();
+                        self.exchange.settlement.bill_later(&used);
+                        return;
+                    }
+                    _ = self.checkpoints.tick() => {
+                        // The least the stream has used: a token per chunk
+                        // of text so far and no prompt (estimates could
+                        // overshoot the upstream's own count), so a crash
+                        // never charges more than the stream would have
+                        // cost.
+                        self.exchange
+                            .settlement
+                            .checkpoint(&Usage::completion_only(self.content_chunks));
+                        continue;
+                    }
+                    event = events.next() => self.read(event),
+                },
+            };
+            let line = match next {
+                Read::Line(line) => line,
+                Read::Skip => continue,
+                Read::End => break,
+                Read::Failed(line) => {
+                    let _ = sender.send(line).await;
+                    let _ = sender.send(Bytes::from_static(DONE)).await;
+                    let used = self.used();
+                    self.exchange.settlement.bill_later(&used);
+                    return;
+                }
+            };
+            match tokio::time::timeout(patience, sender.send(line)).await {
+                Ok(Ok(())) => {}
+                // Closed: the select above settles on the next turn.
+                Ok(Err(_)) => continue,
+                Err(_) => {
+                    tracing::warn!(
+                        request_id = self.exchange.request_id,
+                        patience_secs = patience.as_secs(),
+                        "the client stopped reading the stream: ended"
+                    );
+                    let used = self.used();
+                    self.exchange.settlement.bill_later(&used);
+                    return;
+                }
+            }
+        }
+        self.finish(&sender).await;
+    }
+
+    /// The stream's end: billed, then the final chunk with `usage` and
+    /// `cost`, the citations when asked for, and `[DONE]`.
+    async fn finish(mut self, sender: &mpsc::Sender<Bytes>) {
+        let usage = self.used();
+        let exchange = &mut self.exchange;
+        let created = self.head.created(|| None).clone();
+        let last = match exchange.settlement.bill(&usage).await {
+            Ok(cost) => json!({
                 "id": exchange.completion_id,
                 "object": "chat.completion.chunk",
-                "created": created,
+                "created": created.clone(),
                 "model": exchange.chat.model_id,
                 "choices": [],
-                parameters_field: parameters,
-            });
-            let _ = sender.send(sse(&citations)).await;
+                "usage": usage.json,
+                "cost": cost,
+            }),
+            Err(error) => json!({"error": {
+                "message": error.message(),
+                "type": "server_error",
+                "code": "billing_error",
+                "param": null,
+            }}),
+        };
+        let _ = sender.send(sse(&last)).await;
+        // The citations, when asked for in the stream: last before `[DONE]`.
+        if let Some(plan) = exchange.web.as_ref().filter(|plan| plan.in_stream) {
+            let mut parameters = std::mem::take(&mut exchange.chat.parameters);
+            augment::echo(&mut parameters, plan, &exchange.found);
+            if parameters.contains_key("web_search_citations") {
+                let citations = json!({
+                    "id": exchange.completion_id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": exchange.chat.model_id,
+                    "choices": [],
+                    self.parameters_field: parameters,
+                });
+                let _ = sender.send(sse(&citations)).await;
+            }
         }
+        let _ = sender.send(Bytes::from_static(DONE)).await;
     }
-    let _ = sender.send(Bytes::from_static(DONE)).await;
 }
 
 /// What the relay does with one upstream chunk.
