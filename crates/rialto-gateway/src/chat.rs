@@ -1261,6 +1261,24 @@ struct Relay {
     /// Search results as documents: a tool call before the content, and
     /// the choices finish with `tool_calls`.
     documents: Option<Value>,
+    /// Billed: its end reached, or ended early.
+    ended: bool,
+}
+
+/// A relay dropped before it ended was left by its client: in the handler,
+/// while it waited for the first chunk (actix drops a handler whose
+/// client is gone), or in its task, once the response body is dropped.
+/// What the upstream sent so far is billed, off the response path.
+impl Drop for Relay {
+    fn drop(&mut self) {
+        if !self.ended {
+            tracing::info!(
+                request_id = self.exchange.request_id,
+                "client left the stream"
+            );
+            self.bill_later();
+        }
+    }
 }
 
 impl Relay {
@@ -1283,6 +1301,7 @@ impl Relay {
             completion_text: 0,
             content_chunks: 0,
             documents,
+            ended: false,
         }
     }
 
@@ -1344,6 +1363,14 @@ impl Relay {
         }
     }
 
+    /// Ends the stream before its end (it failed, or its reader was too
+    /// slow): what it used so far is billed, off the response path.
+    fn bill_later(&mut self) {
+        self.ended = true;
+        let used = self.used();
+        self.exchange.settlement.bill_later(&used);
+    }
+
     /// What the stream used so far: the upstream's count, or an estimate.
     fn used(&self) -> Usage {
         usage_or_estimate(
@@ -1354,10 +1381,10 @@ impl Relay {
     }
 
     /// Relays the rest of the upstream's chunks to the client (`read`
-    /// first: what the handler read and did not send), then a final chunk
-    /// with `usage` and `cost`, then `[DONE]`. Runs as its own task so a
-    /// slow client never holds a worker; stops reading the upstream as
-    /// soon as the client goes away.
+    /// first: the end or the failure the handler met before a chunk),
+    /// then a final chunk with `usage` and `cost`, then `[DONE]`. Runs as
+    /// its own task so a slow client never holds a worker; stops reading
+    /// the upstream as soon as the client goes away.
     ///
     /// The stream's hold lives on a lease that each checkpoint renews, so
     /// the relay checkpoints on the stream's clock whether chunks come or
@@ -1378,12 +1405,8 @@ impl Relay {
                 Some(next) => next,
                 None => tokio::select! {
                     biased;
-                    () = sender.closed() => {
-                        tracing::info!(request_id = self.exchange.request_id, "client left the stream");
-                        let used = self.used();
-                        self.exchange.settlement.bill_later(&used);
-                        return;
-                    }
+                    // Billed as it drops.
+                    () = sender.closed() => return,
                     _ = self.checkpoints.tick() => {
                         // The least the stream has used: a token per chunk
                         // of text so far and no prompt (estimates could
@@ -1405,8 +1428,7 @@ impl Relay {
                 Read::Failed(line) => {
                     let _ = sender.send(line).await;
                     let _ = sender.send(Bytes::from_static(DONE)).await;
-                    let used = self.used();
-                    self.exchange.settlement.bill_later(&used);
+                    self.bill_later();
                     return;
                 }
             };
@@ -1420,8 +1442,7 @@ impl Relay {
                         patience_secs = patience.as_secs(),
                         "the client stopped reading the stream: ended"
                     );
-                    let used = self.used();
-                    self.exchange.settlement.bill_later(&used);
+                    self.bill_later();
                     return;
                 }
             }
@@ -1432,6 +1453,7 @@ impl Relay {
     /// The stream's end: billed, then the final chunk with `usage` and
     /// `cost`, the citations when asked for, and `[DONE]`.
     async fn finish(mut self, sender: &mpsc::Sender<Bytes>) {
+        self.ended = true;
         let usage = self.used();
         let exchange = &mut self.exchange;
         let created = self.head.created(|| None).clone();
@@ -1464,7 +1486,7 @@ impl Relay {
                     "created": created,
                     "model": exchange.chat.model_id,
                     "choices": [],
-                    self.parameters_field: parameters,
+                    &self.parameters_field: parameters,
                 });
                 let _ = sender.send(sse(&citations)).await;
             }
