@@ -1184,7 +1184,7 @@ async fn stream(
     let mut first = relay.documents_chunk();
     let mut ending = None;
     let deadline = tokio::time::Instant::now() + FIRST_CHUNK_WAIT;
-    while first.is_none() {
+    while first.is_none() && ending.is_none() {
         let Ok(event) = tokio::time::timeout_at(deadline, events.next()).await else {
             break;
         };
@@ -1192,9 +1192,6 @@ async fn stream(
             Read::Line(line) => first = Some(line),
             Read::Skip => {}
             read => ending = Some(read),
-        }
-        if ending.is_some() {
-            break;
         }
     }
     let (sender, receiver) = mpsc::channel::<Bytes>(64);
@@ -1267,8 +1264,9 @@ struct Relay {
 
 /// A relay dropped before it ended was left by its client: in the handler,
 /// while it waited for the first chunk (actix drops a handler whose
-/// client is gone), or in its task, once the response body is dropped.
-/// What the upstream sent so far is billed, off the response path.
+/// client is gone), or in its task, once the response body is dropped (or
+/// the runtime stopped under it). What the upstream sent so far is billed,
+/// off the response path.
 impl Drop for Relay {
     fn drop(&mut self) {
         if !self.ended {
@@ -1343,9 +1341,10 @@ impl Relay {
             }
         };
         let documents = self.documents.is_some();
-        let read = match documents {
-            false => read_chunk(&json, &mut self.head, &mut self.upstream_usage),
-            true => None,
+        let read = if documents {
+            None
+        } else {
+            read_chunk(&json, &mut self.head, &mut self.upstream_usage)
         };
         let read = read.unwrap_or_else(|| {
             read_chunk_tree(&json, &mut self.head, &mut self.upstream_usage, documents)
