@@ -12,7 +12,7 @@ use std::sync::Arc;
 use actix_web::http::header::ContentEncoding;
 use actix_web::{HttpMessage, HttpRequest, HttpResponse, HttpResponseBuilder, web};
 use bytes::Bytes;
-use futures_util::StreamExt;
+use futures_util::{FutureExt, StreamExt};
 use rialto_billing::BillingClient;
 use rialto_billing::usage_queue::{Settled, settle_durably};
 use rialto_core::ErrorCode;
@@ -23,7 +23,6 @@ use rialto_proto::billing::v1 as billing_pb;
 use rialto_proto::router::v1 as router_pb;
 use rialto_proto::router::v1::chat_stream_event::Event;
 use serde_json::{Map, Value, json};
-use tokio::sync::mpsc;
 
 use crate::augment;
 use crate::headers::RequestId;
@@ -1172,15 +1171,13 @@ async fn stream(
     });
     let exchange_error = exchange.found.error.clone();
     let parameters_field = gateway.brand.parameters_field.clone();
-    let mut relay = Relay::new(exchange, checkpoints, parameters_field);
+    let mut relay = Relay::new(exchange, parameters_field);
     // The head leaves with the first chunk, in one write: answered at once,
     // it would go out alone and the first chunk a write (and two turns of
-    // a busy worker's queue) later. The first chunk is read here, not by
-    // the relay's task: handed over, it would wait for that task's turn on
-    // the worker and then for this one's again. Anything but an ordinary
-    // chunk (the end, a failure, a chunk with nothing for the client) is
-    // left to the relay, and a backend slow to its first chunk gets its
-    // head after `FIRST_CHUNK_WAIT`.
+    // a busy worker's queue) later. Anything but an ordinary chunk (the
+    // end, a failure, a chunk with nothing for the client) is left to the
+    // body, and a backend slow to its first chunk gets its head after
+    // `FIRST_CHUNK_WAIT`.
     let mut first = relay.documents_chunk();
     let mut ending = None;
     let deadline = tokio::time::Instant::now() + FIRST_CHUNK_WAIT;
@@ -1194,15 +1191,7 @@ async fn stream(
             read => ending = Some(read),
         }
     }
-    let (sender, receiver) = mpsc::channel::<Bytes>(64);
-    tokio::spawn(relay.run(events, ending, sender));
-    let rest = futures_util::stream::unfold(receiver, |mut receiver| async move {
-        receiver
-            .recv()
-            .await
-            .map(|bytes| (Ok::<_, Infallible>(bytes), receiver))
-    });
-    let body = futures_util::stream::iter(first.map(Ok::<_, Infallible>)).chain(rest);
+    let body = RelayBody::start(relay, events, checkpoints, first, ending);
     let mut response = HttpResponse::Ok();
     response
         .content_type("text/event-stream")
@@ -1242,11 +1231,9 @@ enum Read {
 
 /// A stream's relay: what the upstream has sent so far, and the exchange
 /// it is billed by. The first chunk is read by the handler (so it leaves
-/// with the head), the rest by [`Relay::run`] in a task of its own.
+/// with the head), the rest by [`RelayBody`] as the client takes them.
 struct Relay {
     exchange: Exchange,
-    /// The stream's checkpoint clock, started with its hold.
-    checkpoints: tokio::time::Interval,
     parameters_field: String,
     head: ChunkHead,
     /// The upstream's own `usage`, when it sent one.
@@ -1264,9 +1251,9 @@ struct Relay {
 
 /// A relay dropped before it ended was left by its client: in the handler,
 /// while it waited for the first chunk (actix drops a handler whose
-/// client is gone), or in its task, once the response body is dropped (or
-/// the runtime stopped under it). What the upstream sent so far is billed,
-/// off the response path.
+/// client is gone), or with the response body (or the runtime stopped
+/// under it). What the upstream sent so far is billed, off the response
+/// path.
 impl Drop for Relay {
     fn drop(&mut self) {
         if !self.ended {
@@ -1280,11 +1267,7 @@ impl Drop for Relay {
 }
 
 impl Relay {
-    fn new(
-        exchange: Exchange,
-        checkpoints: tokio::time::Interval,
-        parameters_field: String,
-    ) -> Self {
+    fn new(exchange: Exchange, parameters_field: String) -> Self {
         let head = ChunkHead::new(&exchange.completion_id, &exchange.chat.model_id);
         let documents = exchange
             .web
@@ -1292,7 +1275,6 @@ impl Relay {
             .and_then(|plan| augment::documents_call(plan, &exchange.found));
         Self {
             exchange,
-            checkpoints,
             parameters_field,
             head,
             upstream_usage: None,
@@ -1379,79 +1361,20 @@ impl Relay {
         )
     }
 
-    /// Relays the rest of the upstream's chunks to the client (`read`
-    /// first: the end or the failure the handler met before a chunk),
-    /// then a final chunk with `usage` and `cost`, then `[DONE]`. Runs as
-    /// its own task so a slow client never holds a worker; stops reading
-    /// the upstream as soon as the client goes away.
-    ///
-    /// The stream's hold lives on a lease that each checkpoint renews, so
-    /// the relay checkpoints on the stream's clock whether chunks come or
-    /// not (a backend silent for longer than the lease must not let the
-    /// hold expire and the stream go free), and never waits longer than
-    /// `reader_patience` for the client to take a chunk: a reader that
-    /// slow is ended and charged what it was sent, before the lease could
-    /// run out under it.
-    async fn run(
-        mut self,
-        mut events: rialto_router::ChatStream,
-        mut read: Option<Read>,
-        sender: mpsc::Sender<Bytes>,
-    ) {
-        let patience = self.exchange.reader_patience;
-        loop {
-            let next = match read.take() {
-                Some(next) => next,
-                None => tokio::select! {
-                    biased;
-                    // Billed as it drops.
-                    () = sender.closed() => return,
-                    _ = self.checkpoints.tick() => {
-                        // The least the stream has used: a token per chunk
-                        // of text so far and no prompt (estimates could
-                        // overshoot the upstream's own count), so a crash
-                        // never charges more than the stream would have
-                        // cost.
-                        self.exchange
-                            .settlement
-                            .checkpoint(&Usage::completion_only(self.content_chunks));
-                        continue;
-                    }
-                    event = events.next() => self.read(event),
-                },
-            };
-            let line = match next {
-                Read::Line(line) => line,
-                Read::Skip => continue,
-                Read::End => break,
-                Read::Failed(line) => {
-                    let _ = sender.send(line).await;
-                    let _ = sender.send(Bytes::from_static(DONE)).await;
-                    self.bill_later();
-                    return;
-                }
-            };
-            match tokio::time::timeout(patience, sender.send(line)).await {
-                Ok(Ok(())) => {}
-                // Closed: the select above settles on the next turn.
-                Ok(Err(_)) => continue,
-                Err(_) => {
-                    tracing::warn!(
-                        request_id = self.exchange.request_id,
-                        patience_secs = patience.as_secs(),
-                        "the client stopped reading the stream: ended"
-                    );
-                    self.bill_later();
-                    return;
-                }
-            }
-        }
-        self.finish(&sender).await;
+    /// Records the least the stream has used so far: a token per chunk of
+    /// text and no prompt (estimates could overshoot the upstream's own
+    /// count), so a crash never charges more than the stream would have
+    /// cost. Each checkpoint renews the hold's lease.
+    fn checkpoint(&self) {
+        self.exchange
+            .settlement
+            .checkpoint(&Usage::completion_only(self.content_chunks));
     }
 
-    /// The stream's end: billed, then the final chunk with `usage` and
-    /// `cost`, the citations when asked for, and `[DONE]`.
-    async fn finish(mut self, sender: &mpsc::Sender<Bytes>) {
+    /// The stream's end: billed, then the lines that end it: the final
+    /// chunk with `usage` and `cost`, the citations when asked for, and
+    /// `[DONE]`.
+    async fn finish(mut self) -> Vec<Bytes> {
         self.ended = true;
         let usage = self.used();
         let exchange = &mut self.exchange;
@@ -1473,7 +1396,7 @@ impl Relay {
                 "param": null,
             }}),
         };
-        let _ = sender.send(sse(&last)).await;
+        let mut lines = vec![sse(&last)];
         // The citations, when asked for in the stream: last before `[DONE]`.
         if let Some(plan) = exchange.web.as_ref().filter(|plan| plan.in_stream) {
             let mut parameters = std::mem::take(&mut exchange.chat.parameters);
@@ -1487,11 +1410,186 @@ impl Relay {
                     "choices": [],
                     &self.parameters_field: parameters,
                 });
-                let _ = sender.send(sse(&citations)).await;
+                lines.push(sse(&citations));
             }
         }
-        let _ = sender.send(Bytes::from_static(DONE)).await;
+        lines.push(Bytes::from_static(DONE));
+        lines
     }
+}
+
+/// The rest of a stream, as its response body. Actix's dispatcher polls it
+/// when the client's connection has room, and it reads the upstream then:
+/// a chunk takes one turn of the worker from the upstream's connection to
+/// the client's (a relay task between them took a turn of its own, and a
+/// channel). A slow client slows the reading of the upstream, as a proxy
+/// would. What must happen whether the client reads or not (checkpoints,
+/// and the end of a reader too slow to take its chunks) is done by the
+/// stream's [`watch`] task on the checkpoint clock, which shares the relay.
+struct RelayBody {
+    relaying: Arc<std::sync::Mutex<Relaying>>,
+    /// Lines to leave before the upstream is read again: the first chunk,
+    /// or the lines that end the stream.
+    queued: std::vec::IntoIter<Bytes>,
+    /// The stream's end being billed by a task of its own (so a client
+    /// that leaves meanwhile does not cut the settlement short), with the
+    /// lines it ends with.
+    finishing: Option<tokio::task::JoinHandle<Vec<Bytes>>>,
+}
+
+/// What the body and its watch share.
+struct Relaying {
+    /// `None` once the stream's end is being billed.
+    relay: Option<Relay>,
+    events: rialto_router::ChatStream,
+    /// When the body last handed the client a chunk, while the client has
+    /// not come back for the next.
+    handed: Option<std::time::Instant>,
+}
+
+impl RelayBody {
+    /// The body after the handler's first read: `first`, the chunk to leave
+    /// with the head, and `ending`, the end or the failure met before any
+    /// chunk. Starts the stream's watch on `checkpoints`.
+    fn start(
+        relay: Relay,
+        events: rialto_router::ChatStream,
+        checkpoints: tokio::time::Interval,
+        first: Option<Bytes>,
+        ending: Option<Read>,
+    ) -> Self {
+        let relaying = Arc::new(std::sync::Mutex::new(Relaying {
+            relay: Some(relay),
+            events,
+            handed: None,
+        }));
+        tokio::spawn(watch(Arc::downgrade(&relaying), checkpoints));
+        let mut queued: Vec<Bytes> = first.into_iter().collect();
+        let mut finishing = None;
+        if let Some(ending) = ending {
+            queued.extend(body_end(&mut lock(&relaying), ending, &mut finishing));
+        }
+        Self {
+            relaying,
+            queued: queued.into_iter(),
+            finishing,
+        }
+    }
+}
+
+/// What a read that ends the stream leaves for the client: a failure's
+/// line and `[DONE]` (what was sent is billed), or nothing yet while the
+/// end is billed by a task of its own (`finishing`).
+fn body_end(
+    relaying: &mut Relaying,
+    ending: Read,
+    finishing: &mut Option<tokio::task::JoinHandle<Vec<Bytes>>>,
+) -> Vec<Bytes> {
+    match ending {
+        Read::Failed(line) => {
+            if let Some(relay) = relaying.relay.as_mut() {
+                relay.bill_later();
+            }
+            vec![line, Bytes::from_static(DONE)]
+        }
+        Read::End => {
+            if let Some(relay) = relaying.relay.take() {
+                *finishing = Some(tokio::spawn(relay.finish()));
+            }
+            Vec::new()
+        }
+        Read::Line(line) => vec![line],
+        Read::Skip => Vec::new(),
+    }
+}
+
+impl futures_util::Stream for RelayBody {
+    type Item = Result<Bytes, Infallible>;
+
+    fn poll_next(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        use std::task::Poll;
+        let this = self.get_mut();
+        loop {
+            if let Some(line) = this.queued.next() {
+                return Poll::Ready(Some(Ok(line)));
+            }
+            if let Some(finishing) = this.finishing.as_mut() {
+                // A billing task that panicked leaves the stream without
+                // its last lines; it is not billed twice.
+                let lines = std::task::ready!(finishing.poll_unpin(cx)).unwrap_or_default();
+                this.finishing = None;
+                this.queued = lines.into_iter();
+                continue;
+            }
+            let mut relaying = lock(&this.relaying);
+            relaying.handed = None;
+            let Relaying { relay, events, .. } = &mut *relaying;
+            // Billed already: ended by its watch, or its end met.
+            let Some(relay) = relay.as_mut().filter(|relay| !relay.ended) else {
+                return Poll::Ready(None);
+            };
+            let event = std::task::ready!(events.poll_next_unpin(cx));
+            match relay.read(event) {
+                Read::Line(line) => {
+                    relaying.handed = Some(std::time::Instant::now());
+                    return Poll::Ready(Some(Ok(line)));
+                }
+                Read::Skip => {}
+                ending => {
+                    this.queued = body_end(&mut relaying, ending, &mut this.finishing).into_iter()
+                }
+            }
+        }
+    }
+}
+
+/// A stream's watch, one task on its checkpoint clock for as long as its
+/// body lives: the hold lives on a lease that each checkpoint renews, so
+/// it checkpoints whether chunks come or not (a backend silent for longer
+/// than the lease must not let the hold expire and the stream go free);
+/// and a client that has not come back for `reader_patience` after its
+/// last chunk is ended and charged what it was sent (the upstream is let
+/// go at once, not when the client's connection closes).
+async fn watch(
+    relaying: std::sync::Weak<std::sync::Mutex<Relaying>>,
+    mut checkpoints: tokio::time::Interval,
+) {
+    loop {
+        checkpoints.tick().await;
+        // Gone with its body: billed as it dropped.
+        let Some(relaying) = relaying.upgrade() else {
+            return;
+        };
+        let mut relaying = lock(&relaying);
+        let handed = relaying.handed;
+        let Some(relay) = relaying.relay.as_mut().filter(|relay| !relay.ended) else {
+            return;
+        };
+        let patience = relay.exchange.reader_patience;
+        if handed.is_some_and(|handed| handed.elapsed() >= patience) {
+            tracing::warn!(
+                request_id = relay.exchange.request_id,
+                patience_secs = patience.as_secs(),
+                "the client stopped reading the stream: ended"
+            );
+            relay.bill_later();
+            relaying.events = Box::pin(futures_util::stream::empty());
+            return;
+        }
+        relay.checkpoint();
+    }
+}
+
+/// The lock of a stream's relay, shared by its body and its watch: neither
+/// panics while holding it, and a relay left by one that did is still the
+/// relay (its billing is what matters).
+fn lock(relaying: &std::sync::Mutex<Relaying>) -> std::sync::MutexGuard<'_, Relaying> {
+    relaying
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// What the relay does with one upstream chunk.
