@@ -1188,7 +1188,7 @@ async fn stream(
         match relay.read(event) {
             Read::Line(line) => first = Some(line),
             Read::Skip => {}
-            read => ending = Some(read),
+            Read::Ends(end) => ending = Some(end),
         }
     }
     let body = RelayBody::start(relay, events, checkpoints, first, ending);
@@ -1223,7 +1223,13 @@ enum Read {
     /// Nothing for the client (a usage-only chunk, an event that is not a
     /// chunk).
     Skip,
-    /// The stream failed: this line for the client, then `[DONE]`.
+    /// The stream ends here.
+    Ends(Ending),
+}
+
+/// How a stream ends.
+enum Ending {
+    /// It failed: this line for the client, then `[DONE]`.
     Failed(Bytes),
     /// The upstream's stream ended.
     End,
@@ -1311,7 +1317,7 @@ impl Relay {
     /// sends.
     fn read(&mut self, event: StreamEvent) -> Read {
         let json = match event {
-            None => return Read::End,
+            None => return Read::Ends(Ending::End),
             Some(Ok(router_pb::ChatStreamEvent {
                 event: Some(Event::ChunkJson(json)),
                 ..
@@ -1319,7 +1325,7 @@ impl Relay {
             Some(Ok(_)) => return Read::Skip,
             Some(Err(error)) => {
                 tracing::warn!(request_id = self.exchange.request_id, %error, "stream failed upstream");
-                return Read::Failed(sse(&in_band_error(&error)));
+                return Read::Ends(Ending::Failed(sse(&in_band_error(&error))));
             }
         };
         let documents = self.documents.is_some();
@@ -1340,7 +1346,7 @@ impl Relay {
             // A usage-only chunk: folded into our final chunk.
             Chunk::Skip => Read::Skip,
             // The upstream reported a failure in-band: passed on as it is.
-            Chunk::Error(line) => Read::Failed(line),
+            Chunk::Error(line) => Read::Ends(Ending::Failed(line)),
         }
     }
 
@@ -1439,7 +1445,7 @@ struct RelayBody {
 
 /// What the body and its watch share.
 struct Relaying {
-    /// `None` once the stream's end is being billed.
+    /// `None` once the stream is billed or its end is being billed.
     relay: Option<Relay>,
     events: rialto_router::ChatStream,
     /// When the body last handed the client a chunk, while the client has
@@ -1456,7 +1462,7 @@ impl RelayBody {
         events: rialto_router::ChatStream,
         checkpoints: tokio::time::Interval,
         first: Option<Bytes>,
-        ending: Option<Read>,
+        ending: Option<Ending>,
     ) -> Self {
         let relaying = Arc::new(std::sync::Mutex::new(Relaying {
             relay: Some(relay),
@@ -1477,29 +1483,27 @@ impl RelayBody {
     }
 }
 
-/// What a read that ends the stream leaves for the client: a failure's
-/// line and `[DONE]` (what was sent is billed), or nothing yet while the
-/// end is billed by a task of its own (`finishing`).
+/// What the stream's end leaves for the client: a failure's line and
+/// `[DONE]` (what was sent is billed), or nothing yet while the end is
+/// billed by a task of its own (`finishing`). Either way the relay leaves
+/// `relaying`.
 fn body_end(
     relaying: &mut Relaying,
-    ending: Read,
+    ending: Ending,
     finishing: &mut Option<tokio::task::JoinHandle<Vec<Bytes>>>,
 ) -> Vec<Bytes> {
+    let Some(mut relay) = relaying.relay.take() else {
+        return Vec::new();
+    };
     match ending {
-        Read::Failed(line) => {
-            if let Some(relay) = relaying.relay.as_mut() {
-                relay.bill_later();
-            }
+        Ending::Failed(line) => {
+            relay.bill_later();
             vec![line, Bytes::from_static(DONE)]
         }
-        Read::End => {
-            if let Some(relay) = relaying.relay.take() {
-                *finishing = Some(tokio::spawn(relay.finish()));
-            }
+        Ending::End => {
+            *finishing = Some(tokio::spawn(relay.finish()));
             Vec::new()
         }
-        Read::Line(line) => vec![line],
-        Read::Skip => Vec::new(),
     }
 }
 
@@ -1528,7 +1532,7 @@ impl futures_util::Stream for RelayBody {
             relaying.handed = None;
             let Relaying { relay, events, .. } = &mut *relaying;
             // Billed already: ended by its watch, or its end met.
-            let Some(relay) = relay.as_mut().filter(|relay| !relay.ended) else {
+            let Some(relay) = relay.as_mut() else {
                 return Poll::Ready(None);
             };
             let event = std::task::ready!(events.poll_next_unpin(cx));
@@ -1538,8 +1542,8 @@ impl futures_util::Stream for RelayBody {
                     return Poll::Ready(Some(Ok(line)));
                 }
                 Read::Skip => {}
-                ending => {
-                    this.queued = body_end(&mut relaying, ending, &mut this.finishing).into_iter()
+                Read::Ends(end) => {
+                    this.queued = body_end(&mut relaying, end, &mut this.finishing).into_iter()
                 }
             }
         }
@@ -1565,7 +1569,7 @@ async fn watch(
         };
         let mut relaying = lock(&relaying);
         let handed = relaying.handed;
-        let Some(relay) = relaying.relay.as_mut().filter(|relay| !relay.ended) else {
+        let Some(relay) = relaying.relay.as_mut() else {
             return;
         };
         let patience = relay.exchange.reader_patience;
@@ -1576,6 +1580,7 @@ async fn watch(
                 "the client stopped reading the stream: ended"
             );
             relay.bill_later();
+            relaying.relay = None;
             relaying.events = Box::pin(futures_util::stream::empty());
             return;
         }
