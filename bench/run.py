@@ -77,6 +77,8 @@ import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CHAT = [{"role": "user", "content": "Say something short."}]
+# How long the mock upstream's stream lasts: 16 chunks 20 ms apart.
+STREAM_SECONDS = 0.32
 
 # The built-in chat model (`make models` fetches it) and how it is measured:
 # the request of crates/rialto-local/examples/tokens_per_second.rs, whose
@@ -419,6 +421,12 @@ class Suite:
         self.warmup = 0.3 if self.smoke else 1.0
         self.rates = [200] if self.smoke else [1000, 2000, 5000]
         self.streams = [8] if self.smoke else [64, 512]
+        # The workers' first streams begin over one stream's length, so N
+        # streams stay open with their openings spread out, as N clients
+        # arriving on their own keep them. Begun together, back-to-back
+        # streams of one length stay in step and N open at once every
+        # STREAM_SECONDS: that burst is measured too (streams_together).
+        self.spread = min(STREAM_SECONDS, self.warmup)
         # Issue 15's fixed rates: p99 of priced requests at 5,000 req/s
         # (one process) and 2,000 req/s (split), measured whether held or
         # not (smoke: 200 req/s, to check the path).
@@ -521,10 +529,14 @@ class Suite:
         if target:
             result["target_rate"] = str(target)
         result["streams"] = {}
+        url, b = body("stream", stream=True)
         for count in self.streams:
-            url, b = body("stream", stream=True)
             result["streams"][str(count)] = self.load("stream", url, headers, b, rss=(procs, watched),
-                                                      concurrency=count)
+                                                      concurrency=count, spread=self.spread)
+        # The same largest count opened together, as every run before
+        # 2026-11-28 measured them: a burst of openings every stream's length.
+        most = max(self.streams)
+        result["streams_together"] = {str(most): self.load("stream", url, headers, b, concurrency=most)}
         result["peak_rss_mb"] = procs.memory_mb(watched, "VmHWM") if procs else None
         for key in ("c1_fast", "max"):
             print(f"   {key}: p50 {result[key]['latency_us']['p50']} us, {result[key]['rps']} req/s, "
@@ -1066,6 +1078,19 @@ def ms(us):
     return f"{us / 1000:.2f}"
 
 
+def streams_method(floor):
+    """How a run opened its N concurrent streams: spread out, or together
+    (every run before 2026-11-28, whose results carry no spread)."""
+    spread = max((run.get("spread_s") or 0 for run in floor["streams"].values()), default=0)
+    if spread:
+        return ("N concurrent streams are N connections, each opening its next stream when the last ends; their "
+                f"first streams begin evenly over {spread} s (about one stream's length), so the openings stay "
+                "spread out as those of N clients arriving on their own; the same streams opened together have "
+                "a table of their own.")
+    return ("N concurrent streams are N connections, each opening its next stream when the last ends, all "
+            "beginning together: streams of one length stay in step, so N open at once every stream's length.")
+
+
 def report(results, meta):
     floor = results["floor"]
     # (Runs before the proxy scenario have none.)
@@ -1088,6 +1113,7 @@ def report(results, meta):
         f"- **Each measurement**: {meta['duration_s']} s after {meta['warmup_s']} s of warm-up; the load "
         "generator is `bench-load` (HDR histograms, hyper HTTP/1.1 keep-alive), the upstream `bench-upstream` "
         "(16-word answer; the 20 ms variant sleeps before answering; streams are 16 chunks 20 ms apart). "
+        f"{streams_method(floor)} "
         "Rialto runs the full path: key auth, validation, limiter (the key's XS limit raised far above the load, "
         "so every request takes a slot in its window and none is refused), billing's hold (SQLite; "
         "the bench account is credited $1,000,000, so none is refused), router, the settlement, one log line "
@@ -1140,6 +1166,23 @@ def report(results, meta):
             added = s["first_token_us"]["p50"] - floor["streams"][count]["first_token_us"]["p50"]
             lines.append(f"| {name} | {count} | {ms(s['first_token_us']['p50'])} | {ms(s['first_token_us']['p99'])} | "
                          f"{added if name != 'floor' else '–'} | {ms(s['total_us']['p50'])} | {ms(s['total_us']['p99'])} | "
+                         f"{s['streams_per_s']:.0f} | {s['errors']} |")
+    together = floor.get("streams_together") or {}
+    for count in together:
+        lines += ["", f"### {count} streams opened together", "",
+                  f"The same streams with all {count} connections beginning at once: back-to-back streams of one "
+                  f"length stay in step, so {count} open together every ~{STREAM_SECONDS} s and the first token "
+                  "measures how fast a burst of openings is served (how every run before 2026-11-28 measured "
+                  "streams).", "",
+                  "| scenario | streams | first token p50 ms | first token p99 ms | added first token p50 µs | "
+                  "total p50 ms | streams/s | errors |", "|---|---|---|---|---|---|---|---|"]
+        for name in scenarios:
+            s = (results[name].get("streams_together") or {}).get(count)
+            if not s or not s["streams"]:
+                continue
+            added = s["first_token_us"]["p50"] - together[count]["first_token_us"]["p50"]
+            lines.append(f"| {name} | {count} | {ms(s['first_token_us']['p50'])} | {ms(s['first_token_us']['p99'])} | "
+                         f"{added if name != 'floor' else '–'} | {ms(s['total_us']['p50'])} | "
                          f"{s['streams_per_s']:.0f} | {s['errors']} |")
     counts = list(floor["streams"].keys())
     sampled = any((results[name]["streams"].get(c) or {}).get("rss_mb") for name in scenarios[1:] for c in counts)
@@ -1870,6 +1913,8 @@ def main():
                     assert run["streams"] > 0 and run["errors"] == 0, (name, count, run)
                     # RSS sampled while the streams were open.
                     assert run.get("rss_mb") and run["rss_mb"]["max"] > 0, (name, count, run.get("rss_mb"))
+                for count, run in results[name]["streams_together"].items():
+                    assert run["streams"] > 0 and run["errors"] == 0, (name, "together", count, run)
                 assert results[name]["idle_rss_mb"] > 0, (name, "idle RSS")
                 # Issue 15's fixed-rate scenarios (open loop), at a smoke rate.
                 if name in suite.target_rates:

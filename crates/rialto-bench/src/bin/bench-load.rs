@@ -9,6 +9,10 @@
 //!   coordinated omission).
 //! - `stream`: N workers each running streamed requests back to back;
 //!   measures time to first body chunk (first token) and total stream time.
+//!   With `--spread`, the workers' first streams begin evenly over that
+//!   many seconds: N streams then stay open with openings spread out, as
+//!   N clients arriving independently would keep them, instead of N opening
+//!   together whenever the last N end (streams of one length stay in step).
 //!
 //! Prints one JSON object with the counts and latency percentiles in µs.
 
@@ -59,6 +63,11 @@ enum Mode {
         target: Target,
         #[arg(long, default_value_t = 64)]
         concurrency: usize,
+        /// Seconds over which the workers' first streams begin, evenly
+        /// (worker i at i/N of it); about one stream's length keeps the
+        /// openings spread out. 0: all begin at once.
+        #[arg(long, default_value_t = 0.0)]
+        spread: f64,
     },
 }
 
@@ -229,17 +238,25 @@ impl Tally {
     }
 }
 
-/// Closed loop and streams: `workers` connections, each back to back.
-async fn run_closed(target: &Target, workers: usize) -> anyhow::Result<(Tally, f64)> {
+/// Closed loop and streams: `workers` connections, each back to back, the
+/// i-th beginning at i/workers of `spread` seconds.
+async fn run_closed(target: &Target, workers: usize, spread: f64) -> anyhow::Result<(Tally, f64)> {
+    if !spread.is_finite() || spread < 0.0 || spread > target.warmup {
+        bail!("--spread must be between 0 and --warmup");
+    }
     let template = Arc::new(Template::new(target)?);
-    let begin = Instant::now() + Duration::from_secs_f64(target.warmup);
+    let start = Instant::now();
+    let begin = start + Duration::from_secs_f64(target.warmup);
     let end = begin + Duration::from_secs_f64(target.duration);
+    let workers = workers.max(1);
     let mut tasks = Vec::with_capacity(workers);
-    for _ in 0..workers.max(1) {
+    for worker in 0..workers {
         let template = template.clone();
+        let first = start + Duration::from_secs_f64(spread * worker as f64 / workers as f64);
         tasks.push(tokio::spawn(async move {
             let mut tally = Tally::new()?;
             let mut sender = None;
+            tokio::time::sleep_until(first.into()).await;
             while Instant::now() < end {
                 let result = exchange(&template, &mut sender).await;
                 // Counted when it ends in the window: a slow stream begun
@@ -330,7 +347,7 @@ fn main() -> anyhow::Result<()> {
                 target,
                 concurrency,
             } => {
-                let (tally, seconds) = run_closed(target, *concurrency).await?;
+                let (tally, seconds) = run_closed(target, *concurrency, 0.0).await?;
                 json!({
                     "mode": "closed",
                     "concurrency": concurrency,
@@ -361,11 +378,13 @@ fn main() -> anyhow::Result<()> {
             Mode::Stream {
                 target,
                 concurrency,
+                spread,
             } => {
-                let (tally, seconds) = run_closed(target, *concurrency).await?;
+                let (tally, seconds) = run_closed(target, *concurrency, *spread).await?;
                 json!({
                     "mode": "stream",
                     "concurrency": concurrency,
+                    "spread_s": spread,
                     "duration_s": seconds,
                     "streams": tally.latency.len(),
                     "errors": tally.errors,
