@@ -1441,6 +1441,17 @@ struct RelayBody {
     /// that leaves meanwhile does not cut the settlement short), with the
     /// lines it ends with.
     finishing: Option<tokio::task::JoinHandle<Vec<Bytes>>>,
+    /// The stream's watch: ended with the body, so a stream that ended
+    /// leaves neither a task nor a timer behind it.
+    watch: tokio::task::AbortHandle,
+}
+
+/// A body dropped (the stream ended, or its client left) ends its watch;
+/// the relay, if still there, is billed as it drops.
+impl Drop for RelayBody {
+    fn drop(&mut self) {
+        self.watch.abort();
+    }
 }
 
 /// What the body and its watch share.
@@ -1469,7 +1480,7 @@ impl RelayBody {
             events,
             handed: None,
         }));
-        tokio::spawn(watch(Arc::downgrade(&relaying), checkpoints));
+        let watch = tokio::spawn(watch(Arc::downgrade(&relaying), checkpoints)).abort_handle();
         let mut queued: Vec<Bytes> = first.into_iter().collect();
         let mut finishing = None;
         if let Some(ending) = ending {
@@ -1479,6 +1490,7 @@ impl RelayBody {
             relaying,
             queued: queued.into_iter(),
             finishing,
+            watch,
         }
     }
 }
@@ -1551,7 +1563,7 @@ impl futures_util::Stream for RelayBody {
 }
 
 /// A stream's watch, one task on its checkpoint clock for as long as its
-/// body lives: the hold lives on a lease that each checkpoint renews, so
+/// body lives (the body's drop aborts it): the hold lives on a lease that each checkpoint renews, so
 /// it checkpoints whether chunks come or not (a backend silent for longer
 /// than the lease must not let the hold expire and the stream go free);
 /// and a client that has not come back for `reader_patience` after its
