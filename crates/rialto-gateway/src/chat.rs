@@ -1563,12 +1563,13 @@ impl futures_util::Stream for RelayBody {
 }
 
 /// A stream's watch, one task on its checkpoint clock for as long as its
-/// body lives (the body's drop aborts it): the hold lives on a lease that each checkpoint renews, so
-/// it checkpoints whether chunks come or not (a backend silent for longer
-/// than the lease must not let the hold expire and the stream go free);
-/// and a client that has not come back for `reader_patience` after its
-/// last chunk is ended and charged what it was sent (the upstream is let
-/// go at once, not when the client's connection closes).
+/// body lives (the body's drop aborts it): the hold lives on a lease that
+/// each checkpoint renews, so it checkpoints whether chunks come or not (a
+/// backend silent for longer than the lease must not let the hold expire
+/// and the stream go free); and a client that has not come back for
+/// `reader_patience` after its last chunk is ended and charged what it was
+/// sent (the upstream is let go at once, not when the client's connection
+/// closes).
 async fn watch(
     relaying: std::sync::Weak<std::sync::Mutex<Relaying>>,
     mut checkpoints: tokio::time::Interval,
