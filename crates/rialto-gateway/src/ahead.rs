@@ -19,7 +19,12 @@
 //!   undoes that;
 //! - at most [`ROOM`] / 2 of a caller's routes are out ahead at once, each
 //!   no more than twice the size of the request whose answer showed the
-//!   room, so together they fit in it.
+//!   room, so together they fit in it;
+//! - at most [`MOST_OUT`] routes of all callers are out ahead at once in
+//!   one gateway, so that many callers refused together (a tier's limits
+//!   lowered, billing's owners moving) cost a bounded number of upstream
+//!   calls; beyond it a route waits for its admission, as without the
+//!   table.
 //!
 //! The table is fixed (4,096 slots of one atomic word, no lock, no growth).
 //! A caller lands on a slot by a keyed hash of its ledger owner, key and
@@ -29,7 +34,7 @@
 
 use std::hash::BuildHasher;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use rialto_limiter::Admission;
@@ -43,6 +48,12 @@ const SLOTS: usize = 4096;
 
 /// How many more requests like this one an answer must leave room for.
 pub(crate) const ROOM: u64 = 64;
+
+/// The most routes out ahead at once in one gateway, of all callers. An
+/// admission and hold take about a millisecond, so at a few thousand
+/// requests a second a handful are out at any moment; this bounds what a
+/// wrong guess can cost, not what a right one may use.
+pub(crate) const MOST_OUT: usize = 256;
 
 /// A slot's word, from the low bits up: the time of its last answer (ms
 /// since start, wrapping: 25 bits, 9 hours), the routes out ahead (7), the
@@ -101,6 +112,8 @@ pub(crate) struct Caller {
 /// The callers whose route may be asked before their admission's answer.
 pub(crate) struct RouteAhead {
     slots: Box<[AtomicU64]>,
+    /// Routes out ahead, of all callers (at most [`MOST_OUT`]).
+    out: AtomicUsize,
     keys: std::hash::RandomState,
     start: Instant,
     fresh_ms: u32,
@@ -116,6 +129,7 @@ impl RouteAhead {
         (fresh_ms > 0).then(|| {
             Arc::new(Self {
                 slots: (0..SLOTS).map(|_| AtomicU64::new(0)).collect(),
+                out: AtomicUsize::new(0),
                 keys: std::hash::RandomState::new(),
                 start: Instant::now(),
                 fresh_ms,
@@ -147,10 +161,19 @@ impl RouteAhead {
 
     /// Sends one more route of `caller` ahead when its last answer, fresh,
     /// left room for this request (`tokens` in the windows) and few of its
-    /// routes are out ahead already.
+    /// routes (and of the gateway's) are out ahead already.
     pub(crate) fn take(&self, caller: Caller, tokens: u64) -> bool {
+        let counted = self
+            .out
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |out| {
+                (out < MOST_OUT).then_some(out + 1)
+            })
+            .is_ok();
+        if !counted {
+            return false;
+        }
         let now = self.now();
-        self.update(caller.slot, |slot| {
+        let taken = self.update(caller.slot, |slot| {
             (slot.tag == caller.tag
                 && slot.state == ROOMY
                 && self.fresh(now, slot.at)
@@ -160,11 +183,17 @@ impl RouteAhead {
                     out: slot.out + 1,
                     ..slot
                 })
-        })
+        });
+        if !taken {
+            self.out.fetch_sub(1, Ordering::Relaxed);
+        }
+        taken
     }
 
     /// A route sent ahead has its admission's answer (or was dropped).
     fn returned(&self, caller: Caller) {
+        // Counted back whether or not its slot is still the caller's.
+        self.out.fetch_sub(1, Ordering::Relaxed);
         self.update(caller.slot, |slot| {
             (slot.tag == caller.tag && slot.out > 0).then_some(Slot {
                 out: slot.out - 1,
@@ -482,6 +511,7 @@ mod tests {
             Slot::read(ahead.slots[caller.slot].load(Ordering::Relaxed)).out,
             0
         );
+        assert_eq!(ahead.out.load(Ordering::Relaxed), 0);
     }
 
     #[test]
@@ -500,6 +530,38 @@ mod tests {
         }
         assert!(shared > 0);
         assert!(ahead.take(caller, 100));
+    }
+
+    #[test]
+    fn at_most_so_many_routes_of_all_callers_are_out_at_once() {
+        let ahead = table();
+        let callers: Vec<Caller> = (0..MOST_OUT)
+            .map(|n| {
+                let caller = ahead.caller(&principal(&format!("acct-{n}"), "key"), "m");
+                ahead.answered(caller, 100, true);
+                caller
+            })
+            .collect();
+        // Callers that share a slot evict each other: only the last of
+        // each slot is roomy, so count what went ahead.
+        let taken: Vec<Caller> = callers
+            .iter()
+            .chain(&callers)
+            .copied()
+            .filter(|caller| ahead.take(*caller, 100))
+            .collect();
+        assert_eq!(taken.len(), MOST_OUT);
+        let last = ahead.caller(&principal("one more", "key"), "m");
+        ahead.answered(last, 100, true);
+        assert!(!ahead.take(last, 100));
+        // One back, one more may go; a refused take counts nothing.
+        ahead.returned(taken[0]);
+        assert!(ahead.take(last, 100));
+        assert!(!ahead.take(last, 100));
+        for caller in taken.iter().skip(1).chain([&last]) {
+            ahead.returned(*caller);
+        }
+        assert_eq!(ahead.out.load(Ordering::Relaxed), 0);
     }
 
     #[test]
