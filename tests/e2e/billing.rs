@@ -201,6 +201,107 @@ async fn balances_costs_and_abandoned_streams() {
     assert!(charged < 0.0005, "billed {charged}, more than it produced");
 }
 
+/// Sends a streamed chat and leaves once the backend has been asked for
+/// it, `after` later: the request is aborted, which closes its connection.
+async fn leave_a_stream(world: &World, key: &str, body: &Value, after: std::time::Duration) {
+    let asked = world._mock.request_count();
+    let request = world
+        .sandbox
+        .http()
+        .post(world.sandbox.api("/chat/completions"))
+        .bearer_auth(key)
+        .json(body)
+        .send();
+    let request = tokio::spawn(request);
+    for _ in 0..1000 {
+        if world._mock.request_count() > asked {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    }
+    assert!(
+        world._mock.request_count() > asked,
+        "the backend was never asked"
+    );
+    tokio::time::sleep(after).await;
+    assert!(
+        !request.is_finished(),
+        "the stream's head came before the client left"
+    );
+    request.abort();
+}
+
+/// Polls the USD balance until it reads `expected` (a few seconds: well
+/// before a stream's 30 s lease could expire and end the hold instead).
+async fn balance_reaches(sandbox: &Sandbox, admin: &str, expected: &str, what: &str) {
+    let mut now = String::new();
+    for _ in 0..50 {
+        now = balance(sandbox, admin).await["balances"]["usd"].to_string();
+        if now == expected {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    panic!("{what}: the balance reads {now}, not {expected}");
+}
+
+/// A stream's head waits (up to 200 ms) for its first chunk, to leave
+/// with it. A client that leaves in that wait is charged what the stream
+/// used (its prompt: 3 estimated tokens, nothing sent), at once; and one
+/// that leaves before the backend answered at all is charged nothing, its
+/// hold released at once rather than left for the lease to end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_before_the_first_chunk_pays_only_its_prompt() {
+    let world = world(Topology::OneProcess, Storage::Sqlite).await;
+    let sandbox = &world.sandbox;
+    let (_, admin, key) = funded(sandbox, "1").await;
+    let slow_first_chunk = json!({"model": "paid-chat", "max_tokens": 1000, "stream": true,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "mock": {"words": 10, "first_chunk_delay_ms": 2000}});
+    let after = std::time::Duration::from_millis(50);
+    leave_a_stream(&world, &key, &slow_first_chunk, after).await;
+    balance_reaches(
+        sandbox,
+        &admin,
+        "0.999997",
+        "left in the first chunk's wait",
+    )
+    .await;
+
+    let slow_head = json!({"model": "paid-chat", "max_tokens": 1000, "stream": true,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "mock": {"words": 10, "delay_ms": 2000}});
+    leave_a_stream(&world, &key, &slow_head, after).await;
+    // Nothing charged, and nothing held: a request whose hold is the
+    // whole balance (3 + 999,994 tokens at $1/M) is served. Its hold would
+    // be refused while the left stream's (1,003 tokens) were still open.
+    let whole = json!({"model": "paid-chat", "max_tokens": 999_990,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "mock": {"words": 1}});
+    let mut answer = (0, String::new());
+    for _ in 0..10 {
+        let response = chat(sandbox, &key, &whole).await;
+        answer = (response.status().as_u16(), response.text().await.unwrap());
+        if answer.0 != 402 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    assert_eq!(
+        answer.0, 200,
+        "the left stream's hold is still open: {}",
+        answer.1
+    );
+    // 2 prompt words and 1 completion.
+    balance_reaches(
+        sandbox,
+        &admin,
+        "0.999994",
+        "left before the backend answered",
+    )
+    .await;
+}
+
 /// A client that leaves a non-streamed call while its backend works: the
 /// backend's answer is still charged, what it used and not the hold.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

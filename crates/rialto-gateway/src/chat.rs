@@ -97,7 +97,8 @@ const RETRY_COUNT: &str = "x-retry-count";
 /// the real usage when the response ends (a stream cut by the client, or a
 /// non-streamed call the client left, included: both run to their end in a
 /// task of their own), none when no backend answered. A settlement dropped
-/// any other way sends nothing, so its estimate stands.
+/// any other way sends the limiter nothing, so its estimate stands, and
+/// releases its hold.
 pub(crate) struct Settlement {
     limiter: RateLimiter,
     ticket: Option<Ticket>,
@@ -130,6 +131,25 @@ pub(crate) struct Settlement {
     /// The table of routes asked ahead (a split deployment's gateway) and
     /// the caller's slot in it, told when a charge goes beyond the hold.
     ahead: Option<(Arc<crate::ahead::RouteAhead>, crate::ahead::Caller)>,
+}
+
+/// A settlement dropped with its hold open was never billed: its handler
+/// was dropped (a stream's client left before the backend answered) or a
+/// path ended without a word to billing. Nothing was served through it (a
+/// stream that sent anything is billed by its relay), so the hold is
+/// released now instead of waiting out its lease; the limiter is told
+/// nothing, and the request's estimate stands in its windows.
+impl Drop for Settlement {
+    fn drop(&mut self) {
+        if self.held {
+            tracing::debug!(
+                request_id = self.request_id,
+                "unbilled hold released as its request drops"
+            );
+            self.ticket = None;
+            self.release();
+        }
+    }
 }
 
 impl Settlement {

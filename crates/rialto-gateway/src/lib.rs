@@ -615,6 +615,11 @@ pub fn serve(
     // and the time a request's head may take (slowloris).
     .max_connections(max_connections)
     .client_request_timeout(request_timeout)
+    // A client that closes its side has left: its handler is dropped at
+    // once (a stream's upstream call cancelled and what it used billed, a
+    // hold released) instead of running on until a write fails. HTTP/1.1
+    // clients do not half-close to wait for an answer.
+    .h1_allow_half_closed(false)
     .listen(listener)?;
     if workers > 0 {
         server = server.workers(workers);

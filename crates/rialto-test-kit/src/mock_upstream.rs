@@ -8,7 +8,8 @@
 //! carries its text) and `POST /v1/audio/transcriptions` (which reads that text back). It records
 //! every request's body (a multipart form as JSON), path and headers, and obeys per-request
 //! directives in the chat body field `mock`:
-//! `reply`, `words`, `status`, `delay_ms`, `chunk_delay_ms`, `fail_after_chunks`,
+//! `reply`, `words`, `status`, `delay_ms`, `chunk_delay_ms`, `first_chunk_delay_ms` (a
+//! stream's head leaves at once, its first chunk this much later), `fail_after_chunks`,
 //! `cached_tokens`, `cache_write_tokens` and `prompt_tokens` (reported in
 //! the usage), and `tool_call` (`{name, arguments}`: called when the
 //! request offers that function, streamed or not).
@@ -540,11 +541,17 @@ async fn chat(req: HttpRequest, raw: web::Bytes, state: web::Data<State>) -> Htt
         items.push(Err(std::io::Error::other("mock: fail_after_chunks")));
     }
     let chunk_delay = directive("chunk_delay_ms").map(Duration::from_millis);
+    let first_chunk_delay = directive("first_chunk_delay_ms").map(Duration::from_millis);
     let stream = futures_util::stream::unfold(
         (items.into_iter(), false),
         move |(mut it, started)| async move {
             let item = it.next()?;
-            if let (true, Some(d)) = (started, chunk_delay) {
+            let delay = if started {
+                chunk_delay
+            } else {
+                first_chunk_delay
+            };
+            if let Some(d) = delay {
                 tokio::time::sleep(d).await;
             }
             if item.is_err() {
@@ -707,6 +714,23 @@ mod tests {
             chunks
                 .iter()
                 .all(|c| c["object"] == "chat.completion.chunk")
+        );
+    }
+
+    #[tokio::test]
+    async fn a_streams_head_leaves_before_its_delayed_first_chunk() {
+        let mock = MockUpstream::start().await.unwrap();
+        let body = json!({"model": "m", "stream": true,
+            "mock": {"reply": "a b", "first_chunk_delay_ms": 1500}, "messages": []});
+        let start = std::time::Instant::now();
+        let mut resp = post(&mock, body).await;
+        let head = start.elapsed();
+        assert!(head < Duration::from_millis(1000), "the head took {head:?}");
+        resp.chunk().await.unwrap().unwrap();
+        let first = start.elapsed();
+        assert!(
+            first >= Duration::from_millis(1500),
+            "the first chunk came at {first:?}"
         );
     }
 
