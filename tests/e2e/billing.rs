@@ -272,9 +272,10 @@ async fn a_client_that_leaves_before_the_first_chunk_pays_only_its_prompt() {
         "messages": [{"role": "user", "content": "hello there"}],
         "mock": {"words": 10, "delay_ms": 2000}});
     leave_a_stream(&world, &key, &slow_head, after).await;
-    // Nothing charged, and nothing held: a request whose hold is the
-    // whole balance (3 + 999,994 tokens at $1/M) is served. Its hold would
-    // be refused while the left stream's (1,003 tokens) were still open.
+    // Nothing charged, and nothing held: a request whose hold is all but
+    // 4 micro-dollars of the balance (3 + 999,990 tokens at $1/M of
+    // 999,997) is served. It would be refused while the left stream's
+    // hold (1,003) were still open.
     let whole = json!({"model": "paid-chat", "max_tokens": 999_990,
         "messages": [{"role": "user", "content": "hello there"}],
         "mock": {"words": 1}});
