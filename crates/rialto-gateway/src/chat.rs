@@ -26,6 +26,7 @@ use serde_json::{Map, Value, json};
 
 use crate::augment;
 use crate::headers::RequestId;
+use crate::holding::{Holder, Holding};
 use crate::{
     ApiError, Details, Gateway, ModelEntry, RateLimitHeaders, authenticate, header_value,
     parse_json, read_body,
@@ -257,32 +258,17 @@ impl Settlement {
         if !std::mem::take(&mut self.held) {
             return;
         }
-        let billing = self.billing.clone();
-        let queue = self.usage_queue.clone();
         let request = self.settle_request(usage);
         let ahead = self.ahead.clone().map(|(table, caller)| {
             let held = crate::ahead::held(&self.held_usd, &self.held_diem);
             (table, caller, held)
         });
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            let pending = PendingSettlement::start();
-            runtime.spawn(async move {
-                let settled = settle_durably(&billing, queue.as_ref(), request).await;
-                count_settlement(&settled);
-                match settled {
-                    Ok(Settled::Now(cost)) => {
-                        if let Some((table, caller, held)) = ahead {
-                            table.settled(caller, &cost, held);
-                        }
-                    }
-                    Ok(Settled::Queued) => {}
-                    Err(error) => {
-                        tracing::warn!(%error, "settlement failed; the hold will expire");
-                    }
-                }
-                drop(pending);
-            });
-        }
+        settle_later(
+            self.billing.clone(),
+            self.usage_queue.clone(),
+            request,
+            ahead,
+        );
     }
 
     fn count_tokens(&self, usage: &Usage) {
@@ -324,15 +310,49 @@ impl Settlement {
     }
 }
 
+/// Settles `request` in a task of its own (awaited at shutdown), telling
+/// the table of routes asked ahead what it cost.
+pub(crate) fn settle_later(
+    billing: BillingClient,
+    queue: Option<rialto_core::bus::Bus>,
+    request: billing_pb::SettleRequest,
+    ahead: Option<(
+        Arc<crate::ahead::RouteAhead>,
+        crate::ahead::Caller,
+        Option<rust_decimal::Decimal>,
+    )>,
+) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let pending = PendingSettlement::start();
+    runtime.spawn(async move {
+        let settled = settle_durably(&billing, queue.as_ref(), request).await;
+        count_settlement(&settled);
+        match settled {
+            Ok(Settled::Now(cost)) => {
+                if let Some((table, caller, held)) = ahead {
+                    table.settled(caller, &cost, held);
+                }
+            }
+            Ok(Settled::Queued) => {}
+            Err(error) => {
+                tracing::warn!(%error, "settlement failed; the hold will expire");
+            }
+        }
+        drop(pending);
+    });
+}
+
 /// Settlements running in background tasks, awaited at shutdown so no
 /// charge is lost when the process exits.
 static PENDING_SETTLEMENTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 static SETTLEMENT_DONE: tokio::sync::Notify = tokio::sync::Notify::const_new();
 
-struct PendingSettlement;
+pub(crate) struct PendingSettlement;
 
 impl PendingSettlement {
-    fn start() -> Self {
+    pub(crate) fn start() -> Self {
         PENDING_SETTLEMENTS.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Self
     }
@@ -731,7 +751,7 @@ pub(crate) async fn admit(
             }
         }
     };
-    let holding = gateway.services.billing.hold(billing_pb::HoldRequest {
+    let hold = billing_pb::HoldRequest {
         owner: owner.clone(),
         request_id: request_id.to_owned(),
         model_id: model_id.to_owned(),
@@ -742,15 +762,29 @@ pub(crate) async fn admit(
         key_limit: key_limit.clone(),
         durable: reservation.durable,
         extra_usd_nanos: reservation.extra_usd_nanos,
-    });
-    let (admission, hold) = futures_util::future::join(admitting, holding).await;
+    };
+    let billing = gateway.services.billing.clone();
+    // A client that leaves during the wait drops this handler: the hold,
+    // answered or on its way, is then released (`crate::holding`).
+    let mut holding = Holding::start(
+        Holder {
+            billing: &gateway.services.billing,
+            usage_queue: gateway.services.usage_queue.as_ref(),
+            owner: &owner,
+            request_id,
+            model_id,
+            key_id: &principal.key_id,
+        },
+        Box::pin(async move { billing.hold(hold).await }),
+    );
+    let (admission, ()) = futures_util::future::join(admitting, holding.answered()).await;
     // What the table of routes asked ahead learns from this answer: told
     // when this returns, roomy only if it returns admitted.
     let mut told = gateway.route_ahead.as_ref().map(|table| {
         let tokens = reservation
             .total_tokens
             .saturating_add(reservation.limiter_extra_tokens);
-        let roomy = crate::ahead::room_left(&admission, windows_shown, &hold, tokens);
+        let roomy = crate::ahead::room_left(&admission, windows_shown, holding.answer(), tokens);
         let caller = table.caller(principal, model_id);
         (
             crate::ahead::Answer::new(table, caller, tokens, roomy),
@@ -758,51 +792,16 @@ pub(crate) async fn admit(
             caller,
         )
     });
-    // A hold the limiter's refusal makes useless is released at once.
-    let release_hold = |hold: &billing_pb::HoldResponse| {
-        if !(hold.placed && hold.reserved) {
-            return;
-        }
-        let mut orphan = Settlement {
-            limiter: limiter.clone(),
-            ticket: None,
-            billing: gateway.services.billing.clone(),
-            usage_queue: gateway.services.usage_queue.clone(),
-            owner: owner.clone(),
-            request_id: request_id.to_owned(),
-            model_id: model_id.to_owned(),
-            held: true,
-            held_usd: hold.held_usd.clone(),
-            held_diem: hold.held_diem.clone(),
-            key_id: principal.key_id.clone(),
-            key_period: hold.key_period.clone(),
-            key_limit: None,
-            prices: prices.clone(),
-            extra_usd_nanos: 0,
-            extra_tokens: 0,
-            span: tracing::Span::none(),
-            ahead: None,
-        };
-        orphan.release();
-    };
-    let admission = match admission {
-        Ok(admission) => admission,
-        Err(error) => {
-            if let Ok(hold) = &hold {
-                release_hold(hold);
-            }
-            return Err(error.into());
-        }
-    };
+    // A hold the limiter's refusal makes useless is released at once, as
+    // `holding` drops.
+    let admission = admission?;
     if let Some(headers) = admission.headers {
         request.extensions_mut().insert(RateLimitHeaders(headers));
     }
     if let Some(refusal) = admission.refusal {
-        if let Ok(hold) = &hold {
-            release_hold(hold);
-        }
         return Err(refusal.into());
     }
+    let hold = holding.finish();
     // From here on the limiter hears back however the request ends.
     let mut settlement = Settlement {
         limiter: limiter.clone(),
@@ -1954,7 +1953,7 @@ impl Usage {
         }
     }
 
-    fn billed(&self) -> billing_pb::Usage {
+    pub(crate) fn billed(&self) -> billing_pb::Usage {
         billing_pb::Usage {
             prompt_tokens: self.prompt,
             completion_tokens: self.completion,

@@ -44,6 +44,7 @@ pub mod error;
 mod files;
 mod forms;
 mod headers;
+mod holding;
 mod images;
 pub mod jobs;
 mod keys;
