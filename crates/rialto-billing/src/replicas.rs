@@ -52,21 +52,33 @@ impl ReplicatedBilling {
 
     /// `call` on the replica owning ledger `owner`, and once more on the
     /// next one when that replica dies or hangs meanwhile
-    /// ([`Membership::on_owner`]): each call routed so is keyed (request
-    /// id) or a read, and answers the same the second time (a settlement
-    /// reports what was charged), so a second run changes nothing twice.
+    /// ([`Membership::on_owner`]), or once more on the owner when the
+    /// call's record was fenced out ([`crate::writer::fenced_out`]): each
+    /// call routed so is keyed (request id) or a read, and answers the same
+    /// the second time (a settlement reports what was charged), so a second
+    /// run changes nothing twice.
     async fn routed<R, T, F, Fut>(&self, owner: &str, request: R, call: F) -> Result<T>
     where
         R: Clone,
         F: Fn(BillingClient, R) -> Fut,
         Fut: std::future::Future<Output = Result<T>>,
     {
-        self.membership
-            .on_owner(owner, |index| {
+        let ask = || {
+            self.membership.on_owner(owner, |index| {
                 call(self.replicas[index].clone(), request.clone())
             })
-            .await
-            .1
+        };
+        match ask().await.1 {
+            // Fenced out: another replica loaded the ledger while this
+            // call's record waited for its batch (a hand-back), so nothing
+            // was written; asked once more, the replica that owns it now
+            // reads it again and decides.
+            Err(error) if crate::writer::fenced_out(&error) => {
+                tracing::debug!(owner, "billing call fenced out; asked again");
+                ask().await.1
+            }
+            answered => answered,
+        }
     }
 
     /// `call` on any live replica, for a read that is no owner's (they
@@ -268,5 +280,79 @@ impl BillingService for ReplicatedBilling {
             billing.complete_job(request).await
         })
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A call whose record another replica fenced out (it loaded the
+    /// ledger after this one decided) is asked again, and the replica
+    /// that owns the ledger decides it on the ledger as written: served,
+    /// not refused, and charged once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_call_fenced_out_at_a_hand_back_is_asked_again() {
+        let (db, drop_db) = crate::book::tests::postgres().await;
+        let config = rialto_core::Config::from_toml(
+            "[[models]]\nid = \"m\"\ninput_usd_per_mtok = 1.0\noutput_usd_per_mtok = 1.0\n",
+        )
+        .unwrap();
+        let first = BillingClient::new(crate::LocalBilling::new(&config, db.clone()));
+        let second = BillingClient::new(crate::LocalBilling::new(&config, db.clone()));
+        let names = ["first", "second"];
+        // An owner the first replica owns.
+        let owner = (0..)
+            .map(|i| format!("account:handback-{i}"))
+            .find(|owner| owner_of(owner, &names) == 0)
+            .unwrap();
+        let billing = ReplicatedBilling::new(vec![
+            (names[0].to_owned(), first.clone()),
+            (names[1].to_owned(), second.clone()),
+        ])
+        .unwrap();
+        billing
+            .credit(pb::CreditRequest {
+                owner: owner.clone(),
+                usd: "1".into(),
+                diem: "0".into(),
+                reference: "seed".into(),
+            })
+            .await
+            .unwrap();
+        let hold = |id: &str| pb::HoldRequest {
+            owner: owner.clone(),
+            request_id: id.into(),
+            model_id: "m".into(),
+            prompt_tokens: 500,
+            max_completion_tokens: 500,
+            ..Default::default()
+        };
+        let placed = billing.hold(hold("h1")).await.unwrap();
+        assert!(placed.placed);
+        // The second replica loads the ledger (as at a hand-back, a
+        // gateway's view a moment behind): the first one is fenced out.
+        assert!(second.hold(hold("h2")).await.unwrap().placed);
+        let settle = pb::SettleRequest {
+            request_id: "h1".into(),
+            model_id: "m".into(),
+            usage: Some(pb::Usage {
+                prompt_tokens: 100,
+                completion_tokens: 100,
+                ..Default::default()
+            }),
+            owner: owner.clone(),
+            held_usd: placed.held_usd.clone(),
+            held_diem: placed.held_diem.clone(),
+            ..Default::default()
+        };
+        // Routed to the first replica, whose record is fenced out, then
+        // asked again there: it reads the ledger again and settles.
+        let cost = billing.settle(settle).await.unwrap();
+        assert_eq!(cost.usd, "0.0002");
+        let ledger = crate::ledger::Ledger::new(db.clone());
+        assert_eq!(ledger.charged("h1").await.unwrap(), (200_000, 0));
+        drop((billing, first, second));
+        drop_db.await;
     }
 }

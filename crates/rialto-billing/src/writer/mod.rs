@@ -424,6 +424,22 @@ impl Handle {
     }
 }
 
+/// What a call whose record was fenced out hears: another replica loaded
+/// its ledger after this one decided (a hand-back, or two gateways' views
+/// differing for a moment), so nothing was written, and asked again the
+/// call is decided afresh on the ledger as the database has it.
+const MOVED: &str = "This ledger moved to another billing replica; retry";
+
+fn moved() -> Error {
+    Error::new(ErrorCode::Unavailable, MOVED)
+}
+
+/// Whether `error` says a record was fenced out ([`moved`]), here or on a
+/// replica across gRPC.
+pub fn fenced_out(error: &Error) -> bool {
+    error.code == ErrorCode::Unavailable && error.message.contains(MOVED)
+}
+
 pub(crate) fn stopped() -> Error {
     Error::new(ErrorCode::Unavailable, "The ledger writer stopped; retry")
 }
@@ -604,10 +620,7 @@ fn after_attempt(jobs: Vec<WriteJob>, result: BatchResult, attempt: u32, logged:
             for job in fenced_out {
                 drop_owner(&job.record.owner);
                 if let Some(done) = job.done {
-                    let _ = done.send(Err(Error::new(
-                        ErrorCode::Unavailable,
-                        "This ledger moved to another billing replica; retry",
-                    )));
+                    let _ = done.send(Err(moved()));
                 }
             }
             if kept.is_empty() {
