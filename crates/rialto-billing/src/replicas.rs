@@ -52,7 +52,7 @@ impl ReplicatedBilling {
 
     /// `call` on the replica owning ledger `owner`, and once more on the
     /// next one when that replica dies or hangs meanwhile
-    /// ([`Membership::on_owner`]), or once more on the owner when the
+    /// ([`Membership::on_owner`]), or at once on the same replica when the
     /// call's record was fenced out ([`crate::writer::fenced_out`]): each
     /// call routed so is keyed (request id) or a read, and answers the same
     /// the second time (a settlement reports what was charged), so a second
@@ -63,22 +63,29 @@ impl ReplicatedBilling {
         F: Fn(BillingClient, R) -> Fut,
         Fut: std::future::Future<Output = Result<T>>,
     {
-        let ask = || {
-            self.membership.on_owner(owner, |index| {
-                call(self.replicas[index].clone(), request.clone())
+        let (call, request) = (&call, &request);
+        self.membership
+            .on_owner(owner, |index| {
+                let replica = &self.replicas[index];
+                async move {
+                    match call(replica.clone(), request.clone()).await {
+                        // Fenced out: another replica loaded the ledger while
+                        // this call's record waited for its batch (a
+                        // hand-back), so nothing was written, and this
+                        // replica dropped it; asked again at once, it reads
+                        // the ledger again and decides. (Not left to
+                        // `on_owner`, which would wait for the view to move
+                        // away from a replica that is alive.)
+                        Err(error) if crate::writer::fenced_out(&error) => {
+                            tracing::debug!("billing call fenced out; asked again");
+                            call(replica.clone(), request.clone()).await
+                        }
+                        answered => answered,
+                    }
+                }
             })
-        };
-        match ask().await.1 {
-            // Fenced out: another replica loaded the ledger while this
-            // call's record waited for its batch (a hand-back), so nothing
-            // was written; asked once more, the replica that owns it now
-            // reads it again and decides.
-            Err(error) if crate::writer::fenced_out(&error) => {
-                tracing::debug!(owner, "billing call fenced out; asked again");
-                ask().await.1
-            }
-            answered => answered,
-        }
+            .await
+            .1
     }
 
     /// `call` on any live replica, for a read that is no owner's (they
