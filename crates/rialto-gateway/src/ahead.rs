@@ -212,6 +212,22 @@ impl RouteAhead {
         }
     }
 
+    /// A charge (a hold and its settlement in one call, for a route asked
+    /// ahead) answered `hold` and charged `cost`: a hold without room, or
+    /// a charge beyond it, sends the caller's next request in order.
+    pub(crate) fn charged(
+        &self,
+        caller: Caller,
+        hold: &billing_pb::HoldResponse,
+        cost: &billing_pb::Cost,
+    ) {
+        if !hold_room(hold) {
+            self.answered(caller, 0, false);
+        } else {
+            self.settled(caller, cost, held(&hold.held_usd, &hold.held_diem));
+        }
+    }
+
     /// What the limiter and billing answered the caller for a request of
     /// `tokens`: room for [`ROOM`] more like it, or not (a refusal, little
     /// room, a settlement above its hold). Not-roomy stands for as long as
@@ -371,21 +387,21 @@ fn within_hold(usd: &str, diem: &str, held: Option<Decimal>) -> bool {
 
 /// Whether the limiter's admission and billing's hold left room for
 /// [`ROOM`] more requests like this one (`tokens` in the windows): the shown
-/// window's requests and tokens, and the balance against what was held.
-/// A capped key is never roomy (its cap's remainder is not in the answer),
-/// nor is an admission whose windows were shown elsewhere (`windows_shown`
-/// false: a request with files, admitted before its file work).
+/// window's requests and tokens, and the balance against what was held
+/// ([`hold_room`]; `hold` None: the hold comes with the charge, after the
+/// answer, and only the windows are known now).
+/// Nor is an admission whose windows were shown elsewhere (`windows_shown`
+/// false: a request with files, admitted before its file work) roomy.
 pub(crate) fn room_left(
     admission: &rialto_core::Result<Admission>,
     windows_shown: bool,
-    hold: &rialto_core::Result<billing_pb::HoldResponse>,
+    hold: Option<&rialto_core::Result<billing_pb::HoldResponse>>,
     tokens: u64,
 ) -> bool {
-    let (Ok(admission), Ok(hold)) = (admission, hold) else {
+    let Ok(admission) = admission else {
         return false;
     };
-    if !windows_shown || admission.refusal.is_some() || !hold.placed || !hold.key_period.is_empty()
-    {
+    if !windows_shown || admission.refusal.is_some() {
         return false;
     }
     let windows = admission.headers.as_ref().is_none_or(|shown| {
@@ -395,13 +411,23 @@ pub(crate) fn room_left(
                 .as_ref()
                 .is_none_or(|window| window.remaining >= ROOM.saturating_mul(tokens))
     });
+    windows && hold.is_none_or(|hold| hold.as_ref().is_ok_and(hold_room))
+}
+
+/// Whether a hold left room for [`ROOM`] more like it: placed, and the
+/// balance before it at least that many times what it held. A capped key
+/// is never roomy (its cap's remainder is not in the answer).
+pub(crate) fn hold_room(hold: &billing_pb::HoldResponse) -> bool {
+    if !hold.placed || !hold.key_period.is_empty() {
+        return false;
+    }
     let balance = || {
         let before = hold.before.as_ref()?;
         let held = amount(&hold.held_usd)?.checked_add(amount(&hold.held_diem)?)?;
         let balance = amount(&before.usd)?.checked_add(amount(&before.diem)?)?;
         Some(held.is_zero() || balance >= held.checked_mul(Decimal::from(ROOM))?)
     };
-    windows && balance() == Some(true)
+    balance() == Some(true)
 }
 
 #[cfg(test)]
@@ -592,6 +618,25 @@ mod tests {
         assert!(!ahead.take(caller, 100));
     }
 
+    /// A charge (hold and settlement at once) that left room keeps the
+    /// caller roomy; one without room, or above its hold, does not.
+    #[test]
+    fn a_charge_without_room_sends_the_caller_in_order() {
+        let charged = |before: &str, cost_usd: &str| {
+            let (ahead, caller) = answered_roomy();
+            let hold = hold(before, "0.1").unwrap();
+            let cost = billing_pb::Cost {
+                usd: cost_usd.into(),
+                diem: "0".into(),
+            };
+            ahead.charged(caller, &hold, &cost);
+            ahead.take(caller, 100)
+        };
+        assert!(charged("6.4", "0.1"));
+        assert!(!charged("6.3", "0.1"));
+        assert!(!charged("100", "0.11"));
+    }
+
     fn hold(before_usd: &str, held_usd: &str) -> rialto_core::Result<billing_pb::HoldResponse> {
         Ok(billing_pb::HoldResponse {
             placed: true,
@@ -628,7 +673,7 @@ mod tests {
     #[test]
     fn room_is_left_only_for_many_more_requests_like_this_one() {
         let tokens = 100;
-        let roomy = |admission, hold| room_left(&admission, true, &hold, tokens);
+        let roomy = |admission, hold| room_left(&admission, true, Some(&hold), tokens);
         assert!(roomy(admitted(64, 6_400), hold("6.4", "0.1")));
         // The balance takes fewer than 64 more.
         assert!(!roomy(admitted(64, 6_400), hold("6.3", "0.1")));
@@ -641,7 +686,12 @@ mod tests {
         assert!(!roomy(admitted(64, 6_400), hold("100", "")));
         assert!(!roomy(admitted(64, 6_400), hold("-", "0.1")));
         // Windows shown elsewhere (a request with files).
-        let elsewhere = room_left(&admitted(64, 6_400), false, &hold("100", "0.1"), tokens);
+        let elsewhere = room_left(
+            &admitted(64, 6_400),
+            false,
+            Some(&hold("100", "0.1")),
+            tokens,
+        );
         assert!(!elsewhere);
         // Refusals.
         let mut refused = hold("100", "0.1");

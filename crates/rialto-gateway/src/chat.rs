@@ -132,6 +132,12 @@ pub(crate) struct Settlement {
     /// The table of routes asked ahead (a split deployment's gateway) and
     /// the caller's slot in it, told when a charge goes beyond the hold.
     ahead: Option<(Arc<crate::ahead::RouteAhead>, crate::ahead::Caller)>,
+    /// The hold not asked yet, of a route asked ahead: asked with the
+    /// settlement, in one call ([`Settlement::charge`]).
+    charge: Option<billing_pb::HoldRequest>,
+    /// The balance before the request, when the charge told it (else the
+    /// hold did, in [`admit`]).
+    pub(crate) balance_before: Option<billing_pb::Balance>,
 }
 
 /// A settlement dropped with its hold open was never billed: its handler
@@ -215,29 +221,37 @@ impl Settlement {
     pub(crate) async fn bill(&mut self, usage: &Usage) -> Result<Value, ApiError> {
         self.settle(usage.total());
         self.count_tokens(usage);
-        if !std::mem::take(&mut self.held) {
-            // Nothing was reserved (a free model): nothing to charge, and
-            // no round trip to the ledger.
-            return Ok(json!({"usd": 0, "diem": 0}));
-        }
-        let request = self.settle_request(usage);
-        let billed = request.usage.unwrap_or_default();
-        let settled = settle_durably(&self.billing, self.usage_queue.as_ref(), request).await;
-        count_settlement(&settled);
-        let cost = match settled? {
-            Settled::Now(cost) => cost,
-            // Billing will settle the queued record as the ledger would now.
-            Settled::Queued => rialto_billing::expected_cost(
-                &self.prices,
-                &billed,
-                &self.held_usd,
-                &self.held_diem,
-            )?,
+        let cost = match self.charge.take() {
+            Some(hold) => self.charge(hold, usage).await?,
+            None => {
+                if !std::mem::take(&mut self.held) {
+                    // Nothing was reserved (a free model): nothing to
+                    // charge, and no round trip to the ledger.
+                    return Ok(json!({"usd": 0, "diem": 0}));
+                }
+                let request = self.settle_request(usage);
+                let billed = request.usage.unwrap_or_default();
+                let settled =
+                    settle_durably(&self.billing, self.usage_queue.as_ref(), request).await;
+                count_settlement(&settled);
+                let cost = match settled? {
+                    Settled::Now(cost) => cost,
+                    // Billing will settle the queued record as the ledger
+                    // would now.
+                    Settled::Queued => rialto_billing::expected_cost(
+                        &self.prices,
+                        &billed,
+                        &self.held_usd,
+                        &self.held_diem,
+                    )?,
+                };
+                if let Some((table, caller)) = &self.ahead {
+                    let held = crate::ahead::held(&self.held_usd, &self.held_diem);
+                    table.settled(*caller, &cost, held);
+                }
+                cost
+            }
         };
-        if let Some((table, caller)) = &self.ahead {
-            let held = crate::ahead::held(&self.held_usd, &self.held_diem);
-            table.settled(*caller, &cost, held);
-        }
         if let Ok(usd) = cost.usd.parse::<f64>() {
             let model = rialto_core::metrics::ModelLabels {
                 model: self.model_id.clone(),
@@ -250,11 +264,74 @@ impl Settlement {
         Ok(json!({"usd": number(&cost.usd), "diem": number(&cost.diem)}))
     }
 
+    /// Holds and settles in one call to billing, the answer of a route
+    /// asked ahead in hand: one call fewer than a hold and a settlement. A
+    /// refusal is the hold's (402, nothing charged), and the answer is not
+    /// served; a billing that cannot be reached refuses it too (there is
+    /// no hold for a queued settlement to charge against).
+    async fn charge(
+        &mut self,
+        hold: billing_pb::HoldRequest,
+        usage: &Usage,
+    ) -> Result<billing_pb::Cost, ApiError> {
+        let period = hold
+            .key_limit
+            .as_ref()
+            .map_or_else(|| "EPOCH".to_owned(), |limit| limit.period.clone());
+        let request = billing_pb::ChargeRequest {
+            hold: Some(hold),
+            usage: Some(self.billed(usage)),
+            key_id: self.key_id.clone(),
+        };
+        let charged = self.billing.charge(request).await;
+        let outcome = match &charged {
+            Ok(charged) if charged.cost.is_some() => "settled",
+            Ok(_) => "refused",
+            Err(_) => "failed",
+        };
+        metrics()
+            .ledger_settlements
+            .get_or_create(&rialto_core::metrics::OutcomeLabels { outcome })
+            .inc();
+        let charged = match charged {
+            Ok(charged) => charged,
+            Err(error) => {
+                if let Some((table, caller)) = &self.ahead {
+                    table.answered(*caller, 0, false);
+                }
+                return Err(error.into());
+            }
+        };
+        let hold = charged.hold.unwrap_or_default();
+        count_hold(&hold);
+        self.balance_before.clone_from(&hold.before);
+        let cost = charged.cost.filter(|_| hold.placed);
+        if let Some((table, caller)) = &self.ahead {
+            match &cost {
+                Some(cost) => table.charged(*caller, &hold, cost),
+                None => table.answered(*caller, 0, false),
+            }
+        }
+        cost.ok_or_else(|| refused_by_hold(&hold, &period))
+    }
+
     /// Like `bill`, off the response path (the client is gone or the
     /// stream failed): what the upstream produced is still billed.
     pub(crate) fn bill_later(&mut self, usage: &Usage) {
         self.settle(usage.total());
         self.count_tokens(usage);
+        if let Some(hold) = self.charge.take() {
+            // Not held yet: what nothing used costs nothing to charge.
+            if usage.total() > 0 || self.extra_usd_nanos > 0 {
+                let request = billing_pb::ChargeRequest {
+                    hold: Some(hold),
+                    usage: Some(self.billed(usage)),
+                    key_id: self.key_id.clone(),
+                };
+                charge_later(self.billing.clone(), request);
+            }
+            return;
+        }
         if !std::mem::take(&mut self.held) {
             return;
         }
@@ -342,6 +419,49 @@ pub(crate) fn settle_later(
         }
         drop(pending);
     });
+}
+
+/// Charges `request` (a hold and its settlement in one) in a task of its
+/// own, awaited at shutdown.
+fn charge_later(billing: BillingClient, request: billing_pb::ChargeRequest) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let pending = PendingSettlement::start();
+    runtime.spawn(async move {
+        if let Err(error) = billing.charge(request).await {
+            tracing::warn!(%error, "charge failed");
+        }
+        drop(pending);
+    });
+}
+
+fn count_hold(hold: &billing_pb::HoldResponse) {
+    let outcome = if hold.placed { "placed" } else { "refused" };
+    metrics()
+        .ledger_holds
+        .get_or_create(&rialto_core::metrics::OutcomeLabels { outcome })
+        .inc();
+}
+
+/// The 402 of a hold refused for an account's key: its spending cap for
+/// `period`, or the balance.
+fn refused_by_hold(hold: &billing_pb::HoldResponse, period: &str) -> ApiError {
+    if hold.key_limit_reached.is_empty() {
+        return ApiError::new(
+            ErrorCode::PaymentRequired,
+            "Insufficient USD or Diem balance to complete request. \
+             Add credits to your account and try again.",
+        );
+    }
+    ApiError::new(
+        ErrorCode::PaymentRequired,
+        format!(
+            "This API key has reached its {} consumption limit for the current {} period. \
+             Raise the key's consumptionLimit or wait for the next period.",
+            hold.key_limit_reached, period
+        ),
+    )
 }
 
 /// Settlements running in background tasks, awaited at shutdown so no
@@ -553,6 +673,10 @@ async fn complete_or_stream(
         }
         _ => None,
     };
+    // An account's route asked ahead is held with its settlement, in one
+    // call to billing once the answer is known: a wallet's hold also
+    // answers for its minimum balance and `X-Balance-Remaining`.
+    let charged_after = ahead.is_some() && principal.wallet.is_empty();
     let route = match ahead {
         Some((table, caller)) => Route::Ahead(crate::ahead::Asked::ask(
             table,
@@ -579,6 +703,7 @@ async fn complete_or_stream(
             // The model's query call counts in the windows; its price is in
             // the extras.
             limiter_extra_tokens: query_tokens,
+            charged_after,
         },
         limited,
     )
@@ -599,7 +724,7 @@ async fn complete_or_stream(
         Route::Later(router_request) if exchange.chat.stream => {
             stream(gateway, model, router_request, exchange).await
         }
-        route => complete(gateway, model, route, exchange).await,
+        route => complete(gateway, request, model, route, exchange).await,
     }
 }
 
@@ -665,6 +790,9 @@ pub(crate) struct Reservation {
     /// Tokens the rate windows count besides `total_tokens`, which the
     /// hold does not (their price is in the extras).
     pub(crate) limiter_extra_tokens: u64,
+    /// Held with its settlement, in one call, once the answer is known (a
+    /// route asked ahead: [`Settlement::charge`]), not now.
+    pub(crate) charged_after: bool,
 }
 
 /// What a request is limited and priced as: a model, or an endpoint
@@ -763,28 +891,42 @@ pub(crate) async fn admit(
         durable: reservation.durable,
         extra_usd_nanos: reservation.extra_usd_nanos,
     };
-    let billing = gateway.services.billing.clone();
-    // A client that leaves during the wait drops this handler: the hold,
-    // answered or on its way, is then released (`crate::holding`).
-    let mut holding = Holding::start(
-        Holder {
-            billing: &gateway.services.billing,
-            usage_queue: gateway.services.usage_queue.as_ref(),
-            owner: &owner,
-            request_id,
-            model_id,
-            key_id: &principal.key_id,
-        },
-        Box::pin(async move { billing.hold(hold).await }),
-    );
-    let (admission, ()) = futures_util::future::join(admitting, holding.answered()).await;
+    // A route asked ahead is held with its settlement, in one call
+    // ([`Settlement::charge`]); any other request is held now.
+    let (mut holding, charge) = if reservation.charged_after {
+        (None, Some(hold))
+    } else {
+        let billing = gateway.services.billing.clone();
+        // A client that leaves during the wait drops this handler: the
+        // hold, answered or on its way, is then released
+        // (`crate::holding`).
+        let holding = Holding::start(
+            Holder {
+                billing: &gateway.services.billing,
+                usage_queue: gateway.services.usage_queue.as_ref(),
+                owner: &owner,
+                request_id,
+                model_id,
+                key_id: &principal.key_id,
+            },
+            Box::pin(async move { billing.hold(hold).await }),
+        );
+        (Some(holding), None)
+    };
+    let held = async {
+        if let Some(holding) = holding.as_mut() {
+            holding.answered().await;
+        }
+    };
+    let (admission, ()) = futures_util::future::join(admitting, held).await;
     // What the table of routes asked ahead learns from this answer: told
     // when this returns, roomy only if it returns admitted.
     let mut told = gateway.route_ahead.as_ref().map(|table| {
         let tokens = reservation
             .total_tokens
             .saturating_add(reservation.limiter_extra_tokens);
-        let roomy = crate::ahead::room_left(&admission, windows_shown, holding.answer(), tokens);
+        let hold = holding.as_ref().map(Holding::answer);
+        let roomy = crate::ahead::room_left(&admission, windows_shown, hold, tokens);
         let caller = table.caller(principal, model_id);
         (
             crate::ahead::Answer::new(table, caller, tokens, roomy),
@@ -801,7 +943,7 @@ pub(crate) async fn admit(
     if let Some(refusal) = admission.refusal {
         return Err(refusal.into());
     }
-    let hold = holding.finish();
+    let hold = holding.map(Holding::finish);
     // From here on the limiter hears back however the request ends.
     let mut settlement = Settlement {
         limiter: limiter.clone(),
@@ -825,52 +967,45 @@ pub(crate) async fn admit(
         ahead: told
             .as_ref()
             .map(|(_, table, caller)| (Arc::clone(table), *caller)),
+        charge,
+        balance_before: None,
     };
     let hold = match hold {
-        Ok(hold) => hold,
-        Err(error) => {
+        Some(Ok(hold)) => hold,
+        Some(Err(error)) => {
             settlement.refused();
             return Err(error.into());
         }
+        // Held with its settlement: admitted as far as is known now.
+        None => {
+            if let Some((told, ..)) = &mut told {
+                told.admitted();
+            }
+            return Ok(Admitted {
+                settlement,
+                wallet_usd_before: None,
+            });
+        }
     };
-    let outcome = if hold.placed { "placed" } else { "refused" };
-    metrics()
-        .ledger_holds
-        .get_or_create(&rialto_core::metrics::OutcomeLabels { outcome })
-        .inc();
+    count_hold(&hold);
     if let Some(before) = &hold.before {
         request.extensions_mut().insert(crate::BalanceHeaders {
             usd: before.usd.clone(),
             diem: before.diem.clone(),
         });
     }
-    if !hold.placed && !hold.key_limit_reached.is_empty() {
-        settlement.refused();
-        let period = principal
-            .key_limit
-            .as_ref()
-            .map_or("EPOCH", |l| l.period.as_str());
-        return Err(ApiError::new(
-            ErrorCode::PaymentRequired,
-            format!(
-                "This API key has reached its {} consumption limit for the current {} period. \
-                 Raise the key's consumptionLimit or wait for the next period.",
-                hold.key_limit_reached, period
-            ),
-        ));
-    }
-    if !hold.placed && !principal.wallet.is_empty() {
+    if !hold.placed && hold.key_limit_reached.is_empty() && !principal.wallet.is_empty() {
         settlement.refused();
         let usd = hold.before.as_ref().map_or("0", |b| b.usd.as_str());
         return Err(crate::wallet::insufficient(gateway, request, usd));
     }
     if !hold.placed {
         settlement.refused();
-        return Err(ApiError::new(
-            ErrorCode::PaymentRequired,
-            "Insufficient USD or Diem balance to complete request. \
-             Add credits to your account and try again.",
-        ));
+        let period = principal
+            .key_limit
+            .as_ref()
+            .map_or("EPOCH", |l| l.period.as_str());
+        return Err(refused_by_hold(&hold, period));
     }
     settlement.held = hold.reserved;
     settlement.held_usd = hold.held_usd;
@@ -946,10 +1081,14 @@ struct Answered {
     balance_remaining: Option<String>,
     /// Why the web search was left out, if it was.
     search_error: Option<String>,
+    /// The balance before the request, when its charge told it (a route
+    /// asked ahead: no hold told it before).
+    balance_before: Option<billing_pb::Balance>,
 }
 
 async fn complete(
     gateway: &web::Data<Gateway>,
+    request: &HttpRequest,
     model: &Arc<ModelEntry>,
     route: Route,
     exchange: Exchange,
@@ -970,6 +1109,12 @@ async fn complete(
     let answered = task
         .await
         .map_err(|e| rialto_core::Error::internal(format!("the answer's task failed: {e}")))??;
+    if let Some(before) = answered.balance_before {
+        request.extensions_mut().insert(crate::BalanceHeaders {
+            usd: before.usd,
+            diem: before.diem,
+        });
+    }
     let mut response = HttpResponse::Ok();
     model_headers(
         &mut response,
@@ -1055,6 +1200,7 @@ async fn answer(
         retry_count: answer.retry_count,
         balance_remaining,
         search_error: exchange.found.error,
+        balance_before: exchange.settlement.balance_before.take(),
     })
 }
 
