@@ -466,9 +466,11 @@ async fn a_route_asked_ahead_serves_only_what_the_hold_covers() {
     let ahead = async |outcome| routes_ahead(sandbox, outcome).await;
     // The first request waits for its hold ($0.001003 of $0.1, room for
     // 64 more) and the second is asked ahead: served and charged alike.
-    for expected_ahead in [0.0, 1.0] {
+    for (expected_ahead, before) in [(0.0, "0.1"), (1.0, "0.098998")] {
         let response = chat(sandbox, &key, &thousand_words()).await;
         assert_eq!(response.status(), 200, "{}", response.text().await.unwrap());
+        // The balance before it, from its hold or from its charge.
+        assert_eq!(response.headers()["x-rialto-balance-usd"], before);
         let body: Value = response.json().await.unwrap();
         assert_eq!(body["usage"]["completion_tokens"], 1000);
         assert_eq!(body["cost"]["usd"].to_string(), "0.001002");
@@ -486,6 +488,7 @@ async fn a_route_asked_ahead_serves_only_what_the_hold_covers() {
     // The first key still has room as far as this gateway knows: its route
     // is asked ahead and answered, and the charge's hold refuses it.
     let response = chat(sandbox, &key, &thousand_words()).await;
+    assert_eq!(response.headers()["x-rialto-balance-usd"], "0.000796");
     assert_eq!(response.status(), 402, "{}", response.text().await.unwrap());
     assert_eq!(ahead("used").await, 2.0);
     assert_eq!(ahead("dropped").await, 0.0);

@@ -7,17 +7,24 @@
 //! worker and another process on cores those processes share (bench/NOTES.md).
 //! When the caller's last admission and hold on this model left room for
 //! [`ROOM`] more requests like it, their answers are all but known: the route
-//! is asked at once, beside them, and its answer waits for theirs. Nothing
-//! leaves before both said yes; a refusal drops the route (its upstream call
-//! is cancelled, and nothing is charged).
+//! is asked at once, beside the admission. An account's request is then held
+//! and settled in one call once its answer is in (`Billing/Charge`, the
+//! gateway's `Settlement::charge`); a wallet's is held beside its route (its
+//! hold also answers for the wallet's minimum). Nothing leaves before the
+//! limiter and the hold said yes; a refusal of the limiter or a wallet's hold
+//! drops the route (its upstream call is cancelled), a charge that refuses
+//! keeps the answer from the client, and nothing is charged either way.
 //!
 //! A wrong guess costs an upstream call whose answer nobody gets, and it is
 //! kept rare and bounded:
-//! - the room is believed for `gateway.route_ahead_ms` (0 turns this off);
+//! - the room is believed for `gateway.route_ahead_ms` (0 turns this off),
+//!   and only a hold (or a charge) with room, not an admission alone,
+//!   renews it;
 //! - a refusal, an answer with less room, or a settlement above its hold
 //!   marks the caller refused for as long, and no roomy answer in flight
 //!   undoes that;
-//! - at most [`ROOM`] / 2 of a caller's routes are out ahead at once, each
+//! - at most [`ROOM`] / 2 of a caller's routes are out ahead at once (one
+//!   not held until its charge counts until it is charged: [`Out`]), each
 //!   no more than twice the size of the request whose answer showed the
 //!   room, so together they fit in it;
 //! - at most [`MOST_OUT`] routes of all callers are out ahead at once in
@@ -213,19 +220,20 @@ impl RouteAhead {
     }
 
     /// A charge (a hold and its settlement in one call, for a route asked
-    /// ahead) answered `hold` and charged `cost`: a hold without room, or
-    /// a charge beyond it, sends the caller's next request in order.
+    /// ahead) of a request of `tokens` answered `hold` and charged `cost`:
+    /// a hold with room, and a charge within it, is what keeps the caller
+    /// roomy (its admission alone does not: [`Answer::charged_later`]);
+    /// anything else sends its next request in order.
     pub(crate) fn charged(
         &self,
         caller: Caller,
+        tokens: u64,
         hold: &billing_pb::HoldResponse,
         cost: &billing_pb::Cost,
     ) {
-        if !hold_room(hold) {
-            self.answered(caller, 0, false);
-        } else {
-            self.settled(caller, cost, held(&hold.held_usd, &hold.held_diem));
-        }
+        let within = within_hold(&cost.usd, &cost.diem, held(&hold.held_usd, &hold.held_diem));
+        let roomy = hold_room(hold) && within;
+        self.answered(caller, if roomy { tokens } else { 0 }, roomy);
     }
 
     /// What the limiter and billing answered the caller for a request of
@@ -300,17 +308,38 @@ impl Asked {
         }
     }
 
-    /// The router's answer, once the caller was admitted and held.
-    pub(crate) async fn answer(mut self) -> rialto_core::Result<router_pb::ChatResponse> {
+    /// The router's answer, once the caller was admitted (and held, unless
+    /// its hold comes with its charge), and the route's place among those
+    /// out ahead: given back when [`Out`] drops, at once for a request
+    /// held already, after its charge for one that is not, so that the
+    /// routes of a caller not yet held stay within the room shown.
+    pub(crate) async fn answer(mut self) -> (rialto_core::Result<router_pb::ChatResponse>, Out) {
+        let out = Out {
+            ahead: Arc::clone(&self.ahead),
+            caller: self.caller,
+        };
         // Always there: `answer` takes the only handle.
         let Some(task) = self.task.take() else {
-            return Err(rialto_core::Error::internal("a route asked ahead is gone"));
+            let gone = rialto_core::Error::internal("a route asked ahead is gone");
+            return (Err(gone), out);
         };
-        self.ahead.returned(self.caller);
         count("used");
-        task.await.map_err(|error| {
+        let answered = task.await.map_err(|error| {
             rialto_core::Error::internal(format!("the route's task failed: {error}"))
-        })?
+        });
+        (answered.and_then(|answered| answered), out)
+    }
+}
+
+/// A route asked ahead, answered, still counted out ahead until this drops.
+pub(crate) struct Out {
+    ahead: Arc<RouteAhead>,
+    caller: Caller,
+}
+
+impl Drop for Out {
+    fn drop(&mut self) {
+        self.ahead.returned(self.caller);
     }
 }
 
@@ -335,6 +364,7 @@ pub(crate) struct Answer {
     tokens: u64,
     roomy: bool,
     admitted: bool,
+    charged_later: bool,
 }
 
 impl Answer {
@@ -345,17 +375,28 @@ impl Answer {
             tokens,
             roomy,
             admitted: false,
+            charged_later: false,
         }
     }
 
     pub(crate) fn admitted(&mut self) {
         self.admitted = true;
     }
+
+    /// The request is held with its charge, after its answer: only the
+    /// charge ([`RouteAhead::charged`]) tells that the caller has room; this
+    /// answer (the windows alone) only tells when it has not.
+    pub(crate) fn charged_later(&mut self) {
+        self.charged_later = true;
+    }
 }
 
 impl Drop for Answer {
     fn drop(&mut self) {
         let roomy = self.admitted && self.roomy;
+        if roomy && self.charged_later {
+            return;
+        }
         self.ahead.answered(self.caller, self.tokens, roomy);
     }
 }
@@ -629,12 +670,51 @@ mod tests {
                 usd: cost_usd.into(),
                 diem: "0".into(),
             };
-            ahead.charged(caller, &hold, &cost);
+            ahead.charged(caller, 100, &hold, &cost);
             ahead.take(caller, 100)
         };
         assert!(charged("6.4", "0.1"));
         assert!(!charged("6.3", "0.1"));
         assert!(!charged("100", "0.11"));
+    }
+
+    /// The admission of a request held with its charge tells only a lack
+    /// of room: the room it shows is not believed before the charge says so.
+    #[test]
+    fn an_admission_alone_does_not_renew_the_room() {
+        let ahead = table();
+        let caller = ahead.caller(&principal("acct", "key"), "m");
+        let mut answer = Answer::new(&ahead, caller, 100, true);
+        answer.charged_later();
+        answer.admitted();
+        drop(answer);
+        assert!(!ahead.take(caller, 100), "roomy on its windows alone");
+        // Not roomy: told.
+        let (ahead, caller) = answered_roomy();
+        let mut answer = Answer::new(&ahead, caller, 100, false);
+        answer.charged_later();
+        answer.admitted();
+        drop(answer);
+        assert!(!ahead.take(caller, 100));
+    }
+
+    /// A route not held until its charge counts out ahead until its `Out`
+    /// drops: a caller's unheld routes stay within half the room.
+    #[test]
+    fn an_unheld_route_counts_out_ahead_until_charged() {
+        let (ahead, caller) = answered_roomy();
+        let outs: Vec<Out> = (0..ROOM / 2)
+            .map(|_| {
+                assert!(ahead.take(caller, 100));
+                Out {
+                    ahead: Arc::clone(&ahead),
+                    caller,
+                }
+            })
+            .collect();
+        assert!(!ahead.take(caller, 100));
+        drop(outs);
+        assert!(ahead.take(caller, 100));
     }
 
     fn hold(before_usd: &str, held_usd: &str) -> rialto_core::Result<billing_pb::HoldResponse> {

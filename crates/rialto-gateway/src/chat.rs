@@ -132,9 +132,13 @@ pub(crate) struct Settlement {
     /// The table of routes asked ahead (a split deployment's gateway) and
     /// the caller's slot in it, told when a charge goes beyond the hold.
     ahead: Option<(Arc<crate::ahead::RouteAhead>, crate::ahead::Caller)>,
-    /// The hold not asked yet, of a route asked ahead: asked with the
-    /// settlement, in one call ([`Settlement::charge`]).
-    charge: Option<billing_pb::HoldRequest>,
+    /// The hold not asked yet, of a route asked ahead, and the tokens the
+    /// request counts in its windows: asked with the settlement, in one
+    /// call ([`Settlement::charge`]).
+    charge: Option<(billing_pb::HoldRequest, u64)>,
+    /// That route's place among the routes out ahead, given back once it
+    /// is charged (or the settlement drops).
+    pub(crate) out_ahead: Option<crate::ahead::Out>,
     /// The balance before the request, when the charge told it (else the
     /// hold did, in [`admit`]).
     pub(crate) balance_before: Option<billing_pb::Balance>,
@@ -222,7 +226,11 @@ impl Settlement {
         self.settle(usage.total());
         self.count_tokens(usage);
         let cost = match self.charge.take() {
-            Some(hold) => self.charge(hold, usage).await?,
+            Some((hold, tokens)) => {
+                let charged = self.charge(hold, tokens, usage).await;
+                self.out_ahead = None;
+                charged?
+            }
             None => {
                 if !std::mem::take(&mut self.held) {
                     // Nothing was reserved (a free model): nothing to
@@ -267,11 +275,13 @@ impl Settlement {
     /// Holds and settles in one call to billing, the answer of a route
     /// asked ahead in hand: one call fewer than a hold and a settlement. A
     /// refusal is the hold's (402, nothing charged), and the answer is not
-    /// served; a billing that cannot be reached refuses it too (there is
-    /// no hold for a queued settlement to charge against).
+    /// served. A charge that fails (a billing that does not know the call
+    /// yet, in a rolling upgrade; a lost answer) is asked again as a hold
+    /// and a settlement, keyed by the same request id, as any request's.
     async fn charge(
         &mut self,
         hold: billing_pb::HoldRequest,
+        tokens: u64,
         usage: &Usage,
     ) -> Result<billing_pb::Cost, ApiError> {
         let period = hold
@@ -283,18 +293,41 @@ impl Settlement {
             usage: Some(self.billed(usage)),
             key_id: self.key_id.clone(),
         };
-        let charged = self.billing.charge(request).await;
-        let outcome = match &charged {
-            Ok(charged) if charged.cost.is_some() => "settled",
-            Ok(_) => "refused",
-            Err(_) => "failed",
+        let (hold, cost) = match self.billing.charge(request.clone()).await {
+            Ok(charged) => {
+                let hold = charged.hold.unwrap_or_default();
+                let cost = charged.cost.filter(|_| hold.placed);
+                if hold.reserved && cost.is_some() {
+                    count_settlement_outcome("settled");
+                }
+                (hold, cost)
+            }
+            Err(error) => {
+                tracing::debug!(%error, "charge failed; held and settled apart");
+                self.hold_and_settle(request).await?
+            }
         };
-        metrics()
-            .ledger_settlements
-            .get_or_create(&rialto_core::metrics::OutcomeLabels { outcome })
-            .inc();
-        let charged = match charged {
-            Ok(charged) => charged,
+        count_hold(&hold);
+        self.balance_before.clone_from(&hold.before);
+        if let Some((table, caller)) = &self.ahead {
+            match &cost {
+                Some(cost) => table.charged(*caller, tokens, &hold, cost),
+                None => table.answered(*caller, 0, false),
+            }
+        }
+        cost.ok_or_else(|| refused_by_hold(&hold, &period))
+    }
+
+    /// A charge asked as a hold and a settlement apart: the settlement
+    /// queued when billing cannot take it now, as any request's.
+    async fn hold_and_settle(
+        &mut self,
+        request: billing_pb::ChargeRequest,
+    ) -> Result<(billing_pb::HoldResponse, Option<billing_pb::Cost>), ApiError> {
+        let hold = request.hold.unwrap_or_default();
+        let key_limit = hold.key_limit.clone();
+        let hold = match self.billing.hold(hold).await {
+            Ok(hold) => hold,
             Err(error) => {
                 if let Some((table, caller)) = &self.ahead {
                     table.answered(*caller, 0, false);
@@ -302,17 +335,41 @@ impl Settlement {
                 return Err(error.into());
             }
         };
-        let hold = charged.hold.unwrap_or_default();
-        count_hold(&hold);
-        self.balance_before.clone_from(&hold.before);
-        let cost = charged.cost.filter(|_| hold.placed);
-        if let Some((table, caller)) = &self.ahead {
-            match &cost {
-                Some(cost) => table.charged(*caller, &hold, cost),
-                None => table.answered(*caller, 0, false),
-            }
+        if !hold.placed {
+            return Ok((hold, None));
         }
-        cost.ok_or_else(|| refused_by_hold(&hold, &period))
+        if !hold.reserved {
+            // Nothing held (a free model): nothing to charge.
+            let free = billing_pb::Cost {
+                usd: "0".to_owned(),
+                diem: "0".to_owned(),
+            };
+            return Ok((hold, Some(free)));
+        }
+        self.held_usd.clone_from(&hold.held_usd);
+        self.held_diem.clone_from(&hold.held_diem);
+        if !hold.key_period.is_empty() {
+            self.key_period.clone_from(&hold.key_period);
+            self.key_limit = key_limit;
+        }
+        let settle = self.settle_request(&Usage::none());
+        let settle = billing_pb::SettleRequest {
+            usage: request.usage,
+            ..settle
+        };
+        let billed = settle.usage.unwrap_or_default();
+        let settled = settle_durably(&self.billing, self.usage_queue.as_ref(), settle).await;
+        count_settlement(&settled);
+        let cost = match settled? {
+            Settled::Now(cost) => cost,
+            Settled::Queued => rialto_billing::expected_cost(
+                &self.prices,
+                &billed,
+                &self.held_usd,
+                &self.held_diem,
+            )?,
+        };
+        Ok((hold, Some(cost)))
     }
 
     /// Like `bill`, off the response path (the client is gone or the
@@ -320,7 +377,8 @@ impl Settlement {
     pub(crate) fn bill_later(&mut self, usage: &Usage) {
         self.settle(usage.total());
         self.count_tokens(usage);
-        if let Some(hold) = self.charge.take() {
+        self.out_ahead = None;
+        if let Some((hold, _)) = self.charge.take() {
             // Not held yet: what nothing used costs nothing to charge.
             if usage.total() > 0 || self.extra_usd_nanos > 0 {
                 let request = billing_pb::ChargeRequest {
@@ -429,8 +487,12 @@ fn charge_later(billing: BillingClient, request: billing_pb::ChargeRequest) {
     };
     let pending = PendingSettlement::start();
     runtime.spawn(async move {
-        if let Err(error) = billing.charge(request).await {
-            tracing::warn!(%error, "charge failed");
+        // (No path comes here with usage today: a route asked ahead is a
+        // plain chat, billed in its own task however its client goes.)
+        match billing.charge(request).await {
+            Ok(charged) if charged.cost.is_some() => {}
+            Ok(_) => tracing::warn!("charge refused: what was used goes uncharged"),
+            Err(error) => tracing::warn!(%error, "charge failed: what was used goes uncharged"),
         }
         drop(pending);
     });
@@ -500,11 +562,14 @@ pub(crate) async fn pending_settlements(limit: std::time::Duration) -> bool {
 }
 
 fn count_settlement<E>(settled: &Result<Settled, E>) {
-    let outcome = match settled {
+    count_settlement_outcome(match settled {
         Ok(Settled::Now(_)) => "settled",
         Ok(Settled::Queued) => "queued",
         Err(_) => "failed",
-    };
+    });
+}
+
+fn count_settlement_outcome(outcome: &'static str) {
     metrics()
         .ledger_settlements
         .get_or_create(&rialto_core::metrics::OutcomeLabels { outcome })
@@ -893,8 +958,11 @@ pub(crate) async fn admit(
     };
     // A route asked ahead is held with its settlement, in one call
     // ([`Settlement::charge`]); any other request is held now.
+    let tokens = reservation
+        .total_tokens
+        .saturating_add(reservation.limiter_extra_tokens);
     let (mut holding, charge) = if reservation.charged_after {
-        (None, Some(hold))
+        (None, Some((hold, tokens)))
     } else {
         let billing = gateway.services.billing.clone();
         // A client that leaves during the wait drops this handler: the
@@ -922,17 +990,14 @@ pub(crate) async fn admit(
     // What the table of routes asked ahead learns from this answer: told
     // when this returns, roomy only if it returns admitted.
     let mut told = gateway.route_ahead.as_ref().map(|table| {
-        let tokens = reservation
-            .total_tokens
-            .saturating_add(reservation.limiter_extra_tokens);
         let hold = holding.as_ref().map(Holding::answer);
         let roomy = crate::ahead::room_left(&admission, windows_shown, hold, tokens);
         let caller = table.caller(principal, model_id);
-        (
-            crate::ahead::Answer::new(table, caller, tokens, roomy),
-            table,
-            caller,
-        )
+        let mut answer = crate::ahead::Answer::new(table, caller, tokens, roomy);
+        if holding.is_none() {
+            answer.charged_later();
+        }
+        (answer, table, caller)
     });
     // A hold the limiter's refusal makes useless is released at once, as
     // `holding` drops.
@@ -968,6 +1033,7 @@ pub(crate) async fn admit(
             .as_ref()
             .map(|(_, table, caller)| (Arc::clone(table), *caller)),
         charge,
+        out_ahead: None,
         balance_before: None,
     };
     let hold = match hold {
@@ -1081,9 +1147,6 @@ struct Answered {
     balance_remaining: Option<String>,
     /// Why the web search was left out, if it was.
     search_error: Option<String>,
-    /// The balance before the request, when its charge told it (a route
-    /// asked ahead: no hold told it before).
-    balance_before: Option<billing_pb::Balance>,
 }
 
 async fn complete(
@@ -1102,19 +1165,27 @@ async fn complete(
         let model = Arc::clone(model);
         // In the request's span: the router's call continues its trace.
         tracing::Instrument::instrument(
-            async move { answer(&gateway, &model, route, exchange).await },
+            async move {
+                // The balance before the request, when its charge told it
+                // (a route asked ahead, which no hold answered before): on
+                // the response whether it was served or refused.
+                let mut balance = None;
+                let answered = answer(&gateway, &model, route, exchange, &mut balance).await;
+                (answered, balance)
+            },
             tracing::Span::current(),
         )
     });
-    let answered = task
+    let (answered, balance) = task
         .await
-        .map_err(|e| rialto_core::Error::internal(format!("the answer's task failed: {e}")))??;
-    if let Some(before) = answered.balance_before {
+        .map_err(|e| rialto_core::Error::internal(format!("the answer's task failed: {e}")))?;
+    if let Some(before) = balance {
         request.extensions_mut().insert(crate::BalanceHeaders {
             usd: before.usd,
             diem: before.diem,
         });
     }
+    let answered = answered?;
     let mut response = HttpResponse::Ok();
     model_headers(
         &mut response,
@@ -1131,11 +1202,13 @@ async fn complete(
 }
 
 /// Asks the router for the whole answer, bills it, and shapes the body.
+/// `balance` gets the balance before the request when the charge told it.
 async fn answer(
     gateway: &Gateway,
     model: &ModelEntry,
     route: Route,
     exchange: Exchange,
+    balance: &mut Option<billing_pb::Balance>,
 ) -> Result<Answered, ApiError> {
     let mut exchange = exchange;
     let model_id = model.config.id.as_str();
@@ -1144,7 +1217,14 @@ async fn answer(
             search_the_web(gateway, model, &mut router_request, &mut exchange).await;
             gateway.services.router.chat(router_request).await
         }
-        Route::Ahead(asked) => asked.answer().await,
+        Route::Ahead(asked) => {
+            let (answered, out) = asked.answer().await;
+            // Not held yet: counted out ahead until it is charged.
+            if exchange.settlement.charge.is_some() {
+                exchange.settlement.out_ahead = Some(out);
+            }
+            answered
+        }
     };
     let answer = match answered {
         Ok(answer) => answer,
@@ -1175,7 +1255,9 @@ async fn answer(
         exchange.chat.prompt_tokens_estimate,
         completion_text,
     );
-    let cost = exchange.settlement.bill(&usage).await?;
+    let billed = exchange.settlement.bill(&usage).await;
+    *balance = exchange.settlement.balance_before.take();
+    let cost = billed?;
     object.insert("usage".into(), usage.json);
     object.insert("cost".into(), cost);
     object.entry("prompt_logprobs").or_insert(Value::Null);
@@ -1200,7 +1282,6 @@ async fn answer(
         retry_count: answer.retry_count,
         balance_remaining,
         search_error: exchange.found.error,
-        balance_before: exchange.settlement.balance_before.take(),
     })
 }
 
