@@ -452,9 +452,11 @@ backends = [{{ kind = "openai", url = "{}", model = "mock-model" }}]
 
 /// In a split deployment a caller that had room to spare a moment ago has
 /// its route asked beside its admission and hold (the gateway's
-/// `ahead.rs`): its answer is the same, and when the hold refuses after
-/// all (the balance went meanwhile) the answer is dropped: 402, nothing
-/// charged, and the caller's next request waits for its hold again.
+/// `ahead.rs`), and held with its settlement in one call to billing once
+/// the answer is in (`Charge`): its answer is the same, and when that hold
+/// refuses after all (the balance went meanwhile) the answer is not
+/// served: 402, nothing charged, and the caller's next request waits for
+/// its hold again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_route_asked_ahead_serves_only_what_the_hold_covers() {
     let (mock, sandbox) = routing_ahead().await;
@@ -464,9 +466,11 @@ async fn a_route_asked_ahead_serves_only_what_the_hold_covers() {
     let ahead = async |outcome| routes_ahead(sandbox, outcome).await;
     // The first request waits for its hold ($0.001003 of $0.1, room for
     // 64 more) and the second is asked ahead: served and charged alike.
-    for expected_ahead in [0.0, 1.0] {
+    for (expected_ahead, before) in [(0.0, "0.1"), (1.0, "0.098998")] {
         let response = chat(sandbox, &key, &thousand_words()).await;
         assert_eq!(response.status(), 200, "{}", response.text().await.unwrap());
+        // The balance before it, from its hold or from its charge.
+        assert_eq!(response.headers()["x-rialto-balance-usd"], before);
         let body: Value = response.json().await.unwrap();
         assert_eq!(body["usage"]["completion_tokens"], 1000);
         assert_eq!(body["cost"]["usd"].to_string(), "0.001002");
@@ -482,17 +486,19 @@ async fn a_route_asked_ahead_serves_only_what_the_hold_covers() {
     let usd = async || balance(sandbox, &admin).await["balances"]["usd"].to_string();
     assert_eq!(usd().await, "0.000796");
     // The first key still has room as far as this gateway knows: its route
-    // is asked ahead, the hold refuses, the answer is dropped.
+    // is asked ahead and answered, and the charge's hold refuses it.
     let response = chat(sandbox, &key, &thousand_words()).await;
+    assert_eq!(response.headers()["x-rialto-balance-usd"], "0.000796");
     assert_eq!(response.status(), 402, "{}", response.text().await.unwrap());
-    assert_eq!(ahead("dropped").await, 1.0);
+    assert_eq!(ahead("used").await, 2.0);
+    assert_eq!(ahead("dropped").await, 0.0);
     // Now it has not: asked in order, refused before any backend call
     // (once the dropped call, which may have reached the backend, is done).
     tokio::time::sleep(std::time::Duration::from_millis(500)).await;
     let calls = mock.request_count();
     let response = chat(sandbox, &key, &thousand_words()).await;
     assert_eq!(response.status(), 402, "{}", response.text().await.unwrap());
-    assert_eq!(ahead("dropped").await, 1.0);
+    assert_eq!(ahead("used").await, 2.0);
     assert_eq!(mock.request_count(), calls, "the backend saw it");
     // Nothing of either refusal was charged or is still held.
     assert_eq!(usd().await, "0.000796");
@@ -500,7 +506,8 @@ async fn a_route_asked_ahead_serves_only_what_the_hold_covers() {
     sandbox.credit(&id, "1", "top-up").await.unwrap();
     let response = chat(sandbox, &key, &thousand_words()).await;
     assert_eq!(response.status(), 200, "{}", response.text().await.unwrap());
-    assert_eq!(ahead("used").await, 1.0);
+    assert_eq!(ahead("used").await, 2.0);
+    assert_eq!(ahead("dropped").await, 0.0);
 }
 
 /// The split topology on SQLite, with a caller's room believed for a

@@ -46,6 +46,13 @@ impl Billing for BillingGrpc {
         Ok(Response::new(self.0.hold(request.into_inner()).await?))
     }
 
+    async fn charge(
+        &self,
+        request: Request<pb::ChargeRequest>,
+    ) -> Result<Response<pb::ChargeResponse>, Status> {
+        Ok(Response::new(self.0.charge(request.into_inner()).await?))
+    }
+
     async fn checkpoint(
         &self,
         request: Request<pb::CheckpointRequest>,
@@ -227,6 +234,10 @@ impl BillingService for RemoteBilling {
 
     async fn settle(&self, request: pb::SettleRequest) -> Result<pb::Cost> {
         Ok(self.client().settle(request).await?.into_inner())
+    }
+
+    async fn charge(&self, request: pb::ChargeRequest) -> Result<pb::ChargeResponse> {
+        Ok(self.client().charge(request).await?.into_inner())
     }
 
     async fn credit(&self, request: pb::CreditRequest) -> Result<pb::CreditResponse> {

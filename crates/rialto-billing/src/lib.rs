@@ -42,6 +42,51 @@ pub trait BillingService: std::any::Any + Send + Sync {
     async fn hold(&self, request: pb::HoldRequest) -> Result<pb::HoldResponse>;
     /// Charges the real usage against the request's hold; idempotent.
     async fn settle(&self, request: pb::SettleRequest) -> Result<pb::Cost>;
+    /// Holds and settles at once, for an answer already known: refused as
+    /// [`hold`](Self::hold) refuses (nothing charged), else charged as
+    /// [`settle`](Self::settle) charges. Here, the two in turn; over gRPC
+    /// and across replicas, one call.
+    async fn charge(&self, request: pb::ChargeRequest) -> Result<pb::ChargeResponse> {
+        let usage = request.usage.unwrap_or_default();
+        let hold = request
+            .hold
+            .ok_or_else(|| Error::invalid("a charge carries its hold"))?;
+        let settle = pb::SettleRequest {
+            request_id: hold.request_id.clone(),
+            model_id: hold.model_id.clone(),
+            usage: Some(usage),
+            owner: hold.owner.clone(),
+            key_id: request.key_id,
+            key_limit: hold.key_limit.clone(),
+            ..Default::default()
+        };
+        let held = self.hold(hold).await?;
+        if !held.placed {
+            return Ok(pb::ChargeResponse {
+                hold: Some(held),
+                cost: None,
+            });
+        }
+        let cost = if held.reserved {
+            self.settle(pb::SettleRequest {
+                held_usd: held.held_usd.clone(),
+                held_diem: held.held_diem.clone(),
+                key_period: held.key_period.clone(),
+                ..settle
+            })
+            .await?
+        } else {
+            // Nothing reserved (a free model): nothing to charge.
+            pb::Cost {
+                usd: "0".to_owned(),
+                diem: "0".to_owned(),
+            }
+        };
+        Ok(pb::ChargeResponse {
+            hold: Some(held),
+            cost: Some(cost),
+        })
+    }
     /// Records what a running stream used so far and renews its hold.
     async fn checkpoint(&self, request: pb::CheckpointRequest) -> Result<pb::CheckpointResponse>;
     /// Adds credit once per reference.
@@ -1338,6 +1383,77 @@ mod tests {
             .await
             .unwrap_err();
         assert!(bad.message.contains("9 decimals"));
+    }
+
+    /// A charge holds and settles in one: its cost is the real usage's, a
+    /// refusal holds and charges nothing, and 1,000 raced against a balance
+    /// for 10 charge exactly 10.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn charges_hold_and_settle_at_once_and_serve_ten_of_a_thousand() {
+        let (_dir, billing) = billing(&config(1.0, 2.0)).await;
+        let billing = Arc::new(billing);
+        let owner = "account:charged".to_owned();
+        billing
+            .credit(pb::CreditRequest {
+                owner: owner.clone(),
+                usd: "0.03".into(),
+                diem: "0".into(),
+                reference: "seed".into(),
+            })
+            .await
+            .unwrap();
+        // At most $0.003 (1000 tokens each way), and it used all of it.
+        let charge = |id: String| pb::ChargeRequest {
+            hold: Some(pb::HoldRequest {
+                owner: owner.clone(),
+                request_id: id,
+                model_id: "m".into(),
+                prompt_tokens: 1000,
+                max_completion_tokens: 1000,
+                ..Default::default()
+            }),
+            usage: Some(pb::Usage {
+                prompt_tokens: 1000,
+                completion_tokens: 1000,
+                ..Default::default()
+            }),
+            key_id: "key".into(),
+        };
+        let charges = (0..1000).map(|i| {
+            let billing = Arc::clone(&billing);
+            let request = charge(format!("r{i}"));
+            tokio::spawn(async move { billing.charge(request).await })
+        });
+        let mut served = 0;
+        for charged in futures_util::future::join_all(charges).await {
+            let charged = charged.unwrap().unwrap();
+            let hold = charged.hold.unwrap();
+            match charged.cost {
+                Some(cost) => {
+                    assert!(hold.placed);
+                    assert_eq!((cost.usd.as_str(), cost.diem.as_str()), ("0.003", "0"));
+                    served += 1;
+                }
+                None => assert!(!hold.placed && hold.key_limit_reached.is_empty()),
+            }
+        }
+        assert_eq!(served, 10);
+        let balance = billing
+            .get_balance(pb::GetBalanceRequest {
+                owner: owner.clone(),
+            })
+            .await
+            .unwrap();
+        assert_eq!(
+            (balance.usd.as_str(), balance.usd_held.as_str()),
+            ("0", "0")
+        );
+        // A charge with no hold in it is refused, clearly.
+        let bad = billing
+            .charge(pb::ChargeRequest::default())
+            .await
+            .unwrap_err();
+        assert_eq!(bad.code, ErrorCode::InvalidRequest);
     }
 
     /// Through the ledger actors: a balance for 10 of 1,000 concurrent

@@ -137,6 +137,18 @@ impl BillingService for ReplicatedBilling {
         .await
     }
 
+    async fn charge(&self, request: pb::ChargeRequest) -> Result<pb::ChargeResponse> {
+        let owner = request
+            .hold
+            .as_ref()
+            .map(|hold| hold.owner.clone())
+            .unwrap_or_default();
+        self.routed(&owner, request, |billing, request| async move {
+            billing.charge(request).await
+        })
+        .await
+    }
+
     async fn checkpoint(&self, request: pb::CheckpointRequest) -> Result<pb::CheckpointResponse> {
         let owner = request.owner.clone();
         self.routed(&owner, request, |billing, request| async move {

@@ -7,17 +7,24 @@
 //! worker and another process on cores those processes share (bench/NOTES.md).
 //! When the caller's last admission and hold on this model left room for
 //! [`ROOM`] more requests like it, their answers are all but known: the route
-//! is asked at once, beside them, and its answer waits for theirs. Nothing
-//! leaves before both said yes; a refusal drops the route (its upstream call
-//! is cancelled, and nothing is charged).
+//! is asked at once, beside the admission. An account's request is then held
+//! and settled in one call once its answer is in (`Billing/Charge`, the
+//! gateway's `Settlement::charge`); a wallet's is held beside its route (its
+//! hold also answers for the wallet's minimum). Nothing leaves before the
+//! limiter and the hold said yes; a refusal of the limiter or a wallet's hold
+//! drops the route (its upstream call is cancelled), a charge that refuses
+//! keeps the answer from the client, and nothing is charged either way.
 //!
 //! A wrong guess costs an upstream call whose answer nobody gets, and it is
 //! kept rare and bounded:
-//! - the room is believed for `gateway.route_ahead_ms` (0 turns this off);
+//! - the room is believed for `gateway.route_ahead_ms` (0 turns this off),
+//!   and only a hold (or a charge) with room, not an admission alone,
+//!   renews it;
 //! - a refusal, an answer with less room, or a settlement above its hold
 //!   marks the caller refused for as long, and no roomy answer in flight
 //!   undoes that;
-//! - at most [`ROOM`] / 2 of a caller's routes are out ahead at once, each
+//! - at most [`ROOM`] / 2 of a caller's routes are out ahead at once (one
+//!   not held until its charge counts until it is charged: [`Out`]), each
 //!   no more than twice the size of the request whose answer showed the
 //!   room, so together they fit in it;
 //! - at most [`MOST_OUT`] routes of all callers are out ahead at once in
@@ -212,6 +219,23 @@ impl RouteAhead {
         }
     }
 
+    /// A charge (a hold and its settlement in one call, for a route asked
+    /// ahead) of a request of `tokens` answered `hold` and charged `cost`:
+    /// a hold with room, and a charge within it, is what keeps the caller
+    /// roomy (its admission alone does not: [`Answer::charged_later`]);
+    /// anything else sends its next request in order.
+    pub(crate) fn charged(
+        &self,
+        caller: Caller,
+        tokens: u64,
+        hold: &billing_pb::HoldResponse,
+        cost: &billing_pb::Cost,
+    ) {
+        let within = within_hold(&cost.usd, &cost.diem, held(&hold.held_usd, &hold.held_diem));
+        let roomy = hold_room(hold) && within;
+        self.answered(caller, if roomy { tokens } else { 0 }, roomy);
+    }
+
     /// What the limiter and billing answered the caller for a request of
     /// `tokens`: room for [`ROOM`] more like it, or not (a refusal, little
     /// room, a settlement above its hold). Not-roomy stands for as long as
@@ -284,17 +308,38 @@ impl Asked {
         }
     }
 
-    /// The router's answer, once the caller was admitted and held.
-    pub(crate) async fn answer(mut self) -> rialto_core::Result<router_pb::ChatResponse> {
+    /// The router's answer, once the caller was admitted (and held, unless
+    /// its hold comes with its charge), and the route's place among those
+    /// out ahead: given back when [`Out`] drops, at once for a request
+    /// held already, after its charge for one that is not, so that the
+    /// routes of a caller not yet held stay within the room shown.
+    pub(crate) async fn answer(mut self) -> (rialto_core::Result<router_pb::ChatResponse>, Out) {
+        let out = Out {
+            ahead: Arc::clone(&self.ahead),
+            caller: self.caller,
+        };
         // Always there: `answer` takes the only handle.
         let Some(task) = self.task.take() else {
-            return Err(rialto_core::Error::internal("a route asked ahead is gone"));
+            let gone = rialto_core::Error::internal("a route asked ahead is gone");
+            return (Err(gone), out);
         };
-        self.ahead.returned(self.caller);
         count("used");
-        task.await.map_err(|error| {
+        let answered = task.await.map_err(|error| {
             rialto_core::Error::internal(format!("the route's task failed: {error}"))
-        })?
+        });
+        (answered.and_then(|answered| answered), out)
+    }
+}
+
+/// A route asked ahead, answered, still counted out ahead until this drops.
+pub(crate) struct Out {
+    ahead: Arc<RouteAhead>,
+    caller: Caller,
+}
+
+impl Drop for Out {
+    fn drop(&mut self) {
+        self.ahead.returned(self.caller);
     }
 }
 
@@ -319,6 +364,7 @@ pub(crate) struct Answer {
     tokens: u64,
     roomy: bool,
     admitted: bool,
+    charged_later: bool,
 }
 
 impl Answer {
@@ -329,17 +375,28 @@ impl Answer {
             tokens,
             roomy,
             admitted: false,
+            charged_later: false,
         }
     }
 
     pub(crate) fn admitted(&mut self) {
         self.admitted = true;
     }
+
+    /// The request is held with its charge, after its answer: only the
+    /// charge ([`RouteAhead::charged`]) tells that the caller has room; this
+    /// answer (the windows alone) only tells when it has not.
+    pub(crate) fn charged_later(&mut self) {
+        self.charged_later = true;
+    }
 }
 
 impl Drop for Answer {
     fn drop(&mut self) {
         let roomy = self.admitted && self.roomy;
+        if roomy && self.charged_later {
+            return;
+        }
         self.ahead.answered(self.caller, self.tokens, roomy);
     }
 }
@@ -371,21 +428,21 @@ fn within_hold(usd: &str, diem: &str, held: Option<Decimal>) -> bool {
 
 /// Whether the limiter's admission and billing's hold left room for
 /// [`ROOM`] more requests like this one (`tokens` in the windows): the shown
-/// window's requests and tokens, and the balance against what was held.
-/// A capped key is never roomy (its cap's remainder is not in the answer),
-/// nor is an admission whose windows were shown elsewhere (`windows_shown`
-/// false: a request with files, admitted before its file work).
+/// window's requests and tokens, and the balance against what was held
+/// ([`hold_room`]; `hold` None: the hold comes with the charge, after the
+/// answer, and only the windows are known now).
+/// Nor is an admission whose windows were shown elsewhere (`windows_shown`
+/// false: a request with files, admitted before its file work) roomy.
 pub(crate) fn room_left(
     admission: &rialto_core::Result<Admission>,
     windows_shown: bool,
-    hold: &rialto_core::Result<billing_pb::HoldResponse>,
+    hold: Option<&rialto_core::Result<billing_pb::HoldResponse>>,
     tokens: u64,
 ) -> bool {
-    let (Ok(admission), Ok(hold)) = (admission, hold) else {
+    let Ok(admission) = admission else {
         return false;
     };
-    if !windows_shown || admission.refusal.is_some() || !hold.placed || !hold.key_period.is_empty()
-    {
+    if !windows_shown || admission.refusal.is_some() {
         return false;
     }
     let windows = admission.headers.as_ref().is_none_or(|shown| {
@@ -395,13 +452,23 @@ pub(crate) fn room_left(
                 .as_ref()
                 .is_none_or(|window| window.remaining >= ROOM.saturating_mul(tokens))
     });
+    windows && hold.is_none_or(|hold| hold.as_ref().is_ok_and(hold_room))
+}
+
+/// Whether a hold left room for [`ROOM`] more like it: placed, and the
+/// balance before it at least that many times what it held. A capped key
+/// is never roomy (its cap's remainder is not in the answer).
+pub(crate) fn hold_room(hold: &billing_pb::HoldResponse) -> bool {
+    if !hold.placed || !hold.key_period.is_empty() {
+        return false;
+    }
     let balance = || {
         let before = hold.before.as_ref()?;
         let held = amount(&hold.held_usd)?.checked_add(amount(&hold.held_diem)?)?;
         let balance = amount(&before.usd)?.checked_add(amount(&before.diem)?)?;
         Some(held.is_zero() || balance >= held.checked_mul(Decimal::from(ROOM))?)
     };
-    windows && balance() == Some(true)
+    balance() == Some(true)
 }
 
 #[cfg(test)]
@@ -592,6 +659,64 @@ mod tests {
         assert!(!ahead.take(caller, 100));
     }
 
+    /// A charge (hold and settlement at once) that left room keeps the
+    /// caller roomy; one without room, or above its hold, does not.
+    #[test]
+    fn a_charge_without_room_sends_the_caller_in_order() {
+        let charged = |before: &str, cost_usd: &str| {
+            let (ahead, caller) = answered_roomy();
+            let hold = hold(before, "0.1").unwrap();
+            let cost = billing_pb::Cost {
+                usd: cost_usd.into(),
+                diem: "0".into(),
+            };
+            ahead.charged(caller, 100, &hold, &cost);
+            ahead.take(caller, 100)
+        };
+        assert!(charged("6.4", "0.1"));
+        assert!(!charged("6.3", "0.1"));
+        assert!(!charged("100", "0.11"));
+    }
+
+    /// The admission of a request held with its charge tells only a lack
+    /// of room: the room it shows is not believed before the charge says so.
+    #[test]
+    fn an_admission_alone_does_not_renew_the_room() {
+        let ahead = table();
+        let caller = ahead.caller(&principal("acct", "key"), "m");
+        let mut answer = Answer::new(&ahead, caller, 100, true);
+        answer.charged_later();
+        answer.admitted();
+        drop(answer);
+        assert!(!ahead.take(caller, 100), "roomy on its windows alone");
+        // Not roomy: told.
+        let (ahead, caller) = answered_roomy();
+        let mut answer = Answer::new(&ahead, caller, 100, false);
+        answer.charged_later();
+        answer.admitted();
+        drop(answer);
+        assert!(!ahead.take(caller, 100));
+    }
+
+    /// A route not held until its charge counts out ahead until its `Out`
+    /// drops: a caller's unheld routes stay within half the room.
+    #[test]
+    fn an_unheld_route_counts_out_ahead_until_charged() {
+        let (ahead, caller) = answered_roomy();
+        let outs: Vec<Out> = (0..ROOM / 2)
+            .map(|_| {
+                assert!(ahead.take(caller, 100));
+                Out {
+                    ahead: Arc::clone(&ahead),
+                    caller,
+                }
+            })
+            .collect();
+        assert!(!ahead.take(caller, 100));
+        drop(outs);
+        assert!(ahead.take(caller, 100));
+    }
+
     fn hold(before_usd: &str, held_usd: &str) -> rialto_core::Result<billing_pb::HoldResponse> {
         Ok(billing_pb::HoldResponse {
             placed: true,
@@ -628,7 +753,7 @@ mod tests {
     #[test]
     fn room_is_left_only_for_many_more_requests_like_this_one() {
         let tokens = 100;
-        let roomy = |admission, hold| room_left(&admission, true, &hold, tokens);
+        let roomy = |admission, hold| room_left(&admission, true, Some(&hold), tokens);
         assert!(roomy(admitted(64, 6_400), hold("6.4", "0.1")));
         // The balance takes fewer than 64 more.
         assert!(!roomy(admitted(64, 6_400), hold("6.3", "0.1")));
@@ -641,7 +766,12 @@ mod tests {
         assert!(!roomy(admitted(64, 6_400), hold("100", "")));
         assert!(!roomy(admitted(64, 6_400), hold("-", "0.1")));
         // Windows shown elsewhere (a request with files).
-        let elsewhere = room_left(&admitted(64, 6_400), false, &hold("100", "0.1"), tokens);
+        let elsewhere = room_left(
+            &admitted(64, 6_400),
+            false,
+            Some(&hold("100", "0.1")),
+            tokens,
+        );
         assert!(!elsewhere);
         // Refusals.
         let mut refused = hold("100", "0.1");

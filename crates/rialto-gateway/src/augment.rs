@@ -716,6 +716,7 @@ pub(crate) async fn metered_by_use<T>(
             durable: false,
             extra_usd_nanos: most_nanos,
             limiter_extra_tokens: 0,
+            charged_after: false,
         },
         None,
     )

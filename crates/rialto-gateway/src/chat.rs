@@ -132,6 +132,16 @@ pub(crate) struct Settlement {
     /// The table of routes asked ahead (a split deployment's gateway) and
     /// the caller's slot in it, told when a charge goes beyond the hold.
     ahead: Option<(Arc<crate::ahead::RouteAhead>, crate::ahead::Caller)>,
+    /// The hold not asked yet, of a route asked ahead, and the tokens the
+    /// request counts in its windows: asked with the settlement, in one
+    /// call ([`Settlement::charge`]).
+    charge: Option<(billing_pb::HoldRequest, u64)>,
+    /// That route's place among the routes out ahead, given back once it
+    /// is charged (or the settlement drops).
+    pub(crate) out_ahead: Option<crate::ahead::Out>,
+    /// The balance before the request, when the charge told it (else the
+    /// hold did, in [`admit`]).
+    pub(crate) balance_before: Option<billing_pb::Balance>,
 }
 
 /// A settlement dropped with its hold open was never billed: its handler
@@ -215,29 +225,41 @@ impl Settlement {
     pub(crate) async fn bill(&mut self, usage: &Usage) -> Result<Value, ApiError> {
         self.settle(usage.total());
         self.count_tokens(usage);
-        if !std::mem::take(&mut self.held) {
-            // Nothing was reserved (a free model): nothing to charge, and
-            // no round trip to the ledger.
-            return Ok(json!({"usd": 0, "diem": 0}));
-        }
-        let request = self.settle_request(usage);
-        let billed = request.usage.unwrap_or_default();
-        let settled = settle_durably(&self.billing, self.usage_queue.as_ref(), request).await;
-        count_settlement(&settled);
-        let cost = match settled? {
-            Settled::Now(cost) => cost,
-            // Billing will settle the queued record as the ledger would now.
-            Settled::Queued => rialto_billing::expected_cost(
-                &self.prices,
-                &billed,
-                &self.held_usd,
-                &self.held_diem,
-            )?,
+        let cost = match self.charge.take() {
+            Some((hold, tokens)) => {
+                let charged = self.charge(hold, tokens, usage).await;
+                self.out_ahead = None;
+                charged?
+            }
+            None => {
+                if !std::mem::take(&mut self.held) {
+                    // Nothing was reserved (a free model): nothing to
+                    // charge, and no round trip to the ledger.
+                    return Ok(json!({"usd": 0, "diem": 0}));
+                }
+                let request = self.settle_request(usage);
+                let billed = request.usage.unwrap_or_default();
+                let settled =
+                    settle_durably(&self.billing, self.usage_queue.as_ref(), request).await;
+                count_settlement(&settled);
+                let cost = match settled? {
+                    Settled::Now(cost) => cost,
+                    // Billing will settle the queued record as the ledger
+                    // would now.
+                    Settled::Queued => rialto_billing::expected_cost(
+                        &self.prices,
+                        &billed,
+                        &self.held_usd,
+                        &self.held_diem,
+                    )?,
+                };
+                if let Some((table, caller)) = &self.ahead {
+                    let held = crate::ahead::held(&self.held_usd, &self.held_diem);
+                    table.settled(*caller, &cost, held);
+                }
+                cost
+            }
         };
-        if let Some((table, caller)) = &self.ahead {
-            let held = crate::ahead::held(&self.held_usd, &self.held_diem);
-            table.settled(*caller, &cost, held);
-        }
         if let Ok(usd) = cost.usd.parse::<f64>() {
             let model = rialto_core::metrics::ModelLabels {
                 model: self.model_id.clone(),
@@ -250,11 +272,124 @@ impl Settlement {
         Ok(json!({"usd": number(&cost.usd), "diem": number(&cost.diem)}))
     }
 
+    /// Holds and settles in one call to billing, the answer of a route
+    /// asked ahead in hand: one call fewer than a hold and a settlement. A
+    /// refusal is the hold's (402, nothing charged), and the answer is not
+    /// served. A charge that fails (a billing that does not know the call
+    /// yet, in a rolling upgrade; a lost answer) is asked again as a hold
+    /// and a settlement, keyed by the same request id, as any request's.
+    async fn charge(
+        &mut self,
+        hold: billing_pb::HoldRequest,
+        tokens: u64,
+        usage: &Usage,
+    ) -> Result<billing_pb::Cost, ApiError> {
+        let period = hold
+            .key_limit
+            .as_ref()
+            .map_or_else(|| "EPOCH".to_owned(), |limit| limit.period.clone());
+        let request = billing_pb::ChargeRequest {
+            hold: Some(hold),
+            usage: Some(self.billed(usage)),
+            key_id: self.key_id.clone(),
+        };
+        let (hold, cost) = match self.billing.charge(request.clone()).await {
+            Ok(charged) => {
+                let hold = charged.hold.unwrap_or_default();
+                let cost = charged.cost.filter(|_| hold.placed);
+                if hold.reserved && cost.is_some() {
+                    count_settlement_outcome("settled");
+                }
+                (hold, cost)
+            }
+            Err(error) => {
+                tracing::debug!(%error, "charge failed; held and settled apart");
+                self.hold_and_settle(request).await?
+            }
+        };
+        count_hold(&hold);
+        self.balance_before.clone_from(&hold.before);
+        if let Some((table, caller)) = &self.ahead {
+            match &cost {
+                Some(cost) => table.charged(*caller, tokens, &hold, cost),
+                None => table.answered(*caller, 0, false),
+            }
+        }
+        cost.ok_or_else(|| refused_by_hold(&hold, &period))
+    }
+
+    /// A charge asked as a hold and a settlement apart: the settlement
+    /// queued when billing cannot take it now, as any request's.
+    async fn hold_and_settle(
+        &mut self,
+        request: billing_pb::ChargeRequest,
+    ) -> Result<(billing_pb::HoldResponse, Option<billing_pb::Cost>), ApiError> {
+        let hold = request.hold.unwrap_or_default();
+        let key_limit = hold.key_limit.clone();
+        let hold = match self.billing.hold(hold).await {
+            Ok(hold) => hold,
+            Err(error) => {
+                if let Some((table, caller)) = &self.ahead {
+                    table.answered(*caller, 0, false);
+                }
+                return Err(error.into());
+            }
+        };
+        if !hold.placed {
+            return Ok((hold, None));
+        }
+        if !hold.reserved {
+            // Nothing held (a free model): nothing to charge.
+            let free = billing_pb::Cost {
+                usd: "0".to_owned(),
+                diem: "0".to_owned(),
+            };
+            return Ok((hold, Some(free)));
+        }
+        self.held_usd.clone_from(&hold.held_usd);
+        self.held_diem.clone_from(&hold.held_diem);
+        if !hold.key_period.is_empty() {
+            self.key_period.clone_from(&hold.key_period);
+            self.key_limit = key_limit;
+        }
+        let settle = self.settle_request(&Usage::none());
+        let settle = billing_pb::SettleRequest {
+            usage: request.usage,
+            ..settle
+        };
+        let billed = settle.usage.unwrap_or_default();
+        let settled = settle_durably(&self.billing, self.usage_queue.as_ref(), settle).await;
+        count_settlement(&settled);
+        let cost = match settled? {
+            Settled::Now(cost) => cost,
+            Settled::Queued => rialto_billing::expected_cost(
+                &self.prices,
+                &billed,
+                &self.held_usd,
+                &self.held_diem,
+            )?,
+        };
+        Ok((hold, Some(cost)))
+    }
+
     /// Like `bill`, off the response path (the client is gone or the
     /// stream failed): what the upstream produced is still billed.
     pub(crate) fn bill_later(&mut self, usage: &Usage) {
         self.settle(usage.total());
         self.count_tokens(usage);
+        self.out_ahead = None;
+        if let Some((hold, _)) = self.charge.take() {
+            // Not held yet: what nothing used costs nothing to charge.
+            if usage.total() > 0 || self.extra_usd_nanos > 0 {
+                let request = billing_pb::ChargeRequest {
+                    hold: Some(hold),
+                    usage: Some(self.billed(usage)),
+                    key_id: self.key_id.clone(),
+                };
+                charge_later(self.billing.clone(), request);
+            }
+            return;
+        }
         if !std::mem::take(&mut self.held) {
             return;
         }
@@ -344,6 +479,53 @@ pub(crate) fn settle_later(
     });
 }
 
+/// Charges `request` (a hold and its settlement in one) in a task of its
+/// own, awaited at shutdown.
+fn charge_later(billing: BillingClient, request: billing_pb::ChargeRequest) {
+    let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let pending = PendingSettlement::start();
+    runtime.spawn(async move {
+        // (No path comes here with usage today: a route asked ahead is a
+        // plain chat, billed in its own task however its client goes.)
+        match billing.charge(request).await {
+            Ok(charged) if charged.cost.is_some() => {}
+            Ok(_) => tracing::warn!("charge refused: what was used goes uncharged"),
+            Err(error) => tracing::warn!(%error, "charge failed: what was used goes uncharged"),
+        }
+        drop(pending);
+    });
+}
+
+fn count_hold(hold: &billing_pb::HoldResponse) {
+    let outcome = if hold.placed { "placed" } else { "refused" };
+    metrics()
+        .ledger_holds
+        .get_or_create(&rialto_core::metrics::OutcomeLabels { outcome })
+        .inc();
+}
+
+/// The 402 of a hold refused for an account's key: its spending cap for
+/// `period`, or the balance.
+fn refused_by_hold(hold: &billing_pb::HoldResponse, period: &str) -> ApiError {
+    if hold.key_limit_reached.is_empty() {
+        return ApiError::new(
+            ErrorCode::PaymentRequired,
+            "Insufficient USD or Diem balance to complete request. \
+             Add credits to your account and try again.",
+        );
+    }
+    ApiError::new(
+        ErrorCode::PaymentRequired,
+        format!(
+            "This API key has reached its {} consumption limit for the current {} period. \
+             Raise the key's consumptionLimit or wait for the next period.",
+            hold.key_limit_reached, period
+        ),
+    )
+}
+
 /// Settlements running in background tasks, awaited at shutdown so no
 /// charge is lost when the process exits.
 static PENDING_SETTLEMENTS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
@@ -380,11 +562,14 @@ pub(crate) async fn pending_settlements(limit: std::time::Duration) -> bool {
 }
 
 fn count_settlement<E>(settled: &Result<Settled, E>) {
-    let outcome = match settled {
+    count_settlement_outcome(match settled {
         Ok(Settled::Now(_)) => "settled",
         Ok(Settled::Queued) => "queued",
         Err(_) => "failed",
-    };
+    });
+}
+
+fn count_settlement_outcome(outcome: &'static str) {
     metrics()
         .ledger_settlements
         .get_or_create(&rialto_core::metrics::OutcomeLabels { outcome })
@@ -553,6 +738,10 @@ async fn complete_or_stream(
         }
         _ => None,
     };
+    // An account's route asked ahead is held with its settlement, in one
+    // call to billing once the answer is known: a wallet's hold also
+    // answers for its minimum balance and `X-Balance-Remaining`.
+    let charged_after = ahead.is_some() && principal.wallet.is_empty();
     let route = match ahead {
         Some((table, caller)) => Route::Ahead(crate::ahead::Asked::ask(
             table,
@@ -579,6 +768,7 @@ async fn complete_or_stream(
             // The model's query call counts in the windows; its price is in
             // the extras.
             limiter_extra_tokens: query_tokens,
+            charged_after,
         },
         limited,
     )
@@ -599,7 +789,7 @@ async fn complete_or_stream(
         Route::Later(router_request) if exchange.chat.stream => {
             stream(gateway, model, router_request, exchange).await
         }
-        route => complete(gateway, model, route, exchange).await,
+        route => complete(gateway, request, model, route, exchange).await,
     }
 }
 
@@ -665,6 +855,9 @@ pub(crate) struct Reservation {
     /// Tokens the rate windows count besides `total_tokens`, which the
     /// hold does not (their price is in the extras).
     pub(crate) limiter_extra_tokens: u64,
+    /// Held with its settlement, in one call, once the answer is known (a
+    /// route asked ahead: [`Settlement::charge`]), not now.
+    pub(crate) charged_after: bool,
 }
 
 /// What a request is limited and priced as: a model, or an endpoint
@@ -763,34 +956,48 @@ pub(crate) async fn admit(
         durable: reservation.durable,
         extra_usd_nanos: reservation.extra_usd_nanos,
     };
-    let billing = gateway.services.billing.clone();
-    // A client that leaves during the wait drops this handler: the hold,
-    // answered or on its way, is then released (`crate::holding`).
-    let mut holding = Holding::start(
-        Holder {
-            billing: &gateway.services.billing,
-            usage_queue: gateway.services.usage_queue.as_ref(),
-            owner: &owner,
-            request_id,
-            model_id,
-            key_id: &principal.key_id,
-        },
-        Box::pin(async move { billing.hold(hold).await }),
-    );
-    let (admission, ()) = futures_util::future::join(admitting, holding.answered()).await;
+    // A route asked ahead is held with its settlement, in one call
+    // ([`Settlement::charge`]); any other request is held now.
+    let tokens = reservation
+        .total_tokens
+        .saturating_add(reservation.limiter_extra_tokens);
+    let (mut holding, charge) = if reservation.charged_after {
+        (None, Some((hold, tokens)))
+    } else {
+        let billing = gateway.services.billing.clone();
+        // A client that leaves during the wait drops this handler: the
+        // hold, answered or on its way, is then released
+        // (`crate::holding`).
+        let holding = Holding::start(
+            Holder {
+                billing: &gateway.services.billing,
+                usage_queue: gateway.services.usage_queue.as_ref(),
+                owner: &owner,
+                request_id,
+                model_id,
+                key_id: &principal.key_id,
+            },
+            Box::pin(async move { billing.hold(hold).await }),
+        );
+        (Some(holding), None)
+    };
+    let held = async {
+        if let Some(holding) = holding.as_mut() {
+            holding.answered().await;
+        }
+    };
+    let (admission, ()) = futures_util::future::join(admitting, held).await;
     // What the table of routes asked ahead learns from this answer: told
     // when this returns, roomy only if it returns admitted.
     let mut told = gateway.route_ahead.as_ref().map(|table| {
-        let tokens = reservation
-            .total_tokens
-            .saturating_add(reservation.limiter_extra_tokens);
-        let roomy = crate::ahead::room_left(&admission, windows_shown, holding.answer(), tokens);
+        let hold = holding.as_ref().map(Holding::answer);
+        let roomy = crate::ahead::room_left(&admission, windows_shown, hold, tokens);
         let caller = table.caller(principal, model_id);
-        (
-            crate::ahead::Answer::new(table, caller, tokens, roomy),
-            table,
-            caller,
-        )
+        let mut answer = crate::ahead::Answer::new(table, caller, tokens, roomy);
+        if holding.is_none() {
+            answer.charged_later();
+        }
+        (answer, table, caller)
     });
     // A hold the limiter's refusal makes useless is released at once, as
     // `holding` drops.
@@ -801,7 +1008,7 @@ pub(crate) async fn admit(
     if let Some(refusal) = admission.refusal {
         return Err(refusal.into());
     }
-    let hold = holding.finish();
+    let hold = holding.map(Holding::finish);
     // From here on the limiter hears back however the request ends.
     let mut settlement = Settlement {
         limiter: limiter.clone(),
@@ -825,52 +1032,46 @@ pub(crate) async fn admit(
         ahead: told
             .as_ref()
             .map(|(_, table, caller)| (Arc::clone(table), *caller)),
+        charge,
+        out_ahead: None,
+        balance_before: None,
     };
     let hold = match hold {
-        Ok(hold) => hold,
-        Err(error) => {
+        Some(Ok(hold)) => hold,
+        Some(Err(error)) => {
             settlement.refused();
             return Err(error.into());
         }
+        // Held with its settlement: admitted as far as is known now.
+        None => {
+            if let Some((told, ..)) = &mut told {
+                told.admitted();
+            }
+            return Ok(Admitted {
+                settlement,
+                wallet_usd_before: None,
+            });
+        }
     };
-    let outcome = if hold.placed { "placed" } else { "refused" };
-    metrics()
-        .ledger_holds
-        .get_or_create(&rialto_core::metrics::OutcomeLabels { outcome })
-        .inc();
+    count_hold(&hold);
     if let Some(before) = &hold.before {
         request.extensions_mut().insert(crate::BalanceHeaders {
             usd: before.usd.clone(),
             diem: before.diem.clone(),
         });
     }
-    if !hold.placed && !hold.key_limit_reached.is_empty() {
-        settlement.refused();
-        let period = principal
-            .key_limit
-            .as_ref()
-            .map_or("EPOCH", |l| l.period.as_str());
-        return Err(ApiError::new(
-            ErrorCode::PaymentRequired,
-            format!(
-                "This API key has reached its {} consumption limit for the current {} period. \
-                 Raise the key's consumptionLimit or wait for the next period.",
-                hold.key_limit_reached, period
-            ),
-        ));
-    }
-    if !hold.placed && !principal.wallet.is_empty() {
+    if !hold.placed && hold.key_limit_reached.is_empty() && !principal.wallet.is_empty() {
         settlement.refused();
         let usd = hold.before.as_ref().map_or("0", |b| b.usd.as_str());
         return Err(crate::wallet::insufficient(gateway, request, usd));
     }
     if !hold.placed {
         settlement.refused();
-        return Err(ApiError::new(
-            ErrorCode::PaymentRequired,
-            "Insufficient USD or Diem balance to complete request. \
-             Add credits to your account and try again.",
-        ));
+        let period = principal
+            .key_limit
+            .as_ref()
+            .map_or("EPOCH", |l| l.period.as_str());
+        return Err(refused_by_hold(&hold, period));
     }
     settlement.held = hold.reserved;
     settlement.held_usd = hold.held_usd;
@@ -950,6 +1151,7 @@ struct Answered {
 
 async fn complete(
     gateway: &web::Data<Gateway>,
+    request: &HttpRequest,
     model: &Arc<ModelEntry>,
     route: Route,
     exchange: Exchange,
@@ -963,13 +1165,27 @@ async fn complete(
         let model = Arc::clone(model);
         // In the request's span: the router's call continues its trace.
         tracing::Instrument::instrument(
-            async move { answer(&gateway, &model, route, exchange).await },
+            async move {
+                // The balance before the request, when its charge told it
+                // (a route asked ahead, which no hold answered before): on
+                // the response whether it was served or refused.
+                let mut balance = None;
+                let answered = answer(&gateway, &model, route, exchange, &mut balance).await;
+                (answered, balance)
+            },
             tracing::Span::current(),
         )
     });
-    let answered = task
+    let (answered, balance) = task
         .await
-        .map_err(|e| rialto_core::Error::internal(format!("the answer's task failed: {e}")))??;
+        .map_err(|e| rialto_core::Error::internal(format!("the answer's task failed: {e}")))?;
+    if let Some(before) = balance {
+        request.extensions_mut().insert(crate::BalanceHeaders {
+            usd: before.usd,
+            diem: before.diem,
+        });
+    }
+    let answered = answered?;
     let mut response = HttpResponse::Ok();
     model_headers(
         &mut response,
@@ -986,11 +1202,13 @@ async fn complete(
 }
 
 /// Asks the router for the whole answer, bills it, and shapes the body.
+/// `balance` gets the balance before the request when the charge told it.
 async fn answer(
     gateway: &Gateway,
     model: &ModelEntry,
     route: Route,
     exchange: Exchange,
+    balance: &mut Option<billing_pb::Balance>,
 ) -> Result<Answered, ApiError> {
     let mut exchange = exchange;
     let model_id = model.config.id.as_str();
@@ -999,7 +1217,14 @@ async fn answer(
             search_the_web(gateway, model, &mut router_request, &mut exchange).await;
             gateway.services.router.chat(router_request).await
         }
-        Route::Ahead(asked) => asked.answer().await,
+        Route::Ahead(asked) => {
+            let (answered, out) = asked.answer().await;
+            // Not held yet: counted out ahead until it is charged.
+            if exchange.settlement.charge.is_some() {
+                exchange.settlement.out_ahead = Some(out);
+            }
+            answered
+        }
     };
     let answer = match answered {
         Ok(answer) => answer,
@@ -1030,7 +1255,9 @@ async fn answer(
         exchange.chat.prompt_tokens_estimate,
         completion_text,
     );
-    let cost = exchange.settlement.bill(&usage).await?;
+    let billed = exchange.settlement.bill(&usage).await;
+    *balance = exchange.settlement.balance_before.take();
+    let cost = billed?;
     object.insert("usage".into(), usage.json);
     object.insert("cost".into(), cost);
     object.entry("prompt_logprobs").or_insert(Value::Null);

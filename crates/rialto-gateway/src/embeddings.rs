@@ -42,6 +42,7 @@ pub async fn create(
             durable: false,
             extra_usd_nanos: 0,
             limiter_extra_tokens: 0,
+            charged_after: false,
         },
         None,
     )

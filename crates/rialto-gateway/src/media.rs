@@ -162,6 +162,7 @@ pub(crate) async fn meter(
             durable: false,
             extra_usd_nanos: most_nanos,
             limiter_extra_tokens: 0,
+            charged_after: false,
         },
         None,
     )
