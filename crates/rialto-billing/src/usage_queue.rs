@@ -66,7 +66,7 @@ pub async fn settle_durably(
 }
 
 /// Whether a settlement failure can never succeed (retrying it is useless).
-fn is_permanent(code: ErrorCode) -> bool {
+pub fn is_permanent(code: ErrorCode) -> bool {
     matches!(
         code,
         ErrorCode::InvalidRequest | ErrorCode::ModelNotFound | ErrorCode::NotFound

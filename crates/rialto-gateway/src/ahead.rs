@@ -9,7 +9,8 @@
 //! [`ROOM`] more requests like it, their answers are all but known: the route
 //! is asked at once, beside the admission. An account's request is then held
 //! and settled in one call once its answer is in (`Billing/Charge`, the
-//! gateway's `Settlement::charge`); a wallet's is held beside its route (its
+//! gateway's `Settlement::charge`; one whose call failed is settled without
+//! a hold, `charge_durably`); a wallet's is held beside its route (its
 //! hold also answers for the wallet's minimum). Nothing leaves before the
 //! limiter and the hold said yes; a refusal of the limiter or a wallet's hold
 //! drops the route (its upstream call is cancelled), a charge that refuses

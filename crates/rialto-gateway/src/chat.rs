@@ -275,9 +275,8 @@ impl Settlement {
     /// Holds and settles in one call to billing, the answer of a route
     /// asked ahead in hand: one call fewer than a hold and a settlement. A
     /// refusal is the hold's (402, nothing charged), and the answer is not
-    /// served. A charge that fails (a billing that does not know the call
-    /// yet, in a rolling upgrade; a lost answer) is asked again as a hold
-    /// and a settlement, keyed by the same request id, as any request's.
+    /// served. A charge whose call failed is settled without a hold and
+    /// the answer served ([`charge_durably`]).
     async fn charge(
         &mut self,
         hold: billing_pb::HoldRequest,
@@ -293,83 +292,35 @@ impl Settlement {
             usage: Some(self.billed(usage)),
             key_id: self.key_id.clone(),
         };
-        let (hold, cost) = match self.billing.charge(request.clone()).await {
-            Ok(charged) => {
-                let hold = charged.hold.unwrap_or_default();
-                let cost = charged.cost.filter(|_| hold.placed);
-                if hold.reserved && cost.is_some() {
-                    count_settlement_outcome("settled");
-                }
-                (hold, cost)
+        let charged = charge_durably(
+            &self.billing,
+            self.usage_queue.as_ref(),
+            &self.prices,
+            request,
+        )
+        .await;
+        let (hold, cost) = match charged {
+            Ok(Charged::Held(hold, cost)) => (Some(hold), Ok(cost)),
+            Ok(Charged::Refused(hold)) => {
+                let refusal = refused_by_hold(&hold, &period);
+                (Some(hold), Err(refusal))
             }
-            Err(error) => {
-                tracing::debug!(%error, "charge failed; held and settled apart");
-                self.hold_and_settle(request).await?
-            }
+            Ok(Charged::Unheld(cost)) => (None, Ok(cost)),
+            Err(error) => (None, Err(error)),
         };
-        count_hold(&hold);
-        self.balance_before.clone_from(&hold.before);
+        if let Some(hold) = &hold {
+            count_hold(hold);
+            self.balance_before.clone_from(&hold.before);
+        }
         if let Some((table, caller)) = &self.ahead {
-            match &cost {
-                Some(cost) => table.charged(*caller, tokens, &hold, cost),
-                None => table.answered(*caller, 0, false),
+            match (&hold, &cost) {
+                (Some(hold), Ok(cost)) => table.charged(*caller, tokens, hold, cost),
+                // Refused, failed, or charged with no hold to show the room
+                // left: the caller's next route waits for its hold.
+                _ => table.answered(*caller, 0, false),
             }
         }
-        cost.ok_or_else(|| refused_by_hold(&hold, &period))
-    }
-
-    /// A charge asked as a hold and a settlement apart: the settlement
-    /// queued when billing cannot take it now, as any request's.
-    async fn hold_and_settle(
-        &mut self,
-        request: billing_pb::ChargeRequest,
-    ) -> Result<(billing_pb::HoldResponse, Option<billing_pb::Cost>), ApiError> {
-        let hold = request.hold.unwrap_or_default();
-        let key_limit = hold.key_limit.clone();
-        let hold = match self.billing.hold(hold).await {
-            Ok(hold) => hold,
-            Err(error) => {
-                if let Some((table, caller)) = &self.ahead {
-                    table.answered(*caller, 0, false);
-                }
-                return Err(error.into());
-            }
-        };
-        if !hold.placed {
-            return Ok((hold, None));
-        }
-        if !hold.reserved {
-            // Nothing held (a free model): nothing to charge.
-            let free = billing_pb::Cost {
-                usd: "0".to_owned(),
-                diem: "0".to_owned(),
-            };
-            return Ok((hold, Some(free)));
-        }
-        self.held_usd.clone_from(&hold.held_usd);
-        self.held_diem.clone_from(&hold.held_diem);
-        if !hold.key_period.is_empty() {
-            self.key_period.clone_from(&hold.key_period);
-            self.key_limit = key_limit;
-        }
-        let settle = self.settle_request(&Usage::none());
-        let settle = billing_pb::SettleRequest {
-            usage: request.usage,
-            ..settle
-        };
-        let billed = settle.usage.unwrap_or_default();
-        let settled = settle_durably(&self.billing, self.usage_queue.as_ref(), settle).await;
-        count_settlement(&settled);
-        let cost = match settled? {
-            Settled::Now(cost) => cost,
-            Settled::Queued => rialto_billing::expected_cost(
-                &self.prices,
-                &billed,
-                &self.held_usd,
-                &self.held_diem,
-            )?,
-        };
-        Ok((hold, Some(cost)))
+        cost
     }
 
     /// Like `bill`, off the response path (the client is gone or the
@@ -386,7 +337,12 @@ impl Settlement {
                     usage: Some(self.billed(usage)),
                     key_id: self.key_id.clone(),
                 };
-                charge_later(self.billing.clone(), request);
+                charge_later(
+                    self.billing.clone(),
+                    self.usage_queue.clone(),
+                    self.prices.clone(),
+                    request,
+                );
             }
             return;
         }
@@ -481,7 +437,12 @@ pub(crate) fn settle_later(
 
 /// Charges `request` (a hold and its settlement in one) in a task of its
 /// own, awaited at shutdown.
-fn charge_later(billing: BillingClient, request: billing_pb::ChargeRequest) {
+fn charge_later(
+    billing: BillingClient,
+    queue: Option<rialto_core::bus::Bus>,
+    prices: rialto_billing::Prices,
+    request: billing_pb::ChargeRequest,
+) {
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         return;
     };
@@ -489,13 +450,102 @@ fn charge_later(billing: BillingClient, request: billing_pb::ChargeRequest) {
     runtime.spawn(async move {
         // (No path comes here with usage today: a route asked ahead is a
         // plain chat, billed in its own task however its client goes.)
-        match billing.charge(request).await {
-            Ok(charged) if charged.cost.is_some() => {}
-            Ok(_) => tracing::warn!("charge refused: what was used goes uncharged"),
+        match charge_durably(&billing, queue.as_ref(), &prices, request).await {
+            Ok(Charged::Held(..) | Charged::Unheld(_)) => {}
+            Ok(Charged::Refused(_)) => {
+                tracing::warn!("charge refused: what was used goes uncharged");
+            }
             Err(error) => tracing::warn!(%error, "charge failed: what was used goes uncharged"),
         }
         drop(pending);
     });
+}
+
+/// What a charge came to ([`charge_durably`]).
+#[derive(Debug)]
+enum Charged {
+    /// Held and charged in one call: the hold's answer and the cost.
+    Held(billing_pb::HoldResponse, billing_pb::Cost),
+    /// The hold refused: nothing was charged.
+    Refused(billing_pb::HoldResponse),
+    /// The call failed: settled with no hold, now or from the durable
+    /// queue, for this cost.
+    Unheld(billing_pb::Cost),
+}
+
+/// Charges `request`, a hold and its settlement in one call, the answer
+/// in hand.
+///
+/// A call that failed may have been charged all the same (only its reply
+/// was lost), so it is not asked again as a hold: that charge may have
+/// spent the room the hold would look for, and a billing that cannot be
+/// reached answers no hold. It is settled without a hold, idempotent on
+/// the request id as every settlement is (a charge made settles nothing
+/// more), and queued durably when billing cannot take it; only an error
+/// that no retry changes (a model billing does not know) refuses. A
+/// settlement with no hold charges the balance and owes what it does not
+/// cover; a route is asked ahead only for a caller that had room for many
+/// more like it a moment before, which bounds that.
+async fn charge_durably(
+    billing: &BillingClient,
+    queue: Option<&rialto_core::bus::Bus>,
+    prices: &rialto_billing::Prices,
+    request: billing_pb::ChargeRequest,
+) -> Result<Charged, ApiError> {
+    let error = match billing.charge(request.clone()).await {
+        Ok(charged) => {
+            let hold = charged.hold.unwrap_or_default();
+            return Ok(match charged.cost.filter(|_| hold.placed) {
+                Some(cost) => {
+                    if hold.reserved {
+                        count_settlement_outcome("settled");
+                    }
+                    Charged::Held(hold, cost)
+                }
+                None => Charged::Refused(hold),
+            });
+        }
+        Err(error) => error,
+    };
+    if rialto_billing::usage_queue::is_permanent(error.code) {
+        return Err(error.into());
+    }
+    tracing::warn!(%error, "charge failed; settling it without a hold");
+    let hold = request.hold.unwrap_or_default();
+    // The key's period now, as billing names it (a hold would have said).
+    let key_period = hold
+        .key_limit
+        .as_ref()
+        .and_then(|limit| {
+            rialto_billing::ledger::period_key(&limit.period, rialto_core::db::now_ms())
+        })
+        .unwrap_or_default();
+    let settle = billing_pb::SettleRequest {
+        request_id: hold.request_id,
+        model_id: hold.model_id,
+        usage: request.usage,
+        owner: hold.owner,
+        key_id: request.key_id,
+        key_period,
+        key_limit: hold.key_limit,
+        ..Default::default()
+    };
+    let billed = settle.usage.unwrap_or_default();
+    let settled = settle_durably(billing, queue, settle).await;
+    count_settlement(&settled);
+    let cost = match settled? {
+        Settled::Now(cost) => cost,
+        // Its price, as USD: billing takes Diem first from a balance that
+        // has it, which this gateway does not know (the total is the same).
+        Settled::Queued => {
+            let usd = rialto_billing::to_nanos(prices.cost(&billed))?;
+            billing_pb::Cost {
+                usd: rialto_billing::from_nanos(usd),
+                diem: "0".to_owned(),
+            }
+        }
+    };
+    Ok(Charged::Unheld(cost))
 }
 
 fn count_hold(hold: &billing_pb::HoldResponse) {
@@ -3153,5 +3203,146 @@ mod chunks {
             object.push('}');
             agree(object.as_bytes())?;
         }
+    }
+}
+
+#[cfg(test)]
+mod charging {
+    use std::time::Duration;
+
+    use rialto_core::bus::Bus;
+
+    use super::*;
+
+    const OWNER: &str = "account:charged";
+
+    /// Billing of this process over a fresh SQLite file, `OWNER` credited
+    /// $1, a model `m` at $1 per million tokens each way; and its prices.
+    async fn billing() -> (tempfile::TempDir, BillingClient, rialto_billing::Prices) {
+        let config = rialto_core::Config::from_toml(
+            "[[models]]\nid = \"m\"\ninput_usd_per_mtok = 1.0\noutput_usd_per_mtok = 1.0\n",
+        )
+        .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("sqlite://{}/billing.db", dir.path().display());
+        let db = rialto_core::db::Database::connect(&url, 4).await.unwrap();
+        let billing = BillingClient::new(rialto_billing::LocalBilling::new(&config, db));
+        billing
+            .credit(billing_pb::CreditRequest {
+                owner: OWNER.into(),
+                usd: "1".into(),
+                diem: "0".into(),
+                reference: "seed".into(),
+            })
+            .await
+            .unwrap();
+        let prices = rialto_billing::Prices::from_model(&config.models[0]);
+        (dir, billing, prices)
+    }
+
+    /// A billing that cannot be reached (nothing listens on port 9).
+    fn unreachable() -> BillingClient {
+        let channel = tonic::transport::Endpoint::from_static("http://127.0.0.1:9").connect_lazy();
+        let token = rialto_core::grpc_auth::ClientToken::new(None).unwrap();
+        BillingClient::new(rialto_billing::grpc::RemoteBilling::new(channel, token))
+    }
+
+    /// A charge of `tokens` each way ($0.000001 a token) on `model`.
+    fn charge(request_id: &str, model: &str, tokens: u64) -> billing_pb::ChargeRequest {
+        billing_pb::ChargeRequest {
+            hold: Some(billing_pb::HoldRequest {
+                owner: OWNER.into(),
+                request_id: request_id.into(),
+                model_id: model.into(),
+                prompt_tokens: tokens,
+                max_completion_tokens: tokens,
+                ..Default::default()
+            }),
+            usage: Some(billing_pb::Usage {
+                prompt_tokens: tokens,
+                completion_tokens: tokens,
+                ..Default::default()
+            }),
+            key_id: String::new(),
+        }
+    }
+
+    async fn usd(billing: &BillingClient) -> String {
+        billing
+            .get_balance(billing_pb::GetBalanceRequest {
+                owner: OWNER.into(),
+            })
+            .await
+            .unwrap()
+            .usd
+    }
+
+    /// Held and charged in one call; refused whole (nothing charged) when
+    /// the balance is short; a model billing does not know refuses for
+    /// good, and is not settled.
+    #[tokio::test]
+    async fn a_charge_is_held_and_settled_or_refused_whole() {
+        let (_dir, billing, prices) = billing().await;
+        let charged = charge_durably(&billing, None, &prices, charge("a", "m", 500)).await;
+        let Ok(Charged::Held(hold, cost)) = charged else {
+            panic!("not held: {charged:?}");
+        };
+        assert!(hold.placed && hold.reserved);
+        assert_eq!((cost.usd.as_str(), cost.diem.as_str()), ("0.001", "0"));
+        let charged = charge_durably(&billing, None, &prices, charge("b", "m", 600_000)).await;
+        assert!(matches!(charged, Ok(Charged::Refused(ref hold)) if !hold.placed));
+        let unknown = charge_durably(&billing, None, &prices, charge("c", "nope", 5)).await;
+        assert!(unknown.is_err(), "{unknown:?}");
+        assert_eq!(usd(&billing).await, "0.999");
+    }
+
+    /// The charge of a lost reply (applied, then the call failed) and a
+    /// charge billing never got, billing unreachable after: both answers
+    /// are served on a usage record in the durable queue, and once billing
+    /// reads the queue each was charged exactly once. With no queue, the
+    /// failure is the request's (503).
+    #[tokio::test]
+    async fn a_failed_charge_is_settled_once_from_the_durable_queue() {
+        let (_dir, billing, prices) = billing().await;
+        let down = unreachable();
+        let bus = Bus::in_process("charging-test");
+        // Applied, its reply lost.
+        let lost = charge("lost", "m", 500);
+        billing.charge(lost.clone()).await.unwrap();
+        assert_eq!(usd(&billing).await, "0.999");
+        for request in [lost, charge("never", "m", 500)] {
+            let charged = charge_durably(&down, Some(&bus), &prices, request).await;
+            let Ok(Charged::Unheld(cost)) = charged else {
+                panic!("not queued: {charged:?}");
+            };
+            assert_eq!((cost.usd.as_str(), cost.diem.as_str()), ("0.001", "0"));
+        }
+        let failed = charge_durably(&down, None, &prices, charge("gone", "m", 500)).await;
+        assert_eq!(failed.unwrap_err().code(), ErrorCode::Unavailable);
+
+        rialto_billing::usage_queue::spawn_usage_consumer(billing.clone(), bus.clone());
+        let mut balance = String::new();
+        for _ in 0..500 {
+            balance = usd(&billing).await;
+            if balance == "0.998" {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(balance, "0.998");
+        // Both settled, once each: settling again charges nothing more.
+        for id in ["lost", "never"] {
+            let settle = billing_pb::SettleRequest {
+                request_id: id.into(),
+                model_id: "m".into(),
+                owner: OWNER.into(),
+                usage: charge(id, "m", 500).usage,
+                ..Default::default()
+            };
+            let cost = billing.settle(settle).await.unwrap();
+            assert_eq!(cost.usd, "0.001", "{id}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(usd(&billing).await, "0.998");
     }
 }
