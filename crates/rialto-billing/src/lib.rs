@@ -47,45 +47,7 @@ pub trait BillingService: std::any::Any + Send + Sync {
     /// [`settle`](Self::settle) charges. Here, the two in turn; over gRPC
     /// and across replicas, one call.
     async fn charge(&self, request: pb::ChargeRequest) -> Result<pb::ChargeResponse> {
-        let usage = request.usage.unwrap_or_default();
-        let hold = request
-            .hold
-            .ok_or_else(|| Error::invalid("a charge carries its hold"))?;
-        let settle = pb::SettleRequest {
-            request_id: hold.request_id.clone(),
-            model_id: hold.model_id.clone(),
-            usage: Some(usage),
-            owner: hold.owner.clone(),
-            key_id: request.key_id,
-            key_limit: hold.key_limit.clone(),
-            ..Default::default()
-        };
-        let held = self.hold(hold).await?;
-        if !held.placed {
-            return Ok(pb::ChargeResponse {
-                hold: Some(held),
-                cost: None,
-            });
-        }
-        let cost = if held.reserved {
-            self.settle(pb::SettleRequest {
-                held_usd: held.held_usd.clone(),
-                held_diem: held.held_diem.clone(),
-                key_period: held.key_period.clone(),
-                ..settle
-            })
-            .await?
-        } else {
-            // Nothing reserved (a free model): nothing to charge.
-            pb::Cost {
-                usd: "0".to_owned(),
-                diem: "0".to_owned(),
-            }
-        };
-        Ok(pb::ChargeResponse {
-            hold: Some(held),
-            cost: Some(cost),
-        })
+        hold_then_settle(self, request).await
     }
     /// Records what a running stream used so far and renews its hold.
     async fn checkpoint(&self, request: pb::CheckpointRequest) -> Result<pb::CheckpointResponse>;
@@ -132,6 +94,53 @@ pub trait BillingService: std::any::Any + Send + Sync {
     /// The owner is done with the job: its media is deleted, and a job
     /// still open is cancelled.
     async fn complete_job(&self, request: pb::CompleteJobRequest) -> Result<pb::Job>;
+}
+
+/// A charge as a hold and then its settlement ([`BillingService::charge`]).
+async fn hold_then_settle<B: BillingService + ?Sized>(
+    billing: &B,
+    request: pb::ChargeRequest,
+) -> Result<pb::ChargeResponse> {
+    let usage = request.usage.unwrap_or_default();
+    let hold = request
+        .hold
+        .ok_or_else(|| Error::invalid("a charge carries its hold"))?;
+    let settle = pb::SettleRequest {
+        request_id: hold.request_id.clone(),
+        model_id: hold.model_id.clone(),
+        usage: Some(usage),
+        owner: hold.owner.clone(),
+        key_id: request.key_id,
+        key_limit: hold.key_limit.clone(),
+        ..Default::default()
+    };
+    let held = billing.hold(hold).await?;
+    if !held.placed {
+        return Ok(pb::ChargeResponse {
+            hold: Some(held),
+            cost: None,
+        });
+    }
+    let cost = if held.reserved {
+        billing
+            .settle(pb::SettleRequest {
+                held_usd: held.held_usd.clone(),
+                held_diem: held.held_diem.clone(),
+                key_period: held.key_period.clone(),
+                ..settle
+            })
+            .await?
+    } else {
+        // Nothing reserved (a free model): nothing to charge.
+        pb::Cost {
+            usd: "0".to_owned(),
+            diem: "0".to_owned(),
+        }
+    };
+    Ok(pb::ChargeResponse {
+        hold: Some(held),
+        cost: Some(cost),
+    })
 }
 
 /// A cloneable handle on billing, local or remote.
@@ -596,6 +605,32 @@ impl BillingService for LocalBilling {
                 })
             }
         }
+    }
+
+    async fn charge(&self, request: pb::ChargeRequest) -> Result<pb::ChargeResponse> {
+        let request_id = request
+            .hold
+            .as_ref()
+            .map(|hold| hold.request_id.clone())
+            .unwrap_or_default();
+        let mut charged = hold_then_settle(self, request).await?;
+        if charged.cost.is_none() {
+            // A charge asked again (the replica that made it died before
+            // it answered, and the next one is asked) finds the balance it
+            // paid from spent: it was charged, not refused.
+            self.book.caught_up().await?;
+            let settled = self.ledger.settled(&request_id).await?;
+            if settled.usd > 0 || settled.diem > 0 {
+                let hold = charged.hold.get_or_insert_default();
+                hold.placed = true;
+                hold.reserved = true;
+                charged.cost = Some(pb::Cost {
+                    usd: from_nanos(settled.usd),
+                    diem: from_nanos(settled.diem),
+                });
+            }
+        }
+        Ok(charged)
     }
 
     async fn checkpoint(&self, request: pb::CheckpointRequest) -> Result<pb::CheckpointResponse> {
@@ -1424,30 +1459,44 @@ mod tests {
             let request = charge(format!("r{i}"));
             tokio::spawn(async move { billing.charge(request).await })
         });
-        let mut served = 0;
-        for charged in futures_util::future::join_all(charges).await {
+        let mut served = Vec::new();
+        for (i, charged) in futures_util::future::join_all(charges)
+            .await
+            .into_iter()
+            .enumerate()
+        {
             let charged = charged.unwrap().unwrap();
             let hold = charged.hold.unwrap();
             match charged.cost {
                 Some(cost) => {
                     assert!(hold.placed);
                     assert_eq!((cost.usd.as_str(), cost.diem.as_str()), ("0.003", "0"));
-                    served += 1;
+                    served.push(format!("r{i}"));
                 }
                 None => assert!(!hold.placed && hold.key_limit_reached.is_empty()),
             }
         }
-        assert_eq!(served, 10);
-        let balance = billing
-            .get_balance(pb::GetBalanceRequest {
-                owner: owner.clone(),
-            })
-            .await
-            .unwrap();
-        assert_eq!(
-            (balance.usd.as_str(), balance.usd_held.as_str()),
-            ("0", "0")
-        );
+        assert_eq!(served.len(), 10);
+        let emptied = async || {
+            let balance = billing
+                .get_balance(pb::GetBalanceRequest {
+                    owner: owner.clone(),
+                })
+                .await
+                .unwrap();
+            assert_eq!(
+                (balance.usd.as_str(), balance.usd_held.as_str()),
+                ("0", "0")
+            );
+        };
+        emptied().await;
+        // A charge made and asked again (its answer lost, the next replica
+        // asked): the balance it spent refuses its hold, and it answers
+        // what it was charged, once, rather than a refusal.
+        let again = billing.charge(charge(served[0].clone())).await.unwrap();
+        assert!(again.hold.unwrap().placed);
+        assert_eq!(again.cost.unwrap().usd, "0.003");
+        emptied().await;
         // A charge with no hold in it is refused, clearly.
         let bad = billing
             .charge(pb::ChargeRequest::default())

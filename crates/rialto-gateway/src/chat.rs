@@ -223,15 +223,19 @@ impl Settlement {
     /// Charges `usage` against the hold (and commits its tokens to the
     /// limiter); the `cost` object of the response.
     pub(crate) async fn bill(&mut self, usage: &Usage) -> Result<Value, ApiError> {
-        self.settle(usage.total());
-        self.count_tokens(usage);
         let cost = match self.charge.take() {
             Some((hold, tokens)) => {
+                // A refusal gives the limiter its slots back (`charge`).
                 let charged = self.charge(hold, tokens, usage).await;
                 self.out_ahead = None;
-                charged?
+                self.settle(usage.total());
+                let cost = charged?;
+                self.count_tokens(usage);
+                cost
             }
             None => {
+                self.settle(usage.total());
+                self.count_tokens(usage);
                 if !std::mem::take(&mut self.held) {
                     // Nothing was reserved (a free model): nothing to
                     // charge, and no round trip to the ledger.
@@ -302,6 +306,8 @@ impl Settlement {
         let (hold, cost) = match charged {
             Ok(Charged::Held(hold, cost)) => (Some(hold), Ok(cost)),
             Ok(Charged::Refused(hold)) => {
+                // Not served: as a refused hold, the request never ran.
+                self.refused();
                 let refusal = refused_by_hold(&hold, &period);
                 (Some(hold), Err(refusal))
             }
