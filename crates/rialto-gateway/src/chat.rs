@@ -200,6 +200,27 @@ impl Settlement {
         }
     }
 
+    /// The settlement, with no hold, of a charge whose call failed
+    /// ([`charge_durably`]): in the key's period now, as billing names it
+    /// (a hold would have said).
+    fn unheld_request(
+        &self,
+        usage: &Usage,
+        key_limit: Option<billing_pb::KeyLimit>,
+    ) -> billing_pb::SettleRequest {
+        let key_period = key_limit
+            .as_ref()
+            .and_then(|limit| {
+                rialto_billing::ledger::period_key(&limit.period, rialto_core::db::now_ms())
+            })
+            .unwrap_or_default();
+        billing_pb::SettleRequest {
+            key_period,
+            key_limit,
+            ..self.settle_request(usage)
+        }
+    }
+
     /// Records what a running stream used so far (off the stream's path):
     /// a crash from here on still charges at least this much.
     fn checkpoint(&self, usage: &Usage) {
@@ -287,10 +308,9 @@ impl Settlement {
         tokens: u64,
         usage: &Usage,
     ) -> Result<billing_pb::Cost, ApiError> {
-        let period = hold
-            .key_limit
-            .as_ref()
-            .map_or_else(|| "EPOCH".to_owned(), |limit| limit.period.clone());
+        // (None for a route asked ahead but for a key whose limits cap
+        // nothing: a capped key is never roomy.)
+        let key_limit = hold.key_limit.clone();
         let request = billing_pb::ChargeRequest {
             hold: Some(hold),
             usage: Some(self.billed(usage)),
@@ -301,6 +321,7 @@ impl Settlement {
             self.usage_queue.as_ref(),
             &self.prices,
             request,
+            || self.unheld_request(usage, key_limit.clone()),
         )
         .await;
         let (hold, cost) = match charged {
@@ -308,7 +329,8 @@ impl Settlement {
             Ok(Charged::Refused(hold)) => {
                 // Not served: as a refused hold, the request never ran.
                 self.refused();
-                let refusal = refused_by_hold(&hold, &period);
+                let period = key_limit.as_ref().map_or("EPOCH", |l| l.period.as_str());
+                let refusal = refused_by_hold(&hold, period);
                 (Some(hold), Err(refusal))
             }
             Ok(Charged::Unheld(cost)) => (None, Ok(cost)),
@@ -338,6 +360,7 @@ impl Settlement {
         if let Some((hold, _)) = self.charge.take() {
             // Not held yet: what nothing used costs nothing to charge.
             if usage.total() > 0 || self.extra_usd_nanos > 0 {
+                let unheld = self.unheld_request(usage, hold.key_limit.clone());
                 let request = billing_pb::ChargeRequest {
                     hold: Some(hold),
                     usage: Some(self.billed(usage)),
@@ -348,6 +371,7 @@ impl Settlement {
                     self.usage_queue.clone(),
                     self.prices.clone(),
                     request,
+                    unheld,
                 );
             }
             return;
@@ -448,6 +472,7 @@ fn charge_later(
     queue: Option<rialto_core::bus::Bus>,
     prices: rialto_billing::Prices,
     request: billing_pb::ChargeRequest,
+    unheld: billing_pb::SettleRequest,
 ) {
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         return;
@@ -456,7 +481,7 @@ fn charge_later(
     runtime.spawn(async move {
         // (No path comes here with usage today: a route asked ahead is a
         // plain chat, billed in its own task however its client goes.)
-        match charge_durably(&billing, queue.as_ref(), &prices, request).await {
+        match charge_durably(&billing, queue.as_ref(), &prices, request, || unheld).await {
             Ok(Charged::Held(..) | Charged::Unheld(_)) => {}
             Ok(Charged::Refused(_)) => {
                 tracing::warn!("charge refused: what was used goes uncharged");
@@ -491,14 +516,16 @@ enum Charged {
 /// that no retry changes (a model billing does not know) refuses. A
 /// settlement with no hold charges the balance and owes what it does not
 /// cover; a route is asked ahead only for a caller that had room for many
-/// more like it a moment before, which bounds that.
+/// more like it a moment before, which bounds that. `unheld` makes that
+/// settlement, only when it is needed.
 async fn charge_durably(
     billing: &BillingClient,
     queue: Option<&rialto_core::bus::Bus>,
     prices: &rialto_billing::Prices,
     request: billing_pb::ChargeRequest,
+    unheld: impl FnOnce() -> billing_pb::SettleRequest,
 ) -> Result<Charged, ApiError> {
-    let error = match billing.charge(request.clone()).await {
+    let error = match billing.charge(request).await {
         Ok(charged) => {
             let hold = charged.hold.unwrap_or_default();
             return Ok(match charged.cost.filter(|_| hold.placed) {
@@ -517,25 +544,7 @@ async fn charge_durably(
         return Err(error.into());
     }
     tracing::warn!(%error, "charge failed; settling it without a hold");
-    let hold = request.hold.unwrap_or_default();
-    // The key's period now, as billing names it (a hold would have said).
-    let key_period = hold
-        .key_limit
-        .as_ref()
-        .and_then(|limit| {
-            rialto_billing::ledger::period_key(&limit.period, rialto_core::db::now_ms())
-        })
-        .unwrap_or_default();
-    let settle = billing_pb::SettleRequest {
-        request_id: hold.request_id,
-        model_id: hold.model_id,
-        usage: request.usage,
-        owner: hold.owner,
-        key_id: request.key_id,
-        key_period,
-        key_limit: hold.key_limit,
-        ..Default::default()
-    };
+    let settle = unheld();
     let billed = settle.usage.unwrap_or_default();
     let settled = settle_durably(billing, queue, settle).await;
     count_settlement(&settled);
@@ -3222,30 +3231,6 @@ mod charging {
 
     const OWNER: &str = "account:charged";
 
-    /// Billing of this process over a fresh SQLite file, `OWNER` credited
-    /// $1, a model `m` at $1 per million tokens each way; and its prices.
-    async fn billing() -> (tempfile::TempDir, BillingClient, rialto_billing::Prices) {
-        let config = rialto_core::Config::from_toml(
-            "[[models]]\nid = \"m\"\ninput_usd_per_mtok = 1.0\noutput_usd_per_mtok = 1.0\n",
-        )
-        .unwrap();
-        let dir = tempfile::tempdir().unwrap();
-        let url = format!("sqlite://{}/billing.db", dir.path().display());
-        let db = rialto_core::db::Database::connect(&url, 4).await.unwrap();
-        let billing = BillingClient::new(rialto_billing::LocalBilling::new(&config, db));
-        billing
-            .credit(billing_pb::CreditRequest {
-                owner: OWNER.into(),
-                usd: "1".into(),
-                diem: "0".into(),
-                reference: "seed".into(),
-            })
-            .await
-            .unwrap();
-        let prices = rialto_billing::Prices::from_model(&config.models[0]);
-        (dir, billing, prices)
-    }
-
     /// A billing that cannot be reached (nothing listens on port 9).
     fn unreachable() -> BillingClient {
         let channel = tonic::transport::Endpoint::from_static("http://127.0.0.1:9").connect_lazy();
@@ -3273,6 +3258,25 @@ mod charging {
         }
     }
 
+    /// [`charge_durably`] of `request`, with its settlement without a hold
+    /// as the gateway's `Settlement` would make it.
+    async fn charge_durably_of(
+        billing: &BillingClient,
+        queue: Option<&Bus>,
+        prices: &rialto_billing::Prices,
+        request: billing_pb::ChargeRequest,
+    ) -> Result<Charged, ApiError> {
+        let hold = request.hold.clone().unwrap_or_default();
+        let unheld = billing_pb::SettleRequest {
+            request_id: hold.request_id,
+            model_id: hold.model_id,
+            usage: request.usage,
+            owner: hold.owner,
+            ..Default::default()
+        };
+        charge_durably(billing, queue, prices, request, || unheld).await
+    }
+
     async fn usd(billing: &BillingClient) -> String {
         billing
             .get_balance(billing_pb::GetBalanceRequest {
@@ -3288,16 +3292,16 @@ mod charging {
     /// good, and is not settled.
     #[tokio::test]
     async fn a_charge_is_held_and_settled_or_refused_whole() {
-        let (_dir, billing, prices) = billing().await;
-        let charged = charge_durably(&billing, None, &prices, charge("a", "m", 500)).await;
+        let (_dir, billing, prices) = crate::test_billing::local_billing(OWNER).await;
+        let charged = charge_durably_of(&billing, None, &prices, charge("a", "m", 500)).await;
         let Ok(Charged::Held(hold, cost)) = charged else {
             panic!("not held: {charged:?}");
         };
         assert!(hold.placed && hold.reserved);
         assert_eq!((cost.usd.as_str(), cost.diem.as_str()), ("0.001", "0"));
-        let charged = charge_durably(&billing, None, &prices, charge("b", "m", 600_000)).await;
+        let charged = charge_durably_of(&billing, None, &prices, charge("b", "m", 600_000)).await;
         assert!(matches!(charged, Ok(Charged::Refused(ref hold)) if !hold.placed));
-        let unknown = charge_durably(&billing, None, &prices, charge("c", "nope", 5)).await;
+        let unknown = charge_durably_of(&billing, None, &prices, charge("c", "nope", 5)).await;
         assert!(unknown.is_err(), "{unknown:?}");
         assert_eq!(usd(&billing).await, "0.999");
     }
@@ -3309,7 +3313,7 @@ mod charging {
     /// failure is the request's (503).
     #[tokio::test]
     async fn a_failed_charge_is_settled_once_from_the_durable_queue() {
-        let (_dir, billing, prices) = billing().await;
+        let (_dir, billing, prices) = crate::test_billing::local_billing(OWNER).await;
         let down = unreachable();
         let bus = Bus::in_process("charging-test");
         // Applied, its reply lost.
@@ -3317,13 +3321,13 @@ mod charging {
         billing.charge(lost.clone()).await.unwrap();
         assert_eq!(usd(&billing).await, "0.999");
         for request in [lost, charge("never", "m", 500)] {
-            let charged = charge_durably(&down, Some(&bus), &prices, request).await;
+            let charged = charge_durably_of(&down, Some(&bus), &prices, request).await;
             let Ok(Charged::Unheld(cost)) = charged else {
                 panic!("not queued: {charged:?}");
             };
             assert_eq!((cost.usd.as_str(), cost.diem.as_str()), ("0.001", "0"));
         }
-        let failed = charge_durably(&down, None, &prices, charge("gone", "m", 500)).await;
+        let failed = charge_durably_of(&down, None, &prices, charge("gone", "m", 500)).await;
         assert_eq!(failed.unwrap_err().code(), ErrorCode::Unavailable);
 
         rialto_billing::usage_queue::spawn_usage_consumer(billing.clone(), bus.clone());

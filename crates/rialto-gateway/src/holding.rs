@@ -182,29 +182,6 @@ mod tests {
 
     const OWNER: &str = "account:leaver";
 
-    /// Billing of this process over a fresh SQLite file, `OWNER` credited
-    /// $1, and a model `m` at $1 per million tokens each way.
-    async fn billing() -> (tempfile::TempDir, BillingClient) {
-        let config = rialto_core::Config::from_toml(
-            "[[models]]\nid = \"m\"\ninput_usd_per_mtok = 1.0\noutput_usd_per_mtok = 1.0\n",
-        )
-        .unwrap();
-        let dir = tempfile::tempdir().unwrap();
-        let url = format!("sqlite://{}/billing.db", dir.path().display());
-        let db = rialto_core::db::Database::connect(&url, 4).await.unwrap();
-        let billing = BillingClient::new(rialto_billing::LocalBilling::new(&config, db));
-        billing
-            .credit(billing_pb::CreditRequest {
-                owner: OWNER.into(),
-                usd: "1".into(),
-                diem: "0".into(),
-                reference: "seed".into(),
-            })
-            .await
-            .unwrap();
-        (dir, billing)
-    }
-
     /// A hold of 1,000 tokens ($0.001) for `request_id`, reaching billing
     /// after `delay`.
     fn hold_after(
@@ -261,7 +238,7 @@ mod tests {
     /// Finished, the hold is the request's: nothing is released.
     #[tokio::test]
     async fn a_finished_hold_stays_held() {
-        let (_dir, billing) = billing().await;
+        let (_dir, billing, _) = crate::test_billing::local_billing(OWNER).await;
         let mut holding = Holding::start(
             holder(&billing, "kept"),
             hold_after(&billing, "kept", Duration::ZERO),
@@ -284,7 +261,7 @@ mod tests {
     /// while the limiter was asked): the hold is released.
     #[tokio::test]
     async fn an_answered_hold_dropped_is_released() {
-        let (_dir, billing) = billing().await;
+        let (_dir, billing, _) = crate::test_billing::local_billing(OWNER).await;
         let mut holding = Holding::start(
             holder(&billing, "refused"),
             hold_after(&billing, "refused", Duration::ZERO),
@@ -300,7 +277,7 @@ mod tests {
     /// is released.
     #[tokio::test]
     async fn a_hold_on_its_way_when_dropped_is_released_once_placed() {
-        let (_dir, billing) = billing().await;
+        let (_dir, billing, _) = crate::test_billing::local_billing(OWNER).await;
         // Billing's side of the call runs whatever the caller does, as a
         // remote replica's would: told here when it has placed the hold.
         let (placed, placed_seen) = tokio::sync::oneshot::channel();

@@ -56,6 +56,8 @@ pub mod operator;
 mod responses;
 mod retouch;
 mod sources;
+#[cfg(test)]
+mod test_billing;
 mod usage;
 mod wallet;
 
