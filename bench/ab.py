@@ -11,7 +11,9 @@ per request (per stream). Interleave runs of two builds and compare medians:
 Rows: idle (VmRSS after start-up, with the largest mappings), c1
 (concurrency 1), open (the fixed rate: 5,000 req/s, 2,000 split), max (64
 connections), streamsN (N concurrent streams, their openings spread out as
-in run.py), togetherN (N streams opened together); each loaded row also reports
+in run.py), togetherN (N streams opened together), hotN (N streams back to back
+from the instant upstream: a stream's first token on warm caches); each loaded
+row also reports
 CPU and context switches per request (--by-thread: by process and thread
 name). --floor and --proxy measure the
 upstream alone and bench-proxy in front of it; --model picks Rialto's model
@@ -155,6 +157,13 @@ try:
         elif row == "max":
             r = s.load("closed", url(a.model), headers, body(a.model), concurrency=64)
             out["max"] = {"rps": r["rps"], "p50": r["latency_us"]["p50"], "p99": r["latency_us"]["p99"], "errors": r["errors"]}
+        elif row.startswith("hot"):
+            # Streams back to back from the instant upstream (16 chunks, no
+            # delay between them): a stream's cost on warm caches.
+            n = int(row[3:] or 1)
+            r = s.load("stream", url("fast"), headers, body("fast", stream=True), concurrency=n)
+            out[row] = {"first_p50": r["first_token_us"]["p50"], "first_p99": r["first_token_us"]["p99"],
+                        "streams": r["streams"], "errors": r["errors"]}
         elif row.startswith("streams") or row.startswith("together"):
             together = row.startswith("together")
             n = int(row[8 if together else 7:] or 512)
