@@ -157,18 +157,16 @@ try:
         elif row == "max":
             r = s.load("closed", url(a.model), headers, body(a.model), concurrency=64)
             out["max"] = {"rps": r["rps"], "p50": r["latency_us"]["p50"], "p99": r["latency_us"]["p99"], "errors": r["errors"]}
-        elif row.startswith("hot"):
-            # Streams back to back from the instant upstream (16 chunks, no
-            # delay between them): a stream's cost on warm caches.
-            n = int(row[3:] or 1)
-            r = s.load("stream", url("fast"), headers, body("fast", stream=True), concurrency=n)
-            out[row] = {"first_p50": r["first_token_us"]["p50"], "first_p99": r["first_token_us"]["p99"],
-                        "streams": r["streams"], "errors": r["errors"]}
-        elif row.startswith("streams") or row.startswith("together"):
-            together = row.startswith("together")
-            n = int(row[8 if together else 7:] or 512)
-            spread = {} if together else {"spread": s.spread}
-            r = s.load("stream", url("stream"), headers, body("stream", stream=True), concurrency=n, **spread)
+        elif row.startswith(("hot", "streams", "together")):
+            if row.startswith("hot"):
+                # Streams back to back from the instant upstream (16 chunks,
+                # no delay between them): a stream's cost on warm caches.
+                n, upstream, options = int(row[3:] or 1), "fast", {}
+            else:
+                together = row.startswith("together")
+                n, upstream = int(row[8 if together else 7:] or 512), "stream"
+                options = {} if together else {"spread": s.spread}
+            r = s.load("stream", url(upstream), headers, body(upstream, stream=True), concurrency=n, **options)
             out[row] = {"first_p50": r["first_token_us"]["p50"], "first_p99": r["first_token_us"]["p99"],
                         "streams": r["streams"], "errors": r["errors"]}
         w1 = switches()
