@@ -3258,8 +3258,60 @@ mod charging {
         }
     }
 
-    /// [`charge_durably`] of `request`, with its settlement without a hold
-    /// as the gateway's `Settlement` would make it.
+    /// The settlement `admit` makes for a route asked ahead whose hold is
+    /// `hold`, for key `key_id`: nothing held yet, the hold asked with the
+    /// charge. Its limiter is never called (no ticket).
+    fn ahead_settlement(
+        billing: &BillingClient,
+        prices: &rialto_billing::Prices,
+        hold: &billing_pb::HoldRequest,
+        key_id: &str,
+    ) -> Settlement {
+        let config = rialto_core::Config::default();
+        let channel = tonic::transport::Endpoint::from_static("http://127.0.0.1:9").connect_lazy();
+        let token = rialto_core::grpc_auth::ClientToken::new(None).unwrap();
+        let limiter = rialto_limiter::LimiterClient::new(rialto_limiter::grpc::RemoteLimiter::new(
+            channel, token,
+        ));
+        Settlement {
+            limiter: RateLimiter::new(&config, vec![("limiter".into(), limiter)], None),
+            ticket: None,
+            billing: billing.clone(),
+            usage_queue: None,
+            owner: hold.owner.clone(),
+            request_id: hold.request_id.clone(),
+            model_id: hold.model_id.clone(),
+            held: false,
+            held_usd: String::new(),
+            held_diem: String::new(),
+            key_id: key_id.to_owned(),
+            key_period: String::new(),
+            key_limit: None,
+            prices: prices.clone(),
+            extra_usd_nanos: 0,
+            extra_tokens: 0,
+            span: tracing::Span::none(),
+            ahead: None,
+            charge: None,
+            out_ahead: None,
+            balance_before: None,
+        }
+    }
+
+    /// Usage of `tokens` each way.
+    fn used(tokens: u64) -> Usage {
+        Usage {
+            prompt: tokens,
+            completion: tokens,
+            cached: 0,
+            cache_write: 0,
+            json: Value::Null,
+        }
+    }
+
+    /// [`charge_durably`] of `request` for `tokens` each way, with the
+    /// settlement without a hold that the gateway's own [`Settlement`]
+    /// makes (`Settlement::charge`).
     async fn charge_durably_of(
         billing: &BillingClient,
         queue: Option<&Bus>,
@@ -3267,14 +3319,83 @@ mod charging {
         request: billing_pb::ChargeRequest,
     ) -> Result<Charged, ApiError> {
         let hold = request.hold.clone().unwrap_or_default();
-        let unheld = billing_pb::SettleRequest {
-            request_id: hold.request_id,
-            model_id: hold.model_id,
-            usage: request.usage,
-            owner: hold.owner,
-            ..Default::default()
+        let tokens = hold.prompt_tokens;
+        let settlement = ahead_settlement(billing, prices, &hold, &request.key_id);
+        charge_durably(billing, queue, prices, request, || {
+            settlement.unheld_request(&used(tokens), hold.key_limit.clone())
+        })
+        .await
+    }
+
+    /// The settlement of a charge whose call failed: the charge's owner,
+    /// request, model and usage with its extras; no hold; and a capped
+    /// key's caps with the period they count in now, as billing names it,
+    /// so that what it charges counts against the key.
+    #[tokio::test]
+    async fn a_failed_charge_settles_unheld_in_the_keys_period_now() {
+        let prices = rialto_billing::Prices::from_model(
+            &rialto_core::Config::from_toml(
+                "[[models]]\nid = \"m\"\ninput_usd_per_mtok = 1.0\noutput_usd_per_mtok = 1.0\n",
+            )
+            .unwrap()
+            .models[0],
+        );
+        let hold = charge("r1", "m", 500).hold.unwrap();
+        let mut settlement = ahead_settlement(&unreachable(), &prices, &hold, "k1");
+        settlement.extra_usd_nanos = 7;
+        let limit = |period: &str| billing_pb::KeyLimit {
+            key_id: "k1".into(),
+            usd_nanos: Some(1_000_000),
+            diem_nanos: None,
+            period: period.into(),
         };
-        charge_durably(billing, queue, prices, request, || unheld).await
+        let before = rialto_core::db::now_ms();
+        let unheld = settlement.unheld_request(&used(500), Some(limit("MONTH")));
+        let after = rialto_core::db::now_ms();
+        assert_eq!(
+            (
+                unheld.owner.as_str(),
+                unheld.request_id.as_str(),
+                unheld.model_id.as_str()
+            ),
+            (OWNER, "r1", "m")
+        );
+        let usage = unheld.usage.unwrap();
+        assert_eq!(
+            (
+                usage.prompt_tokens,
+                usage.completion_tokens,
+                usage.extra_usd_nanos
+            ),
+            (500, 500, 7)
+        );
+        assert_eq!(
+            (unheld.held_usd.as_str(), unheld.held_diem.as_str()),
+            ("", "")
+        );
+        assert_eq!(unheld.key_id, "k1");
+        assert_eq!(unheld.key_limit, Some(limit("MONTH")));
+        // The period as of the call (a month's turn between the two reads
+        // allows either).
+        let periods =
+            [before, after].map(|now| rialto_billing::ledger::period_key("MONTH", now).unwrap());
+        assert!(
+            periods.contains(&unheld.key_period),
+            "{}",
+            unheld.key_period
+        );
+        let daily = settlement.unheld_request(&used(500), Some(limit("EPOCH")));
+        assert!(
+            daily.key_period.starts_with("EPOCH:"),
+            "{}",
+            daily.key_period
+        );
+        // An uncapped key: no caps, no period.
+        let uncapped = settlement.unheld_request(&used(500), None);
+        assert_eq!(
+            (uncapped.key_limit, uncapped.key_period.as_str()),
+            (None, "")
+        );
     }
 
     async fn usd(billing: &BillingClient) -> String {
