@@ -1984,7 +1984,10 @@ impl ChunkHead {
 /// plainly named members; choices not objects with string contents), left
 /// to [`read_chunk_tree`], which reads anything.
 fn read_chunk(json: &[u8], head: &mut ChunkHead, usage: &mut Option<Value>) -> Option<Chunk> {
-    let Members(members) = serde_json::from_slice(json).ok()?;
+    // Checked as UTF-8 once here: read from bytes, each member's raw text
+    // and each name would be checked again as it is borrowed.
+    let text = std::str::from_utf8(json).ok()?;
+    let Members(members) = serde_json::from_str(text).ok()?;
     let repeated = members
         .iter()
         .enumerate()
@@ -3167,6 +3170,8 @@ mod chunks {
             br#"{"ch\u006fices":[{"delta":{"content":"a"}}]}"#,
             br#"[1,2]"#,
             b"not json",
+            // Not UTF-8 (the tree reader skips it).
+            b"{\"choices\":[{\"delta\":{\"content\":\"\xff\"}}]}",
         ] {
             let (mut head, mut usage) = (ChunkHead::new("c", "m"), None);
             assert!(
