@@ -16,7 +16,8 @@ from the instant upstream: a stream's first token on warm caches); each loaded
 row also reports
 CPU and context switches per request (--by-thread: by process and thread
 name). --floor and --proxy measure the
-upstream alone and bench-proxy in front of it; --model picks Rialto's model
+upstream alone and bench-proxy in front of it (--proxy-server actix: the same
+pass-through on actix-web and reqwest, Rialto's HTTP stack); --model picks Rialto's model
 for the non-streamed rows (fast, priced; fast-free; fast-unlimited, which no
 window limits)."""
 import argparse
@@ -35,6 +36,7 @@ p.add_argument("--rows", default="c1,open,streams,max")
 p.add_argument("--split", action="store_true")
 p.add_argument("--floor", action="store_true")
 p.add_argument("--proxy", action="store_true")
+p.add_argument("--proxy-server", default="hyper", help="bench-proxy's HTTP stack: hyper, or actix (actix-web and reqwest)")
 p.add_argument("--env", action="append", default=[], help="SERVICE:NAME=VALUE or NAME=VALUE for all")
 p.add_argument("--duration", type=float, default=5.0)
 p.add_argument("--rate", type=int)
@@ -65,7 +67,7 @@ try:
         for name, b in s.upstreams.items():
             up = b.removeprefix("http://").removesuffix("/v1")
             addr = procs.start(f"proxy-{name}", [s.binary("bench-proxy"), "--listen", "127.0.0.1:0", "--upstream", up,
-                                                 "--threads", "2"], announce=r"bench-proxy listening on (\S+)")
+                                                 "--threads", "2", "--server", a.proxy_server], announce=r"bench-proxy listening on (\S+)")
             urls[name] = f"http://{addr}/v1"
             B.wait_http(f"{urls[name]}/models", 10)
         url = lambda m: f"{urls[m]}/chat/completions"

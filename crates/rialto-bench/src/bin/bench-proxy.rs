@@ -7,6 +7,12 @@
 //! `make bench` runs it as the `proxy` scenario beside the floor and
 //! Rialto: the difference between it and the floor is the extra loopback
 //! hop and wake-ups that any proxy pays here.
+//!
+//! `--server actix` is the same pass-through on Rialto's own HTTP stack:
+//! actix-web's workers (a single-threaded runtime each, a connection pinned
+//! to one) and a reqwest client per worker, as the gateway's router keeps.
+//! Its difference from the hyper proxy is what that stack costs before any
+//! of Rialto's work (`bench/ab.py --proxy --proxy-server actix`).
 
 use std::net::SocketAddr;
 
@@ -27,13 +33,26 @@ struct Args {
     /// The upstream's address (host:port).
     #[arg(long)]
     upstream: SocketAddr,
-    /// Runtime worker threads.
+    /// Runtime worker threads (actix-web's workers with `--server actix`).
     #[arg(long, default_value_t = 2)]
     threads: usize,
+    /// The HTTP stack: hyper on one work-stealing Tokio runtime, or
+    /// actix-web's workers with a reqwest client each.
+    #[arg(long, value_enum, default_value_t = Server::Hyper)]
+    server: Server,
+}
+
+#[derive(clap::ValueEnum, Clone, Copy)]
+enum Server {
+    Hyper,
+    Actix,
 }
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if let Server::Actix = args.server {
+        return actix::serve(args);
+    }
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(args.threads.max(1))
         .enable_all()
@@ -77,4 +96,94 @@ async fn connection(stream: TcpStream, upstream: SocketAddr) -> anyhow::Result<(
         .serve_connection(TokioIo::new(stream), service)
         .await?;
     Ok(())
+}
+
+/// The pass-through on actix-web and reqwest.
+mod actix {
+    use actix_web::{HttpRequest, HttpResponse, web};
+
+    use super::Args;
+
+    /// One worker's way upstream: its own client, so its connections are
+    /// tasks of its own runtime.
+    struct Upstream {
+        client: reqwest::Client,
+        base: String,
+    }
+
+    pub(super) fn serve(args: Args) -> anyhow::Result<()> {
+        // reqwest is built without a TLS provider of its own, as Rialto's.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        actix_web::rt::System::new().block_on(async move {
+            let base = format!("http://{}", args.upstream);
+            let build = || {
+                reqwest::Client::builder()
+                    .tcp_nodelay(true)
+                    .pool_max_idle_per_host(1024)
+                    .build()
+            };
+            // Built first, so that a bad setting fails at start; a worker
+            // whose own cannot be built shares it.
+            let fallback = build()?;
+            let server = actix_web::HttpServer::new(move || {
+                // Called on each worker's thread.
+                let client = build().unwrap_or_else(|_| fallback.clone());
+                let upstream = Upstream {
+                    client,
+                    base: base.clone(),
+                };
+                actix_web::App::new()
+                    .app_data(web::Data::new(upstream))
+                    .default_service(web::to(pass))
+            })
+            .workers(args.threads.max(1))
+            // As the gateway's: a stream's chunks leave as they come.
+            .tcp_nodelay(true)
+            .bind(args.listen)?;
+            println!("bench-proxy listening on {}", server.addrs()[0]);
+            server.run().await?;
+            Ok(())
+        })
+    }
+
+    /// Headers that belong to one connection, not to the request.
+    fn hop_by_hop(name: &str) -> bool {
+        matches!(
+            name,
+            "host" | "connection" | "content-length" | "transfer-encoding" | "keep-alive"
+        )
+    }
+
+    /// The request sent upstream as it came, and the answer streamed back
+    /// as it comes.
+    async fn pass(
+        request: HttpRequest,
+        body: web::Bytes,
+        upstream: web::Data<Upstream>,
+    ) -> HttpResponse {
+        let method = reqwest::Method::from_bytes(request.method().as_str().as_bytes())
+            .unwrap_or(reqwest::Method::GET);
+        let mut outbound = upstream
+            .client
+            .request(method, format!("{}{}", upstream.base, request.uri()))
+            .body(body);
+        for (name, value) in request.headers() {
+            if !hop_by_hop(name.as_str()) {
+                outbound = outbound.header(name.as_str(), value.as_bytes());
+            }
+        }
+        let answer = match outbound.send().await {
+            Ok(answer) => answer,
+            Err(error) => return HttpResponse::BadGateway().body(error.to_string()),
+        };
+        let status = actix_web::http::StatusCode::from_u16(answer.status().as_u16())
+            .unwrap_or(actix_web::http::StatusCode::BAD_GATEWAY);
+        let mut response = HttpResponse::build(status);
+        for (name, value) in answer.headers() {
+            if !hop_by_hop(name.as_str()) {
+                response.append_header((name.as_str(), value.as_bytes()));
+            }
+        }
+        response.streaming(answer.bytes_stream())
+    }
 }
