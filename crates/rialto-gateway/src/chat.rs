@@ -3314,9 +3314,9 @@ mod charging {
         }
     }
 
-    /// [`charge_durably`] of `request` for `tokens` each way, with the
-    /// settlement without a hold that the gateway's own [`Settlement`]
-    /// makes (`Settlement::charge`).
+    /// [`charge_durably`] of `request`, with the settlement without a hold
+    /// that the gateway's own [`Settlement`] makes of its usage
+    /// (`Settlement::charge`).
     async fn charge_durably_of(
         billing: &BillingClient,
         queue: Option<&Bus>,
@@ -3338,13 +3338,7 @@ mod charging {
     /// so that what it charges counts against the key.
     #[tokio::test]
     async fn a_failed_charge_settles_unheld_in_the_keys_period_now() {
-        let prices = rialto_billing::Prices::from_model(
-            &rialto_core::Config::from_toml(
-                "[[models]]\nid = \"m\"\ninput_usd_per_mtok = 1.0\noutput_usd_per_mtok = 1.0\n",
-            )
-            .unwrap()
-            .models[0],
-        );
+        let prices = crate::test_billing::prices();
         let hold = charge("r1", "m", 500).hold.unwrap();
         let mut settlement = ahead_settlement(&unreachable(), &prices, &hold, "k1");
         settlement.extra_usd_nanos = 7;
