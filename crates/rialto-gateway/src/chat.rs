@@ -3236,10 +3236,22 @@ mod charging {
 
     const OWNER: &str = "account:charged";
 
-    /// A billing that cannot be reached (nothing listens on port 9).
-    fn unreachable() -> BillingClient {
+    /// A channel to a service that cannot be reached (nothing listens on
+    /// port 9), and the token its calls would carry.
+    fn nowhere() -> (
+        tonic::transport::Channel,
+        rialto_core::grpc_auth::ClientToken,
+    ) {
         let channel = tonic::transport::Endpoint::from_static("http://127.0.0.1:9").connect_lazy();
-        let token = rialto_core::grpc_auth::ClientToken::new(None).unwrap();
+        (
+            channel,
+            rialto_core::grpc_auth::ClientToken::new(None).unwrap(),
+        )
+    }
+
+    /// A billing that cannot be reached.
+    fn unreachable() -> BillingClient {
+        let (channel, token) = nowhere();
         BillingClient::new(rialto_billing::grpc::RemoteBilling::new(channel, token))
     }
 
@@ -3273,8 +3285,7 @@ mod charging {
         key_id: &str,
     ) -> Settlement {
         let config = rialto_core::Config::default();
-        let channel = tonic::transport::Endpoint::from_static("http://127.0.0.1:9").connect_lazy();
-        let token = rialto_core::grpc_auth::ClientToken::new(None).unwrap();
+        let (channel, token) = nowhere();
         let limiter = rialto_limiter::LimiterClient::new(rialto_limiter::grpc::RemoteLimiter::new(
             channel, token,
         ));
