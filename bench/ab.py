@@ -15,11 +15,14 @@ in run.py), togetherN (N streams opened together), hotN (N streams back to back
 from the instant upstream: a stream's first token on warm caches); each loaded
 row also reports
 CPU and context switches per request (--by-thread: by process and thread
-name). --floor and --proxy measure the
+name, CPU per request by thread, and switches split into voluntary (it
+waited) and involuntary (preempted)). --floor and --proxy measure the
 upstream alone and bench-proxy in front of it (--proxy-server actix: the same
 pass-through on actix-web and reqwest, Rialto's HTTP stack); --model picks Rialto's model
 for the non-streamed rows (fast, priced; fast-free; fast-unlimited, which no
-window limits)."""
+window limits), --stream-model the same for the streamsN and togetherN rows
+(stream, stream-free, stream-unlimited): their difference is billing's and
+the limiter's share of a stream."""
 import argparse
 import json
 import os
@@ -42,6 +45,8 @@ p.add_argument("--duration", type=float, default=5.0)
 p.add_argument("--rate", type=int)
 p.add_argument("--by-thread", action="store_true", help="context switches per request by process and thread name")
 p.add_argument("--model", default="fast", help="the non-streamed rows' model: fast (priced), fast-free, fast-unlimited")
+p.add_argument("--stream-model", default="stream",
+               help="the streamsN and togetherN rows' model: stream (priced), stream-free, stream-unlimited")
 a = p.parse_args()
 
 args = types.SimpleNamespace(target_dir="/nonexistent", profile="release", smoke=False, duration=a.duration,
@@ -119,9 +124,15 @@ try:
                 try:
                     for tid in os.listdir(f"/proc/{pid}/task"):
                         comm = open(f"/proc/{pid}/task/{tid}/comm").read().strip()
+                        # and CPU ticks (user + system), keyed "cpu:" for --by-thread
+                        f = open(f"/proc/{pid}/task/{tid}/stat").read().rsplit(")", 1)[1].split()
+                        key = f"cpu:{name}/{comm}"
+                        counts[key] = counts.get(key, 0) + int(f[11]) + int(f[12])
                         for line in open(f"/proc/{pid}/task/{tid}/status"):
                             if "ctxt_switches:" in line:
-                                key = f"{name}/{comm}"
+                                # voluntary (it waited) or not (preempted)
+                                kind = "invol" if line.startswith("nonvoluntary") else "vol"
+                                key = f"{name}/{comm}/{kind}"
                                 counts[key] = counts.get(key, 0) + int(line.split()[1])
                 except OSError:
                     pass
@@ -168,11 +179,13 @@ try:
                 together = row.startswith("together")
                 n, upstream = int(row[8 if together else 7:] or 512), "stream"
                 options = {} if together else {"spread": s.spread}
-            r = s.load("stream", url(upstream), headers, body(upstream, stream=True), concurrency=n, **options)
+            m = upstream if row.startswith("hot") else a.stream_model
+            r = s.load("stream", url(upstream), headers, body(m, stream=True), concurrency=n, **options)
             out[row] = {"first_p50": r["first_token_us"]["p50"], "first_p99": r["first_token_us"]["p99"],
                         "streams": r["streams"], "errors": r["errors"]}
         w1 = switches()
-        by_thread = {k: v - w0.get(k, 0) for k, v in w1.items()}
+        by_thread = {k: v - w0.get(k, 0) for k, v in w1.items() if not k.startswith("cpu:")}
+        cpu_by_thread = {k[4:]: v - w0.get(k, 0) for k, v in w1.items() if k.startswith("cpu:")}
         cpu_s, woken = (ticks() - t0) / hz, sum(by_thread.values())
         res = out.get(row) or out.get(f"open{rate}")
         n = res.get("streams") or (res.get("rps", 0) * a.duration) or 0
@@ -186,6 +199,8 @@ try:
             if a.by_thread:
                 res["switches_by_thread"] = {k: round(v / each, 2) for k, v in
                                              sorted(by_thread.items(), key=lambda kv: -kv[1]) if v / each >= 0.05}
+                res["cpu_us_by_thread"] = {k: round(v / hz * 1e6 / each) for k, v in
+                                           sorted(cpu_by_thread.items(), key=lambda kv: -kv[1]) if v / hz * 1e6 / each >= 1}
         print(json.dumps({row: res}), flush=True)
 finally:
     procs.stop()

@@ -591,6 +591,10 @@ class Suite:
         models.append(("bench-fast-unlimited", self.upstreams["fast"], f'type = "music"\n{priced}'))
         models.append(("bench-fast-free", self.upstreams["fast"],
                        "input_usd_per_mtok = 0\noutput_usd_per_mtok = 0\n"))
+        # The same two for streams (`bench/ab.py --stream-model`).
+        models.append(("bench-stream-unlimited", self.upstreams["stream"], f'type = "music"\n{priced}'))
+        models.append(("bench-stream-free", self.upstreams["stream"],
+                       "input_usd_per_mtok = 0\noutput_usd_per_mtok = 0\n"))
         # Issue 19's media, priced per unit (`--only media`).
         models.append(("bench-image", self.upstreams["fast"], 'type = "image"\nusd_per_image = 0.01\n'))
         models.append(("bench-tts", self.upstreams["fast"],
