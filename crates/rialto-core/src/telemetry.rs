@@ -315,6 +315,13 @@ pub fn set_parent(span: &tracing::Span, parent: Context) {
     let _ = span.set_parent(parent);
 }
 
+/// Whether this process exports its spans (OTLP). Without an exporter a
+/// span only gives the lines logged inside it their context, so a span
+/// that no line needs can be left out ([`tracing::Span::none`]).
+pub fn spans_exported() -> bool {
+    PROVIDER.get().is_some()
+}
+
 /// The current span's trace context as `(name, value)` pairs to send
 /// (`traceparent`, `tracestate`): nothing when spans are not exported.
 pub fn inject_current() -> Vec<(&'static str, String)> {
@@ -329,7 +336,7 @@ pub fn inject_current() -> Vec<(&'static str, String)> {
             self.0.push((key, value));
         }
     }
-    if PROVIDER.get().is_none() {
+    if !spans_exported() {
         return Vec::new();
     }
     let context = tracing::Span::current().context();

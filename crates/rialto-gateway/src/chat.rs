@@ -2004,17 +2004,16 @@ fn read_chunk(json: &[u8], head: &mut ChunkHead, usage: &mut Option<Value>) -> O
     if member("error").is_some() {
         return Some(Chunk::Error(sse_raw(json)));
     }
-    let choices: Option<Vec<ChoiceText>> = match member("choices") {
+    let choices: Option<ChoicesText> = match member("choices") {
         Some(raw) if raw.get().starts_with('[') => Some(serde_json::from_str(raw.get()).ok()?),
         _ => None,
     };
     if let Some(raw) = member("usage").filter(|raw| raw.get().starts_with('{')) {
         *usage = Some(serde_json::from_str(raw.get()).ok()?);
     }
-    let Some(choices) = choices.filter(|choices| !choices.is_empty()) else {
+    let Some(ChoicesText { chars, .. }) = choices.filter(|choices| choices.count > 0) else {
         return Some(Chunk::Skip);
     };
-    let chars = choices.iter().map(ChoiceText::chars).sum();
     let created = member("created");
     let prefix = head.prefix(|| created.and_then(|raw| serde_json::from_str(raw.get()).ok()));
     let mut line = Vec::with_capacity(prefix.len() + json.len() + 4);
@@ -2118,6 +2117,38 @@ impl<'de> serde::Deserialize<'de> for Members<'de> {
             }
         }
         deserializer.deserialize_map(Visit)
+    }
+}
+
+/// A chunk's choices, as far as the relay reads them: how many, and the
+/// characters of text their deltas carry (summed as they are read, with
+/// no vector of them).
+struct ChoicesText {
+    count: usize,
+    chars: usize,
+}
+
+impl<'de> serde::Deserialize<'de> for ChoicesText {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = ChoicesText;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an array of choices")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Self::Value, A::Error> {
+                let mut choices = ChoicesText { count: 0, chars: 0 };
+                while let Some(choice) = seq.next_element::<ChoiceText>()? {
+                    choices.count += 1;
+                    choices.chars += choice.chars();
+                }
+                Ok(choices)
+            }
+        }
+        deserializer.deserialize_seq(Visit)
     }
 }
 

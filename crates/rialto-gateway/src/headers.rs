@@ -90,33 +90,51 @@ pub async fn stamp(
     // names it only where it carries no id (a wallet, a key, a slug);
     // `http.route` is recorded once the route is known.
     let raw_path = request.path();
-    let dynamic = ["/x402/", "/api_keys/", "/characters/", "/admin/"]
-        .iter()
-        .any(|part| raw_path.contains(part));
-    let name = if dynamic {
-        request.method().to_string()
-    } else {
-        format!("{} {raw_path}", request.method())
-    };
     // Attributes by OpenTelemetry's semantic conventions (HTTP, and GenAI
     // for the inference routes, which record theirs as they learn them:
-    // [`record_gen_ai`]).
-    let span = tracing::info_span!(
-        "request",
-        otel.name = %name,
-        otel.kind = "server",
-        otel.status_code = tracing::field::Empty,
-        http.request.method = %request.method(),
-        url.path = %raw_path,
-        http.route = tracing::field::Empty,
-        http.response.status_code = tracing::field::Empty,
-        gen_ai.operation.name = tracing::field::Empty,
-        gen_ai.request.model = tracing::field::Empty,
-        gen_ai.response.model = tracing::field::Empty,
-        gen_ai.usage.input_tokens = tracing::field::Empty,
-        gen_ai.usage.output_tokens = tracing::field::Empty,
-        request_id = %request_id,
-    );
+    // [`record_gen_ai`]). The span's fields are also the context of the
+    // request's log line; `otel.*` are for the exporter alone, so without
+    // one they are left out (recording one then does nothing).
+    let span = if rialto_core::telemetry::spans_exported() {
+        let dynamic = ["/x402/", "/api_keys/", "/characters/", "/admin/"]
+            .iter()
+            .any(|part| raw_path.contains(part));
+        let name = if dynamic {
+            request.method().to_string()
+        } else {
+            format!("{} {raw_path}", request.method())
+        };
+        tracing::info_span!(
+            "request",
+            otel.name = %name,
+            otel.kind = "server",
+            otel.status_code = tracing::field::Empty,
+            http.request.method = %request.method(),
+            url.path = %raw_path,
+            http.route = tracing::field::Empty,
+            http.response.status_code = tracing::field::Empty,
+            gen_ai.operation.name = tracing::field::Empty,
+            gen_ai.request.model = tracing::field::Empty,
+            gen_ai.response.model = tracing::field::Empty,
+            gen_ai.usage.input_tokens = tracing::field::Empty,
+            gen_ai.usage.output_tokens = tracing::field::Empty,
+            request_id = %request_id,
+        )
+    } else {
+        tracing::info_span!(
+            "request",
+            http.request.method = %request.method(),
+            url.path = %raw_path,
+            http.route = tracing::field::Empty,
+            http.response.status_code = tracing::field::Empty,
+            gen_ai.operation.name = tracing::field::Empty,
+            gen_ai.request.model = tracing::field::Empty,
+            gen_ai.response.model = tracing::field::Empty,
+            gen_ai.usage.input_tokens = tracing::field::Empty,
+            gen_ai.usage.output_tokens = tracing::field::Empty,
+            request_id = %request_id,
+        )
+    };
     // A caller's trace (W3C `traceparent`) goes on here.
     let headers = request.headers();
     let parent = rialto_core::telemetry::extract(|name| {
