@@ -3199,6 +3199,8 @@ mod chunks {
             br#"{"choices":[{"delta":{"content":[{"type":"text","text":"a"}]}}]}"#,
             br#"{"choices":[null]}"#,
             br#"{"ch\u006fices":[{"delta":{"content":"a"}}]}"#,
+            // A name with an escape (serde_json cannot lend it).
+            br#"{"choices":[{"delta":{"content":"a"}}],"a\"b":1}"#,
             br#"[1,2]"#,
             b"not json",
             // Not UTF-8 (the tree reader skips it).
@@ -3234,6 +3236,8 @@ mod chunks {
             ]
             .prop_map(|v| ("created".to_owned(), v)),
             ("[a-z_]{1,12}", any::<String>()).prop_map(|(k, v)| (k, Value::from(v))),
+            // Any name: one that needs an escape goes the tree way.
+            (any::<String>(), any::<String>()).prop_map(|(k, v)| (k, Value::from(v))),
         ]
     }
 
