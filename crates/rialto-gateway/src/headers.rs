@@ -93,9 +93,26 @@ pub async fn stamp(
     // Attributes by OpenTelemetry's semantic conventions (HTTP, and GenAI
     // for the inference routes, which record theirs as they learn them:
     // [`record_gen_ai`]). The span's fields are also the context of the
-    // request's log line; `otel.*` are for the exporter alone, so without
-    // one they are left out (recording one then does nothing).
-    let span = if rialto_core::telemetry::spans_exported() {
+    // request's log line; `otel.*` are for the exporter alone, so they are
+    // recorded only when spans are exported (an empty field is not
+    // formatted into the line, and the name's `format!` is not made).
+    let span = tracing::info_span!(
+        "request",
+        otel.name = tracing::field::Empty,
+        otel.kind = tracing::field::Empty,
+        otel.status_code = tracing::field::Empty,
+        http.request.method = %request.method(),
+        url.path = %raw_path,
+        http.route = tracing::field::Empty,
+        http.response.status_code = tracing::field::Empty,
+        gen_ai.operation.name = tracing::field::Empty,
+        gen_ai.request.model = tracing::field::Empty,
+        gen_ai.response.model = tracing::field::Empty,
+        gen_ai.usage.input_tokens = tracing::field::Empty,
+        gen_ai.usage.output_tokens = tracing::field::Empty,
+        request_id = %request_id,
+    );
+    if rialto_core::telemetry::spans_exported() {
         let dynamic = ["/x402/", "/api_keys/", "/characters/", "/admin/"]
             .iter()
             .any(|part| raw_path.contains(part));
@@ -104,37 +121,11 @@ pub async fn stamp(
         } else {
             format!("{} {raw_path}", request.method())
         };
-        tracing::info_span!(
-            "request",
-            otel.name = %name,
-            otel.kind = "server",
-            otel.status_code = tracing::field::Empty,
-            http.request.method = %request.method(),
-            url.path = %raw_path,
-            http.route = tracing::field::Empty,
-            http.response.status_code = tracing::field::Empty,
-            gen_ai.operation.name = tracing::field::Empty,
-            gen_ai.request.model = tracing::field::Empty,
-            gen_ai.response.model = tracing::field::Empty,
-            gen_ai.usage.input_tokens = tracing::field::Empty,
-            gen_ai.usage.output_tokens = tracing::field::Empty,
-            request_id = %request_id,
-        )
-    } else {
-        tracing::info_span!(
-            "request",
-            http.request.method = %request.method(),
-            url.path = %raw_path,
-            http.route = tracing::field::Empty,
-            http.response.status_code = tracing::field::Empty,
-            gen_ai.operation.name = tracing::field::Empty,
-            gen_ai.request.model = tracing::field::Empty,
-            gen_ai.response.model = tracing::field::Empty,
-            gen_ai.usage.input_tokens = tracing::field::Empty,
-            gen_ai.usage.output_tokens = tracing::field::Empty,
-            request_id = %request_id,
-        )
-    };
+        // Before the span starts (its parent is set below): the exporter
+        // takes its name and kind from these.
+        span.record("otel.name", name);
+        span.record("otel.kind", "server");
+    }
     // A caller's trace (W3C `traceparent`) goes on here.
     let headers = request.headers();
     let parent = rialto_core::telemetry::extract(|name| {
@@ -218,7 +209,7 @@ pub async fn stamp(
     let route = route_of(response.request());
     span.record("http.route", route);
     span.record("http.response.status_code", status);
-    if status >= 500 {
+    if status >= 500 && rialto_core::telemetry::spans_exported() {
         span.record("otel.status_code", "ERROR");
     }
     record_http(
