@@ -1,0 +1,460 @@
+//! Reading one `chat.completion.chunk` from the upstream: the usual
+//! chunk on a fast path that only finds what the relay needs, anything
+//! else through a JSON tree; both agree (the tests say so).
+
+use bytes::Bytes;
+use serde_json::{Value, json};
+
+use super::now;
+
+/// What the relay does with one upstream chunk.
+pub(super) enum Chunk {
+    /// Passed on as ours; `chars` of text in its deltas.
+    Forward { line: Bytes, chars: usize },
+    /// Nothing for the client (a usage-only chunk, or not an object).
+    Skip,
+    /// An in-band failure, passed on as it is; the stream ends.
+    Error(Bytes),
+}
+
+/// What every chunk of a stream is rewritten with: our id, object and
+/// model, and one `created` (the first chunk's own, or now).
+pub(super) struct ChunkHead {
+    id: String,
+    model: String,
+    created: Option<Value>,
+    /// `data: {"id":…,"object":…,"model":…,"created":…`, once `created` is
+    /// known.
+    prefix: Vec<u8>,
+}
+
+impl ChunkHead {
+    pub(super) fn new(id: &str, model: &str) -> Self {
+        Self {
+            id: id.to_owned(),
+            model: model.to_owned(),
+            created: None,
+            prefix: Vec::new(),
+        }
+    }
+
+    /// The stream's `created`: the first one asked for (`own`, the chunk's
+    /// own), or now.
+    pub(super) fn created(&mut self, own: impl FnOnce() -> Option<Value>) -> &Value {
+        self.created
+            .get_or_insert_with(|| own().unwrap_or_else(|| json!(now())))
+    }
+
+    /// The start of every line [`read_chunk`] writes, made once.
+    fn prefix(&mut self, own: impl FnOnce() -> Option<Value>) -> &[u8] {
+        if self.prefix.is_empty() {
+            let created = self.created(own).clone();
+            let mut prefix = Vec::with_capacity(128);
+            prefix.extend_from_slice(b"data: {\"id\":");
+            // Writing strings and a Value into a Vec cannot fail.
+            let _ = serde_json::to_writer(&mut prefix, &self.id);
+            prefix.extend_from_slice(b",\"object\":\"chat.completion.chunk\",\"model\":");
+            let _ = serde_json::to_writer(&mut prefix, &self.model);
+            prefix.extend_from_slice(b",\"created\":");
+            let _ = serde_json::to_writer(&mut prefix, &created);
+            self.prefix = prefix;
+        }
+        &self.prefix
+    }
+}
+
+/// Reads one upstream chunk without building its tree (most of a stream's
+/// cost per chunk when it did): its members stay raw JSON, copied once into
+/// the line the client gets, and only the text of its deltas is measured.
+/// `None` for a chunk out of the ordinary (not an object of distinct,
+/// plainly named members; choices not objects with string contents), left
+/// to [`read_chunk_tree`], which reads anything.
+pub(super) fn read_chunk(
+    json: &[u8],
+    head: &mut ChunkHead,
+    usage: &mut Option<Value>,
+) -> Option<Chunk> {
+    // Checked as UTF-8 once here: read from bytes, each member's raw text
+    // and each name would be checked again as it is borrowed.
+    let text = std::str::from_utf8(json).ok()?;
+    let Members(members) = serde_json::from_str(text).ok()?;
+    let repeated = members
+        .iter()
+        .enumerate()
+        .any(|(i, (name, _))| members[..i].iter().any(|(seen, _)| seen == name));
+    if repeated {
+        return None;
+    }
+    let member = |wanted: &str| {
+        members
+            .iter()
+            .find(|(name, _)| *name == wanted)
+            .map(|(_, raw)| *raw)
+    };
+    if member("error").is_some() {
+        return Some(Chunk::Error(sse_raw(json)));
+    }
+    let choices: Option<ChoicesText> = match member("choices") {
+        Some(raw) if raw.get().starts_with('[') => Some(serde_json::from_str(raw.get()).ok()?),
+        _ => None,
+    };
+    if let Some(raw) = member("usage").filter(|raw| raw.get().starts_with('{')) {
+        *usage = Some(serde_json::from_str(raw.get()).ok()?);
+    }
+    let Some(ChoicesText { chars, .. }) = choices.filter(|choices| choices.count > 0) else {
+        return Some(Chunk::Skip);
+    };
+    let created = member("created");
+    let prefix = head.prefix(|| created.and_then(|raw| serde_json::from_str(raw.get()).ok()));
+    let mut line = Vec::with_capacity(prefix.len() + json.len() + 4);
+    line.extend_from_slice(prefix);
+    for (name, raw) in &members {
+        if matches!(
+            *name,
+            "id" | "object" | "model" | "created" | "usage" | "system_fingerprint"
+        ) {
+            continue;
+        }
+        line.push(b',');
+        let _ = serde_json::to_writer(&mut line, name);
+        line.push(b':');
+        line.extend_from_slice(raw.get().as_bytes());
+    }
+    line.extend_from_slice(b"}\n\n");
+    Some(Chunk::Forward {
+        line: Bytes::from(line),
+        chars,
+    })
+}
+
+/// Reads one upstream chunk as a tree: any chunk [`read_chunk`] leaves, and
+/// every chunk of a stream whose choices are rewritten (search results as
+/// documents: the finish reason and the tool calls' indexes).
+pub(super) fn read_chunk_tree(
+    json: &[u8],
+    head: &mut ChunkHead,
+    usage: &mut Option<Value>,
+    documents: bool,
+) -> Chunk {
+    let Ok(Value::Object(mut chunk)) = serde_json::from_slice::<Value>(json) else {
+        return Chunk::Skip;
+    };
+    if chunk.contains_key("error") {
+        return Chunk::Error(sse(&Value::Object(chunk)));
+    }
+    if let Some(found) = chunk.remove("usage").filter(Value::is_object) {
+        *usage = Some(found);
+    }
+    let has_choices = chunk
+        .get("choices")
+        .and_then(Value::as_array)
+        .is_some_and(|c| !c.is_empty());
+    if !has_choices {
+        return Chunk::Skip;
+    }
+    let chars = delta_chars(chunk.get("choices"));
+    chunk.insert("id".into(), json!(head.id));
+    chunk.insert("object".into(), json!("chat.completion.chunk"));
+    chunk.insert("model".into(), json!(head.model));
+    let created = head.created(|| chunk.get("created").cloned()).clone();
+    chunk.insert("created".into(), created);
+    chunk.remove("system_fingerprint");
+    if documents && let Some(Value::Array(choices)) = chunk.get_mut("choices") {
+        for choice in choices.iter_mut() {
+            if choice.get("finish_reason").is_some_and(|r| r == "stop") {
+                choice["finish_reason"] = json!("tool_calls");
+            }
+            // The documents call is the choice's tool call 0: the model's
+            // own calls come after it.
+            let calls = choice
+                .get_mut("delta")
+                .and_then(|delta| delta.get_mut("tool_calls"));
+            if let Some(Value::Array(calls)) = calls {
+                for call in calls.iter_mut() {
+                    if let Some(index) = call.get("index").and_then(Value::as_u64) {
+                        call["index"] = json!(index + 1);
+                    }
+                }
+            }
+        }
+    }
+    Chunk::Forward {
+        line: sse(&Value::Object(chunk)),
+        chars,
+    }
+}
+
+/// An object's members as raw JSON, in their order.
+struct Members<'a>(Vec<(&'a str, &'a serde_json::value::RawValue)>);
+
+impl<'de> serde::Deserialize<'de> for Members<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = Members<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Self::Value, A::Error> {
+                let mut members = Vec::with_capacity(8);
+                while let Some(member) = map.next_entry()? {
+                    members.push(member);
+                }
+                Ok(Members(members))
+            }
+        }
+        deserializer.deserialize_map(Visit)
+    }
+}
+
+/// A chunk's choices, as far as the relay reads them: how many, and the
+/// characters of text their deltas carry (summed as they are read, with
+/// no vector of them).
+struct ChoicesText {
+    count: usize,
+    chars: usize,
+}
+
+impl<'de> serde::Deserialize<'de> for ChoicesText {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = ChoicesText;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an array of choices")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Self::Value, A::Error> {
+                let mut choices = ChoicesText { count: 0, chars: 0 };
+                while let Some(choice) = seq.next_element::<ChoiceText>()? {
+                    choices.count += 1;
+                    choices.chars += choice.chars();
+                }
+                Ok(choices)
+            }
+        }
+        deserializer.deserialize_seq(Visit)
+    }
+}
+
+/// A choice of a chunk, as far as the relay reads it: its delta's text.
+#[derive(serde::Deserialize)]
+struct ChoiceText {
+    #[serde(default)]
+    delta: Option<DeltaText>,
+}
+
+#[derive(serde::Deserialize)]
+struct DeltaText {
+    #[serde(default)]
+    content: Option<TextLen>,
+}
+
+impl ChoiceText {
+    fn chars(&self) -> usize {
+        self.delta
+            .as_ref()
+            .and_then(|delta| delta.content.as_ref())
+            .map_or(0, |text| text.0)
+    }
+}
+
+/// The length of a JSON string, read without keeping the string.
+struct TextLen(usize);
+
+impl<'de> serde::Deserialize<'de> for TextLen {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl serde::de::Visitor<'_> for Visit {
+            type Value = TextLen;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a string")
+            }
+            fn visit_str<E: serde::de::Error>(self, text: &str) -> Result<TextLen, E> {
+                Ok(TextLen(text.len()))
+            }
+        }
+        deserializer.deserialize_str(Visit)
+    }
+}
+
+/// `json` as a server-sent event, as it is.
+fn sse_raw(json: &[u8]) -> Bytes {
+    let mut line = Vec::with_capacity(json.len() + 8);
+    line.extend_from_slice(b"data: ");
+    line.extend_from_slice(json);
+    line.extend_from_slice(b"\n\n");
+    Bytes::from(line)
+}
+
+pub(super) fn sse(value: &Value) -> Bytes {
+    let mut line = Vec::with_capacity(256);
+    line.extend_from_slice(b"data: ");
+    // Serializing a Value cannot fail.
+    let _ = serde_json::to_writer(&mut line, value);
+    line.extend_from_slice(b"\n\n");
+    Bytes::from(line)
+}
+
+fn delta_chars(choices: Option<&Value>) -> usize {
+    choices
+        .and_then(Value::as_array)
+        .map(|choices| {
+            choices
+                .iter()
+                .map(|c| c["delta"]["content"].as_str().map_or(0, str::len))
+                .sum()
+        })
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Chunk, ChunkHead, read_chunk, read_chunk_tree};
+    use proptest::prelude::*;
+    use serde_json::{Value, json};
+
+    /// What a line says: its JSON, after `data: `.
+    fn said(line: &[u8]) -> Value {
+        let text = std::str::from_utf8(line).unwrap();
+        let json = text
+            .strip_prefix("data: ")
+            .unwrap()
+            .strip_suffix("\n\n")
+            .unwrap();
+        serde_json::from_str(json).unwrap()
+    }
+
+    /// Both readers on one chunk (each with a fresh stream): the fast one's
+    /// verdict, when it gives one, is the tree's.
+    fn agree(json: &[u8]) -> Result<bool, TestCaseError> {
+        let (mut fast_head, mut tree_head) = (
+            ChunkHead::new("chatcmpl-x", "m"),
+            ChunkHead::new("chatcmpl-x", "m"),
+        );
+        let (mut fast_usage, mut tree_usage) = (None, None);
+        let tree = read_chunk_tree(json, &mut tree_head, &mut tree_usage, false);
+        let Some(fast) = read_chunk(json, &mut fast_head, &mut fast_usage) else {
+            return Ok(false);
+        };
+        prop_assert_eq!(&fast_usage, &tree_usage);
+        match (fast, tree) {
+            (Chunk::Skip, Chunk::Skip) => {}
+            (Chunk::Error(a), Chunk::Error(b)) => prop_assert_eq!(said(&a), said(&b)),
+            (Chunk::Forward { line: a, chars: x }, Chunk::Forward { line: b, chars: y }) => {
+                prop_assert_eq!(x, y);
+                let (a, b) = (said(&a), said(&b));
+                // `created` is now in both when the chunk has none.
+                if json_has(json, "created") {
+                    prop_assert_eq!(a, b);
+                } else {
+                    let strip = |mut v: Value| {
+                        v.as_object_mut().unwrap().remove("created");
+                        v
+                    };
+                    prop_assert_eq!(strip(a), strip(b));
+                }
+            }
+            _ => prop_assert!(
+                false,
+                "the readers disagree on {}",
+                String::from_utf8_lossy(json)
+            ),
+        }
+        Ok(true)
+    }
+
+    fn json_has(json: &[u8], key: &str) -> bool {
+        serde_json::from_slice::<Value>(json).is_ok_and(|v| v.get(key).is_some())
+    }
+
+    #[test]
+    fn the_usual_chunks_take_the_fast_way_and_agree() {
+        for chunk in [
+            json!({"id": "up", "object": "chat.completion.chunk", "created": 1_800_000_000u64, "model": "up-model",
+                   "system_fingerprint": "fp", "choices": [{"index": 0, "delta": {"role": "assistant", "content": "héllo \"q\" \n"},
+                   "logprobs": null, "finish_reason": null}]}),
+            json!({"id": "up", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+                   "usage": {"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}}),
+            json!({"id": "up", "choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 5}}),
+            json!({"error": {"message": "overloaded", "type": "server_error"}}),
+            json!({"choices": [{"delta": {"content": null, "tool_calls": [{"index": 0}]}}, {"delta": {"content": "ab"}}], "x-extra": [1, 2.50]}),
+        ] {
+            let json = serde_json::to_vec(&chunk).unwrap();
+            assert!(agree(&json).unwrap(), "{chunk} went the slow way");
+        }
+    }
+
+    #[test]
+    fn chunks_out_of_the_ordinary_go_the_tree_way() {
+        for json in [
+            &br#"{"choices":[{"delta":{"content":"a"}}],"choices":[]}"#[..],
+            br#"{"choices":[{"delta":{"content":[{"type":"text","text":"a"}]}}]}"#,
+            br#"{"choices":[null]}"#,
+            br#"{"ch\u006fices":[{"delta":{"content":"a"}}]}"#,
+            // A name with an escape (serde_json cannot lend it).
+            br#"{"choices":[{"delta":{"content":"a"}}],"a\"b":1}"#,
+            br#"[1,2]"#,
+            b"not json",
+            // Not UTF-8 (the tree reader skips it).
+            b"{\"choices\":[{\"delta\":{\"content\":\"\xff\"}}]}",
+        ] {
+            let (mut head, mut usage) = (ChunkHead::new("c", "m"), None);
+            assert!(
+                read_chunk(json, &mut head, &mut usage).is_none(),
+                "{}",
+                String::from_utf8_lossy(json)
+            );
+        }
+    }
+
+    fn member() -> impl Strategy<Value = (String, Value)> {
+        let text = prop_oneof![
+            Just(Value::Null),
+            any::<String>().prop_map(Value::from),
+            Just(json!(7))
+        ];
+        let choice = (text, proptest::option::of(prop_oneof![Just("stop"), Just("length")]))
+            .prop_map(|(content, finish)| json!({"index": 0, "delta": {"content": content}, "finish_reason": finish}));
+        prop_oneof![
+            proptest::collection::vec(choice, 0..3)
+                .prop_map(|c| ("choices".to_owned(), Value::from(c))),
+            (0u64..1000).prop_map(|n| ("usage".to_owned(), json!({"completion_tokens": n}))),
+            Just(("usage".to_owned(), Value::Null)),
+            Just(("error".to_owned(), json!({"message": "no"}))),
+            prop_oneof![
+                Just(json!(1_800_000_000u64)),
+                Just(Value::Null),
+                Just(json!("x"))
+            ]
+            .prop_map(|v| ("created".to_owned(), v)),
+            ("[a-z_]{1,12}", any::<String>()).prop_map(|(k, v)| (k, Value::from(v))),
+            // Any name: one that needs an escape goes the tree way.
+            (any::<String>(), any::<String>()).prop_map(|(k, v)| (k, Value::from(v))),
+        ]
+    }
+
+    proptest! {
+        /// Any chunk: the fast reader answers as the tree reader does, or
+        /// leaves the chunk to it.
+        #[test]
+        fn the_fast_reader_is_the_tree_reader(members in proptest::collection::vec(member(), 0..6)) {
+            let mut object = String::from("{");
+            for (i, (name, value)) in members.iter().enumerate() {
+                if i > 0 {
+                    object.push(',');
+                }
+                object.push_str(&serde_json::to_string(name).unwrap());
+                object.push(':');
+                object.push_str(&value.to_string());
+            }
+            object.push('}');
+            agree(object.as_bytes())?;
+        }
+    }
+}

@@ -1,0 +1,536 @@
+//! A streamed answer: the router's chunks relayed as SSE, checkpointed
+//! while they run, and ended with the usage, the `cost` chunk and
+//! `[DONE]` once the settlement is durable.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use actix_web::http::header::ContentEncoding;
+use actix_web::{HttpResponse, web};
+use bytes::Bytes;
+use futures_util::{FutureExt, StreamExt};
+use rialto_proto::router::v1 as router_pb;
+use rialto_proto::router::v1::chat_stream_event::Event;
+use serde_json::{Value, json};
+
+use super::chunks::{Chunk, ChunkHead, read_chunk, read_chunk_tree, sse};
+use super::metering::{BALANCE_REMAINING, Usage, usage_or_estimate};
+use super::{Exchange, in_band_error, model_headers, search_error_header};
+use crate::augment;
+use crate::{ApiError, Gateway, ModelEntry};
+
+/// Answers with the router's stream. A failure before the backend is
+/// named is still an HTTP status; the head leaves with the first chunk
+/// (or after [`FIRST_CHUNK_WAIT`]), and the body is the [`Relay`] from there.
+pub(super) async fn stream(
+    gateway: &web::Data<Gateway>,
+    model: &ModelEntry,
+    router_request: rialto_router::Chat,
+    exchange: Exchange,
+) -> Result<HttpResponse, ApiError> {
+    let mut exchange = exchange;
+    let mut router_request = router_request;
+    // The stream's hold lives on a lease that checkpoints renew: while the
+    // web is searched and the backend thinks before its first byte too (a
+    // long prompt can take longer than the lease), or the hold would
+    // expire and the stream run free.
+    let mut checkpoints = checkpoint_clock(exchange.checkpoint_every);
+    if let Some(plan) = exchange.web.clone() {
+        let searching = augment::run(gateway, model, &plan, &mut router_request);
+        tokio::pin!(searching);
+        let found = loop {
+            tokio::select! {
+                found = &mut searching => break found,
+                _ = checkpoints.tick() => exchange.settlement.checkpoint(&Usage::completion_only(0)),
+            }
+        };
+        exchange.found(found);
+    }
+    let opening = gateway.services.router.chat_stream(router_request);
+    tokio::pin!(opening);
+    let opened = loop {
+        tokio::select! {
+            opened = &mut opening => break opened,
+            _ = checkpoints.tick() => exchange.settlement.checkpoint(&Usage::completion_only(0)),
+        }
+    };
+    let mut events = match opened {
+        Ok(events) => events,
+        Err(error) => {
+            exchange.failed(&error);
+            return Err(error.into());
+        }
+    };
+    // The first event names the backend; a failure before it is still an
+    // ordinary HTTP error.
+    let (backend, retries) = match events.next().await {
+        Some(Ok(router_pb::ChatStreamEvent {
+            event: Some(Event::Backend(name)),
+            retry_count,
+        })) => (name, retry_count),
+        Some(Err(error)) => {
+            exchange.failed(&error);
+            return Err(error.into());
+        }
+        // A router that names no backend: keep whatever came first.
+        Some(Ok(first)) => {
+            events = Box::pin(futures_util::stream::iter([Ok(first)]).chain(events));
+            (String::new(), 0)
+        }
+        None => (String::new(), 0),
+    };
+    // A stream's headers leave before its cost is known: what remains
+    // after its hold (the most it can cost).
+    let remaining = exchange.wallet_usd_before.map(|before| {
+        let held: rust_decimal::Decimal = exchange.settlement.held_usd.parse().unwrap_or_default();
+        (before - held).normalize().to_string()
+    });
+    let exchange_error = exchange.found.error.clone();
+    let parameters_field = gateway.brand.parameters_field.clone();
+    let mut relay = Relay::new(exchange, parameters_field);
+    // The head leaves with the first chunk, in one write: answered at once,
+    // it would go out alone and the first chunk a write (and two turns of
+    // a busy worker's queue) later. Anything but an ordinary chunk (the
+    // end, a failure, a chunk with nothing for the client) is left to the
+    // body, and a backend slow to its first chunk gets its head after
+    // `FIRST_CHUNK_WAIT`.
+    let mut first = relay.documents_chunk();
+    let mut ending = None;
+    let deadline = tokio::time::Instant::now() + FIRST_CHUNK_WAIT;
+    while first.is_none() && ending.is_none() {
+        let Ok(event) = tokio::time::timeout_at(deadline, events.next()).await else {
+            break;
+        };
+        match relay.read(event) {
+            Read::Line(line) => first = Some(line),
+            Read::Skip => {}
+            Read::Ends(end) => ending = Some(end),
+        }
+    }
+    let body = RelayBody::start(relay, events, checkpoints, first, ending);
+    let mut response = HttpResponse::Ok();
+    response
+        .content_type("text/event-stream")
+        // Streams are never compressed (the spec applies Accept-Encoding to
+        // non-streamed responses only), and must not be buffered by proxies.
+        .insert_header(ContentEncoding::Identity)
+        .insert_header(("cache-control", "no-cache"))
+        .insert_header(("x-accel-buffering", "no"));
+    model_headers(&mut response, gateway, model, &backend, retries);
+    if let Some(remaining) = remaining {
+        response.insert_header((BALANCE_REMAINING, remaining));
+    }
+    search_error_header(&mut response, gateway, exchange_error.as_deref());
+    Ok(response.streaming(body))
+}
+
+const DONE: &[u8] = b"data: [DONE]\n\n";
+
+/// How long a stream's head waits for its first chunk to leave with it.
+const FIRST_CHUNK_WAIT: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// One event of the router's stream: `None` once it ended.
+type StreamEvent = Option<rialto_core::Result<router_pb::ChatStreamEvent>>;
+
+/// What [`Relay::read`] made of an event.
+enum Read {
+    /// A chunk for the client, counted.
+    Line(Bytes),
+    /// Nothing for the client (a usage-only chunk, an event that is not a
+    /// chunk).
+    Skip,
+    /// The stream ends here.
+    Ends(Ending),
+}
+
+/// How a stream ends.
+enum Ending {
+    /// It failed: this line for the client, then `[DONE]`.
+    Failed(Bytes),
+    /// The upstream's stream ended.
+    End,
+}
+
+/// A stream's relay: what the upstream has sent so far, and the exchange
+/// it is billed by. The first chunk is read by the handler (so it leaves
+/// with the head), the rest by [`RelayBody`] as the client takes them.
+struct Relay {
+    exchange: Exchange,
+    parameters_field: String,
+    head: ChunkHead,
+    /// The upstream's own `usage`, when it sent one.
+    upstream_usage: Option<Value>,
+    /// Characters of text sent so far.
+    completion_text: usize,
+    /// Chunks with text sent so far.
+    content_chunks: u64,
+    /// Search results as documents: a tool call before the content, and
+    /// the choices finish with `tool_calls`.
+    documents: Option<Value>,
+    /// Billed: its end reached, or ended early.
+    ended: bool,
+}
+
+/// A relay dropped before it ended was left by its client: in the handler,
+/// while it waited for the first chunk (actix drops a handler whose
+/// client is gone), or with the response body (or the runtime stopped
+/// under it). What the upstream sent so far is billed, off the response
+/// path.
+impl Drop for Relay {
+    fn drop(&mut self) {
+        if !self.ended {
+            tracing::info!(
+                request_id = self.exchange.request_id,
+                "client left the stream"
+            );
+            self.bill_later();
+        }
+    }
+}
+
+impl Relay {
+    fn new(exchange: Exchange, parameters_field: String) -> Self {
+        let head = ChunkHead::new(&exchange.completion_id, &exchange.chat.model_id);
+        let documents = exchange
+            .web
+            .as_ref()
+            .and_then(|plan| augment::documents_call(plan, &exchange.found));
+        Self {
+            exchange,
+            parameters_field,
+            head,
+            upstream_usage: None,
+            completion_text: 0,
+            content_chunks: 0,
+            documents,
+            ended: false,
+        }
+    }
+
+    /// The chunk that comes before the upstream's, when search results
+    /// are documents: their tool call.
+    fn documents_chunk(&mut self) -> Option<Bytes> {
+        let call = self.documents.as_ref()?;
+        let mut delta_call = call.clone();
+        delta_call["index"] = json!(0);
+        let choices: Vec<Value> = (0..self.exchange.chat.choices)
+            .map(|index| {
+                json!({"index": index, "delta": {"role": "assistant", "content": null,
+                    "tool_calls": [delta_call]}, "logprobs": null, "finish_reason": null})
+            })
+            .collect();
+        let first = json!({
+            "id": self.exchange.completion_id,
+            "object": "chat.completion.chunk",
+            "created": self.head.created(|| None).clone(),
+            "model": self.exchange.chat.model_id,
+            "choices": choices,
+        });
+        Some(sse(&first))
+    }
+
+    /// Reads one event of the router's stream, counting the text it
+    /// sends.
+    fn read(&mut self, event: StreamEvent) -> Read {
+        let json = match event {
+            None => return Read::Ends(Ending::End),
+            Some(Ok(router_pb::ChatStreamEvent {
+                event: Some(Event::ChunkJson(json)),
+                ..
+            })) => json,
+            Some(Ok(_)) => return Read::Skip,
+            Some(Err(error)) => {
+                tracing::warn!(request_id = self.exchange.request_id, %error, "stream failed upstream");
+                return Read::Ends(Ending::Failed(sse(&in_band_error(&error))));
+            }
+        };
+        let documents = self.documents.is_some();
+        let read = if documents {
+            None
+        } else {
+            read_chunk(&json, &mut self.head, &mut self.upstream_usage)
+        };
+        let read = read.unwrap_or_else(|| {
+            read_chunk_tree(&json, &mut self.head, &mut self.upstream_usage, documents)
+        });
+        match read {
+            Chunk::Forward { line, chars } => {
+                self.completion_text += chars;
+                self.content_chunks += u64::from(chars > 0);
+                Read::Line(line)
+            }
+            // A usage-only chunk: folded into our final chunk.
+            Chunk::Skip => Read::Skip,
+            // The upstream reported a failure in-band: passed on as it is.
+            Chunk::Error(line) => Read::Ends(Ending::Failed(line)),
+        }
+    }
+
+    /// Ends the stream before its end (it failed, or its reader was too
+    /// slow): what it used so far is billed, off the response path.
+    fn bill_later(&mut self) {
+        self.ended = true;
+        let used = self.used();
+        self.exchange.settlement.bill_later(&used);
+    }
+
+    /// What the stream used so far: the upstream's count, or an estimate.
+    fn used(&self) -> Usage {
+        usage_or_estimate(
+            self.upstream_usage.as_ref(),
+            self.exchange.chat.prompt_tokens_estimate,
+            self.completion_text,
+        )
+    }
+
+    /// Records the least the stream has used so far: a token per chunk of
+    /// text and no prompt (estimates could overshoot the upstream's own
+    /// count), so a crash never charges more than the stream would have
+    /// cost. Each checkpoint renews the hold's lease.
+    fn checkpoint(&self) {
+        self.exchange
+            .settlement
+            .checkpoint(&Usage::completion_only(self.content_chunks));
+    }
+
+    /// The stream's end: billed, then the lines that end it: the final
+    /// chunk with `usage` and `cost`, the citations when asked for, and
+    /// `[DONE]`.
+    async fn finish(mut self) -> Vec<Bytes> {
+        self.ended = true;
+        let usage = self.used();
+        let exchange = &mut self.exchange;
+        let created = self.head.created(|| None).clone();
+        let last = match exchange.settlement.bill(&usage).await {
+            Ok(cost) => json!({
+                "id": exchange.completion_id,
+                "object": "chat.completion.chunk",
+                "created": created.clone(),
+                "model": exchange.chat.model_id,
+                "choices": [],
+                "usage": usage.json,
+                "cost": cost,
+            }),
+            Err(error) => json!({"error": {
+                "message": error.message(),
+                "type": "server_error",
+                "code": "billing_error",
+                "param": null,
+            }}),
+        };
+        let mut lines = vec![sse(&last)];
+        // The citations, when asked for in the stream: last before `[DONE]`.
+        if let Some(plan) = exchange.web.as_ref().filter(|plan| plan.in_stream) {
+            let mut parameters = std::mem::take(&mut exchange.chat.parameters);
+            augment::echo(&mut parameters, plan, &exchange.found);
+            if parameters.contains_key("web_search_citations") {
+                let citations = json!({
+                    "id": exchange.completion_id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": exchange.chat.model_id,
+                    "choices": [],
+                    &self.parameters_field: parameters,
+                });
+                lines.push(sse(&citations));
+            }
+        }
+        lines.push(Bytes::from_static(DONE));
+        lines
+    }
+}
+
+/// The rest of a stream, as its response body. Actix's dispatcher polls it
+/// when the client's connection has room, and it reads the upstream then:
+/// a chunk takes one turn of the worker from the upstream's connection to
+/// the client's (a relay task between them took a turn of its own, and a
+/// channel). A slow client slows the reading of the upstream, as a proxy
+/// would. What must happen whether the client reads or not (checkpoints,
+/// and the end of a reader too slow to take its chunks) is done by the
+/// stream's [`watch`] task on the checkpoint clock, which shares the relay.
+struct RelayBody {
+    relaying: Arc<std::sync::Mutex<Relaying>>,
+    /// Lines to leave before the upstream is read again: the first chunk,
+    /// or the lines that end the stream.
+    queued: std::vec::IntoIter<Bytes>,
+    /// The stream's end being billed by a task of its own (so a client
+    /// that leaves meanwhile does not cut the settlement short), with the
+    /// lines it ends with.
+    finishing: Option<tokio::task::JoinHandle<Vec<Bytes>>>,
+    /// The stream's watch: ended with the body, so a stream that ended
+    /// leaves neither a task nor a timer behind it.
+    watch: tokio::task::AbortHandle,
+}
+
+/// A body dropped (the stream ended, or its client left) ends its watch;
+/// the relay, if still there, is billed as it drops.
+impl Drop for RelayBody {
+    fn drop(&mut self) {
+        self.watch.abort();
+    }
+}
+
+/// What the body and its watch share.
+struct Relaying {
+    /// `None` once the stream is billed or its end is being billed.
+    relay: Option<Relay>,
+    events: rialto_router::ChatStream,
+    /// When the body last handed the client a chunk, while the client has
+    /// not come back for the next.
+    handed: Option<std::time::Instant>,
+}
+
+impl RelayBody {
+    /// The body after the handler's first read: `first`, the chunk to leave
+    /// with the head, and `ending`, the end or the failure met before any
+    /// chunk. Starts the stream's watch on `checkpoints`.
+    fn start(
+        relay: Relay,
+        events: rialto_router::ChatStream,
+        checkpoints: tokio::time::Interval,
+        first: Option<Bytes>,
+        ending: Option<Ending>,
+    ) -> Self {
+        let relaying = Arc::new(std::sync::Mutex::new(Relaying {
+            relay: Some(relay),
+            events,
+            handed: None,
+        }));
+        let watch = tokio::spawn(watch(Arc::downgrade(&relaying), checkpoints)).abort_handle();
+        let mut queued: Vec<Bytes> = first.into_iter().collect();
+        let mut finishing = None;
+        if let Some(ending) = ending {
+            queued.extend(body_end(&mut lock(&relaying), ending, &mut finishing));
+        }
+        Self {
+            relaying,
+            queued: queued.into_iter(),
+            finishing,
+            watch,
+        }
+    }
+}
+
+/// What the stream's end leaves for the client: a failure's line and
+/// `[DONE]` (what was sent is billed), or nothing yet while the end is
+/// billed by a task of its own (`finishing`). Either way the relay leaves
+/// `relaying`.
+fn body_end(
+    relaying: &mut Relaying,
+    ending: Ending,
+    finishing: &mut Option<tokio::task::JoinHandle<Vec<Bytes>>>,
+) -> Vec<Bytes> {
+    let Some(mut relay) = relaying.relay.take() else {
+        return Vec::new();
+    };
+    match ending {
+        Ending::Failed(line) => {
+            relay.bill_later();
+            vec![line, Bytes::from_static(DONE)]
+        }
+        Ending::End => {
+            *finishing = Some(tokio::spawn(relay.finish()));
+            Vec::new()
+        }
+    }
+}
+
+impl futures_util::Stream for RelayBody {
+    type Item = Result<Bytes, Infallible>;
+
+    fn poll_next(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Self::Item>> {
+        use std::task::Poll;
+        let this = self.get_mut();
+        loop {
+            if let Some(line) = this.queued.next() {
+                return Poll::Ready(Some(Ok(line)));
+            }
+            if let Some(finishing) = this.finishing.as_mut() {
+                // A billing task that panicked leaves the stream without
+                // its last lines; it is not billed twice.
+                let lines = std::task::ready!(finishing.poll_unpin(cx)).unwrap_or_default();
+                this.finishing = None;
+                this.queued = lines.into_iter();
+                continue;
+            }
+            let mut relaying = lock(&this.relaying);
+            relaying.handed = None;
+            let Relaying { relay, events, .. } = &mut *relaying;
+            // Billed already: ended by its watch, or its end met.
+            let Some(relay) = relay.as_mut() else {
+                return Poll::Ready(None);
+            };
+            let event = std::task::ready!(events.poll_next_unpin(cx));
+            match relay.read(event) {
+                Read::Line(line) => {
+                    relaying.handed = Some(std::time::Instant::now());
+                    return Poll::Ready(Some(Ok(line)));
+                }
+                Read::Skip => {}
+                Read::Ends(end) => {
+                    this.queued = body_end(&mut relaying, end, &mut this.finishing).into_iter()
+                }
+            }
+        }
+    }
+}
+
+/// A stream's watch, one task on its checkpoint clock for as long as its
+/// body lives (the body's drop aborts it): the hold lives on a lease that
+/// each checkpoint renews, so it checkpoints whether chunks come or not (a
+/// backend silent for longer than the lease must not let the hold expire
+/// and the stream go free); and a client that has not come back for
+/// `reader_patience` after its last chunk is ended and charged what it was
+/// sent (the upstream is let go at once, not when the client's connection
+/// closes).
+async fn watch(
+    relaying: std::sync::Weak<std::sync::Mutex<Relaying>>,
+    mut checkpoints: tokio::time::Interval,
+) {
+    loop {
+        checkpoints.tick().await;
+        // Gone with its body: billed as it dropped.
+        let Some(relaying) = relaying.upgrade() else {
+            return;
+        };
+        let mut relaying = lock(&relaying);
+        let handed = relaying.handed;
+        let Some(relay) = relaying.relay.as_mut() else {
+            return;
+        };
+        let patience = relay.exchange.reader_patience;
+        if handed.is_some_and(|handed| handed.elapsed() >= patience) {
+            tracing::warn!(
+                request_id = relay.exchange.request_id,
+                patience_secs = patience.as_secs(),
+                "the client stopped reading the stream: ended"
+            );
+            relay.bill_later();
+            relaying.relay = None;
+            relaying.events = Box::pin(futures_util::stream::empty());
+            return;
+        }
+        relay.checkpoint();
+    }
+}
+
+/// The lock of a stream's relay, shared by its body and its watch: neither
+/// panics while holding it, and a relay left by one that did is still the
+/// relay (its billing is what matters).
+fn lock(relaying: &std::sync::Mutex<Relaying>) -> std::sync::MutexGuard<'_, Relaying> {
+    relaying
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The clock of a stream's checkpoints, one from its hold to its end: first
+/// after `every`, then every `every` from the last tick (a late tick does
+/// not bring a burst).
+fn checkpoint_clock(every: std::time::Duration) -> tokio::time::Interval {
+    let mut clock = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
+    clock.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    clock
+}
