@@ -292,10 +292,11 @@ fn sse_raw(json: &[u8]) -> Bytes {
     Bytes::from(line)
 }
 
-pub(super) fn sse(value: &Value) -> Bytes {
+pub(super) fn sse(value: &(impl serde::Serialize + ?Sized)) -> Bytes {
     let mut line = Vec::with_capacity(256);
     line.extend_from_slice(b"data: ");
-    // Serializing a Value cannot fail.
+    // What is written here (JSON trees, and structs of them with string
+    // keys) cannot fail to serialize.
     let _ = serde_json::to_writer(&mut line, value);
     line.extend_from_slice(b"\n\n");
     Bytes::from(line)
