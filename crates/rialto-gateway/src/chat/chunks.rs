@@ -152,7 +152,7 @@ pub(super) fn read_chunk_tree(
     if !has_choices {
         return Chunk::Skip;
     }
-    let chars = delta_chars(chunk.get("choices"));
+    let chars = text_chars(chunk.get("choices"), "delta");
     chunk.insert("id".into(), json!(head.id));
     chunk.insert("object".into(), json!("chat.completion.chunk"));
     chunk.insert("model".into(), json!(head.model));
@@ -302,13 +302,16 @@ pub(super) fn sse(value: &(impl serde::Serialize + ?Sized)) -> Bytes {
     Bytes::from(line)
 }
 
-fn delta_chars(choices: Option<&Value>) -> usize {
+/// The bytes of text in `choices`' `member` (`message` of an answer,
+/// `delta` of a chunk): what a completion's tokens are estimated from when
+/// its usage is not told.
+pub(super) fn text_chars(choices: Option<&Value>, member: &str) -> usize {
     choices
         .and_then(Value::as_array)
         .map(|choices| {
             choices
                 .iter()
-                .map(|c| c["delta"]["content"].as_str().map_or(0, str::len))
+                .map(|c| c[member]["content"].as_str().map_or(0, str::len))
                 .sum()
         })
         .unwrap_or_default()

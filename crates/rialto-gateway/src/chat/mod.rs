@@ -37,6 +37,7 @@ use crate::{
     ApiError, Details, Gateway, ModelEntry, RateLimitHeaders, authenticate, header_value,
     parse_json, read_body,
 };
+use chunks::text_chars;
 pub(crate) use metering::{
     Admitted, PendingSettlement, Priced, Reservation, Settlement, Usage, admit, balance_remaining,
     pending_settlements, settle_later,
@@ -478,7 +479,7 @@ async fn answer(
             choice.entry("finish_reason").or_insert(Value::Null);
         }
     }
-    let completion_text = completion_chars(object.get("choices"));
+    let completion_text = text_chars(object.get("choices"), "message");
     let usage = usage_or_estimate(
         object.get("usage"),
         exchange.chat.prompt_tokens_estimate,
@@ -615,50 +616,24 @@ async fn convert_files(
         return Ok(());
     };
     let before: usize = messages.iter().map(|m| m.to_string().len()).sum();
-    if let Err((m, p, why)) = crate::files::fetch_urls(messages, allow_private).await {
+    // A file part that cannot be read is the request's fault, named by
+    // where it is.
+    let refused = |(m, p, why): (usize, usize, String)| {
         let mut details = Details::new();
-        details.push(
-            &[
-                "messages",
-                &m.to_string(),
-                "content",
-                &p.to_string(),
-                "file",
-            ],
-            why,
-        );
-        return Err(ApiError::validation(details));
-    }
-    if let Err((m, p, why)) = crate::files::convert(messages, &gateway.converter).await {
-        let mut details = Details::new();
-        details.push(
-            &[
-                "messages",
-                &m.to_string(),
-                "content",
-                &p.to_string(),
-                "file",
-            ],
-            why,
-        );
-        return Err(ApiError::validation(details));
-    }
+        let (m, p) = (m.to_string(), p.to_string());
+        details.push(&["messages", &m, "content", &p, "file"], why);
+        ApiError::validation(details)
+    };
+    crate::files::fetch_urls(messages, allow_private)
+        .await
+        .map_err(refused)?;
+    crate::files::convert(messages, &gateway.converter)
+        .await
+        .map_err(refused)?;
     // The files' text is prompt too (four characters a token, as above).
     let after: usize = messages.iter().map(|m| m.to_string().len()).sum();
     let added = (after.saturating_sub(before) as u64).div_ceil(4);
     chat.prompt_tokens_estimate = chat.prompt_tokens_estimate.saturating_add(added);
     chat.estimated_tokens = chat.estimated_tokens.saturating_add(added);
     Ok(())
-}
-
-fn completion_chars(choices: Option<&Value>) -> usize {
-    choices
-        .and_then(Value::as_array)
-        .map(|choices| {
-            choices
-                .iter()
-                .map(|c| c["message"]["content"].as_str().map_or(0, str::len))
-                .sum()
-        })
-        .unwrap_or_default()
 }
