@@ -427,9 +427,9 @@ impl RelayBody {
 }
 
 /// What the stream's end leaves for the client: a failure's line and
-/// `[DONE]` (what was sent is billed), or nothing yet while the end is
-/// billed by a task of its own (`finishing`). Either way the relay leaves
-/// `relaying`.
+/// `[DONE]` (what was sent is billed), the last chunk and `[DONE]` once
+/// billed, or nothing yet while the end is billed by a task of its own
+/// (`finishing`). Either way the relay leaves `relaying`.
 fn body_end(
     relaying: &mut Relaying,
     ending: Ending,
@@ -444,8 +444,20 @@ fn body_end(
             vec![line, Bytes::from_static(DONE)]
         }
         Ending::End => {
-            *finishing = Some(tokio::spawn(relay.finish()));
-            Vec::new()
+            // Billed here when billing answers at once (one process: decided
+            // in memory, durable once logged), so that the last lines leave
+            // in the write that carries the chunk before them; otherwise in
+            // a task of its own, which a client that leaves cannot cut
+            // short. The task polls again with its own waker.
+            let mut billing = Box::pin(relay.finish());
+            let mut now = std::task::Context::from_waker(std::task::Waker::noop());
+            match billing.as_mut().poll(&mut now) {
+                std::task::Poll::Ready(lines) => lines,
+                std::task::Poll::Pending => {
+                    *finishing = Some(tokio::spawn(billing));
+                    Vec::new()
+                }
+            }
         }
     }
 }
