@@ -300,12 +300,12 @@ impl Relay {
         self.ended = true;
         let usage = self.used();
         let exchange = &mut self.exchange;
-        let created = self.head.created(|| None).clone();
+        let created = self.head.created(|| None);
         let last = match exchange.settlement.bill(&usage).await {
             Ok(cost) => sse(&LastChunk {
                 choices: [],
                 cost: &cost,
-                created: &created,
+                created,
                 id: &exchange.completion_id,
                 model: &exchange.chat.model_id,
                 object: "chat.completion.chunk",
