@@ -30,6 +30,7 @@ mod local;
 mod speech;
 mod sse;
 pub mod thinking;
+mod upstream;
 
 pub use health::{BackendHealth, CircuitState};
 pub use local::{LocalRouter, RoutesReload};

@@ -33,7 +33,9 @@ use crate::balance::{self, MAX_BACKENDS, bit};
 use crate::clients::Clients;
 use crate::health::{self, BackendHealth, Breaker, Health, InFlight, Permit, Probe};
 use crate::inprocess::{ChunkStream, InProcessModel};
+use crate::sse::broken_off;
 use crate::thinking::ThinkStripper;
+use crate::upstream;
 use crate::{Chat, ChatStream, MediaStream, RouterService};
 
 pub struct LocalRouter {
@@ -41,6 +43,8 @@ pub struct LocalRouter {
     /// replaces the map whole; a request keeps the route it started with.
     models: ArcSwap<HashMap<String, Arc<ModelRoute>>>,
     http: Clients,
+    /// Chat and embeddings calls to plain-`http` backends.
+    upstreams: upstream::Upstreams,
     retry: Retry,
     /// `[router]` as the process started: backends a reload builds use it
     /// too.
@@ -213,6 +217,9 @@ enum Transport {
         embeddings_url: reqwest::Url,
         /// The base URL (`http://host:port/v1`), before a media call's path.
         base: String,
+        /// Where chat and embeddings calls go without reqwest: a
+        /// plain-`http` backend, with no proxy in the environment.
+        endpoint: Option<upstream::Endpoint>,
         /// The configured extra headers and the bearer token, marked
         /// sensitive (never printed); replaced whole when `api_key_file`
         /// changes.
@@ -345,10 +352,18 @@ impl Backend {
                     .parse()
                     .map_err(|e| Error::invalid(format!("model {model_id}: backend url: {e}")))
             };
+            let endpoint = if upstream::usable() {
+                url("/")
+                    .ok()
+                    .and_then(|base: reqwest::Url| upstream::Endpoint::new(&base))
+            } else {
+                None
+            };
             let transport = Transport::Http {
                 chat_url: url("/chat/completions")?,
                 embeddings_url: url("/embeddings")?,
                 base: base.to_owned(),
+                endpoint,
                 headers: watched_headers(model_id, &name, config)?,
             };
             (backend_host(base), transport, Health::new(threshold))
@@ -588,6 +603,7 @@ impl LocalRouter {
         let mut router = Self {
             models: ArcSwap::default(),
             http,
+            upstreams: upstream::Upstreams::new(connect_timeout),
             retry: Retry {
                 max: config.max_retries,
                 base: Duration::from_millis(config.retry_backoff_base_ms),
@@ -1002,6 +1018,27 @@ impl LocalRouter {
                         .await
                 }
                 Transport::Http {
+                    endpoint: Some(endpoint),
+                    headers,
+                    ..
+                } => {
+                    let uri = match call {
+                        Call::Embed => endpoint.embeddings(),
+                        Call::Chat | Call::ChatStream | Call::Media(_) => endpoint.chat(),
+                    };
+                    let stream = call == Call::ChatStream;
+                    self.send_upstream(
+                        backend,
+                        endpoint,
+                        uri,
+                        &headers.load(),
+                        body,
+                        stream,
+                        request_id,
+                    )
+                    .await
+                }
+                Transport::Http {
                     chat_url,
                     embeddings_url,
                     headers,
@@ -1048,6 +1085,64 @@ impl LocalRouter {
         result.map(|answer| (answer, in_flight))
     }
 
+    /// A chat or embeddings call on [`upstream::Upstreams`]: what
+    /// [`LocalRouter::send_http`] does with reqwest, for a plain-`http`
+    /// backend.
+    #[allow(clippy::too_many_arguments)]
+    async fn send_upstream(
+        &self,
+        backend: &Backend,
+        endpoint: &upstream::Endpoint,
+        uri: &hyper::Uri,
+        headers: &HeaderMap,
+        body: &Map<String, Value>,
+        stream: bool,
+        request_id: &str,
+    ) -> Result<Answer, Failure> {
+        let bytes = serde_json::to_vec(body).map_err(|e| Failure::Final(Error::internal(e)))?;
+        let exchange = async {
+            let response = self
+                .upstreams
+                .post(endpoint, uri, headers, request_id, bytes)
+                .await
+                .map_err(|error| match error {
+                    upstream::SendError::ConnectTimeout => timed_out(),
+                    error => {
+                        tracing::debug!(request_id, backend = backend.name, %error, "upstream unreachable");
+                        unreachable()
+                    }
+                })?;
+            let status = response.status();
+            let body = response.into_body();
+            if status.is_success() && stream {
+                // Afterwards the stream's stall limit bounds each wait for
+                // a chunk.
+                return Ok(Ok(body));
+            }
+            // Nothing has reached the caller yet: an answer broken off here
+            // may still be retried.
+            let bytes = body
+                .bytes()
+                .await
+                .map_err(|_| Failure::Retry(broken_off()))?;
+            Ok(Err((status, bytes)))
+        };
+        // The head (a stream's), or the whole answer.
+        let answer = tokio::time::timeout(backend.timeout, exchange)
+            .await
+            .map_err(|_| timed_out())??;
+        match answer {
+            Ok(chunks) => {
+                let stall = Some(Duration::from_secs(self.read_timeout_secs));
+                Ok(Answer::Chunks(Box::pin(crate::sse::Chunks::new(
+                    chunks, request_id, stall,
+                ))))
+            }
+            Err((status, body)) if status.is_success() => Ok(Answer::Whole(body.to_vec())),
+            Err((status, body)) => Err(refusal(backend, status.as_u16(), &body, request_id)),
+        }
+    }
+
     async fn send_http(
         &self,
         backend: &Backend,
@@ -1082,16 +1177,15 @@ impl LocalRouter {
             if e.is_timeout() {
                 timed_out()
             } else {
-                Failure::Retry(Error::new(
-                    ErrorCode::Unavailable,
-                    "No backend of the model is reachable",
-                ))
+                unreachable()
             }
         })?;
         let status = response.status();
         if status.is_success() {
             if stream {
-                return Ok(Answer::Chunks(sse_chunks(response, request_id)));
+                // reqwest's own read timeout bounds each wait for a chunk.
+                let chunks = crate::sse::Chunks::new(response.bytes_stream(), request_id, None);
+                return Ok(Answer::Chunks(Box::pin(chunks)));
             }
             // Nothing has reached the caller yet: an answer broken off here
             // may still be retried.
@@ -1104,7 +1198,7 @@ impl LocalRouter {
             })?;
             return Ok(Answer::Whole(body.to_vec()));
         }
-        Err(refusal(backend, response, request_id).await)
+        Err(refused(backend, response, request_id).await)
     }
 
     /// A media call: the members as JSON, or with files as a multipart
@@ -1149,14 +1243,11 @@ impl LocalRouter {
                 if e.is_timeout() {
                     timed_out()
                 } else {
-                    Failure::Retry(Error::new(
-                        ErrorCode::Unavailable,
-                        "No backend of the model is reachable",
-                    ))
+                    unreachable()
                 }
             })?;
         if !response.status().is_success() {
-            return Err(refusal(backend, response, request_id).await);
+            return Err(refused(backend, response, request_id).await);
         }
         let content_type = response
             .headers()
@@ -1239,10 +1330,18 @@ fn media_form(
     Ok(form)
 }
 
-/// Why a backend refused a call, and what may follow (see [`Failure`]).
-async fn refusal(backend: &Backend, response: reqwest::Response, request_id: &str) -> Failure {
+/// [`refusal`] of a reqwest answer, its body read whole.
+async fn refused(backend: &Backend, response: reqwest::Response, request_id: &str) -> Failure {
     let code = response.status().as_u16();
-    let (detail, kind) = upstream_error(response).await;
+    let body = response.bytes().await.unwrap_or_default();
+    refusal(backend, code, &body, request_id)
+}
+
+/// Why a backend refused a call (an answer of status `code` that is not
+/// a success), and what may follow (see [`Failure`]): its body's message
+/// is logged, and told to the caller when the request is to blame.
+fn refusal(backend: &Backend, code: u16, body: &[u8], request_id: &str) -> Failure {
+    let (detail, kind) = upstream_error(code, body);
     tracing::info!(
         request_id,
         backend = backend.name,
@@ -1330,40 +1429,20 @@ async fn send_in_process(
     })
 }
 
+/// A backend that could not be reached (refused, reset before its
+/// answer): the next one, or this one again after a backoff.
+fn unreachable() -> Failure {
+    Failure::Retry(Error::new(
+        ErrorCode::Unavailable,
+        "No backend of the model is reachable",
+    ))
+}
+
 fn timed_out() -> Failure {
     Failure::Failover(Error::new(
         ErrorCode::Timeout,
         "The model's backend timed out",
     ))
-}
-
-fn broken_off() -> Error {
-    Error::new(
-        ErrorCode::UpstreamFailed,
-        "The model's backend broke off its answer",
-    )
-}
-
-/// The `data:` payloads of an SSE answer up to `[DONE]`; a broken stream
-/// ends with one error.
-fn sse_chunks(response: reqwest::Response, request_id: &str) -> ChunkStream {
-    let request_id = Arc::<str>::from(request_id);
-    let chunks = crate::sse::data_events(response.bytes_stream())
-        .take_while(|data| {
-            let done = matches!(data, Ok(data) if data.trim_ascii() == b"[DONE]");
-            std::future::ready(!done)
-        })
-        .filter_map(move |data| {
-            std::future::ready(match data {
-                Ok(data) if data.trim_ascii().is_empty() => None,
-                Ok(data) => Some(Ok(data)),
-                Err(error) => {
-                    tracing::warn!(request_id = %request_id, %error, "upstream stream broke");
-                    Some(Err(broken_off()))
-                }
-            })
-        });
-    Box::pin(chunks)
 }
 
 fn probe_url(chat_url: &reqwest::Url, path: &str) -> Option<reqwest::Url> {
@@ -1385,9 +1464,8 @@ fn truncated(mut text: String, max: usize) -> String {
 
 /// The message of an upstream error body, in any of the usual shapes, and
 /// its `code` when it has one.
-async fn upstream_error(response: reqwest::Response) -> (String, Option<String>) {
-    let status = response.status().as_u16();
-    let body: Value = response.json().await.unwrap_or(Value::Null);
+fn upstream_error(status: u16, body: &[u8]) -> (String, Option<String>) {
+    let body: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
     let code = body
         .pointer("/error/code")
         .and_then(Value::as_str)

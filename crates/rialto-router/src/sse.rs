@@ -14,39 +14,160 @@
 //! decoded each piece as UTF-8, copied it three times and allocated per
 //! line; it was a tenth of a streamed chat's CPU).
 
-use bytes::Bytes;
-use futures_util::{Stream, StreamExt};
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
 
-/// The data of each event of `body`, in order; a failure of `body` is
-/// given once, and ends the stream.
-pub fn data_events<S, E>(body: S) -> impl Stream<Item = Result<Vec<u8>, E>>
+use bytes::Bytes;
+use futures_util::Stream;
+use rialto_core::{Error, ErrorCode};
+use tokio::time::{Instant, Sleep};
+
+/// A chat stream's chunks: the data of each event of an upstream's body
+/// up to `[DONE]`, blank ones skipped. A failure of the body, or a body
+/// that sends nothing for longer than the stall limit, is given once as
+/// the error that the backend broke off, and ends the stream. One state
+/// machine polled in place (the combinators it replaced were five layers
+/// of futures a chunk).
+pub struct Chunks<B> {
+    body: B,
+    parser: Parser,
+    /// The body ended (its end, `[DONE]` or a failure): what the parser
+    /// holds is all there is.
+    body_ended: bool,
+    /// Nothing more is given.
+    done: bool,
+    stall: Option<Stall>,
+    /// For the log line of a broken stream.
+    request_id: std::sync::Arc<str>,
+}
+
+impl<B, E> Chunks<B>
 where
-    S: Stream<Item = Result<Bytes, E>> + Unpin,
+    B: Stream<Item = Result<Bytes, E>> + Unpin,
+    E: std::fmt::Display,
 {
-    futures_util::stream::unfold(
-        (body, Parser::default(), false),
-        |(mut body, mut parser, mut ended)| async move {
-            loop {
-                if let Some(data) = parser.next_data() {
-                    return Some((Ok(data), (body, parser, ended)));
+    /// The chunks of `body`; with `stall`, a wait for the body's next bytes
+    /// longer than it breaks the stream off.
+    pub fn new(body: B, request_id: &str, stall: Option<Duration>) -> Self {
+        Self {
+            body,
+            parser: Parser::default(),
+            body_ended: false,
+            done: false,
+            stall: stall.map(Stall::new),
+            request_id: request_id.into(),
+        }
+    }
+
+    fn broken(
+        &mut self,
+        error: &dyn std::fmt::Display,
+    ) -> Poll<Option<rialto_core::Result<Vec<u8>>>> {
+        tracing::warn!(request_id = %self.request_id, %error, "upstream stream broke");
+        self.done = true;
+        Poll::Ready(Some(Err(broken_off())))
+    }
+}
+
+impl<B, E> Stream for Chunks<B>
+where
+    B: Stream<Item = Result<Bytes, E>> + Unpin,
+    E: std::fmt::Display,
+{
+    type Item = rialto_core::Result<Vec<u8>>;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = self.get_mut();
+        loop {
+            if this.done {
+                return Poll::Ready(None);
+            }
+            if let Some(data) = this.parser.next_data() {
+                let trimmed = data.trim_ascii();
+                if trimmed == b"[DONE]" {
+                    this.done = true;
+                    return Poll::Ready(None);
                 }
-                if ended {
-                    return None;
+                if trimmed.is_empty() {
+                    continue;
                 }
-                match body.next().await {
-                    Some(Ok(bytes)) => parser.push(&bytes),
-                    Some(Err(error)) => {
-                        ended = true;
-                        return Some((Err(error), (body, parser, ended)));
+                return Poll::Ready(Some(Ok(data)));
+            }
+            if this.body_ended {
+                this.done = true;
+                return Poll::Ready(None);
+            }
+            match Pin::new(&mut this.body).poll_next(cx) {
+                Poll::Ready(Some(Ok(bytes))) => {
+                    this.parser.push(&bytes);
+                    if let Some(stall) = &mut this.stall {
+                        stall.read();
                     }
-                    None => {
-                        parser.finish();
-                        ended = true;
+                }
+                Poll::Ready(Some(Err(error))) => return this.broken(&error),
+                Poll::Ready(None) => {
+                    this.parser.finish();
+                    this.body_ended = true;
+                }
+                Poll::Pending => {
+                    if let Some(stall) = &mut this.stall
+                        && stall.poll_expired(cx)
+                    {
+                        return this.broken(&"no bytes within the read timeout");
                     }
+                    return Poll::Pending;
                 }
             }
-        },
+        }
+    }
+}
+
+/// The error of a stream its backend broke off.
+pub fn broken_off() -> Error {
+    Error::new(
+        ErrorCode::UpstreamFailed,
+        "The model's backend broke off its answer",
     )
+}
+
+/// The longest wait for a body's next bytes. The timer is armed once and
+/// moved only when it fires (to the last read plus the limit), so a read
+/// costs a clock reading, not a timer re-armed per chunk.
+struct Stall {
+    limit: Duration,
+    last: Instant,
+    timer: Pin<Box<Sleep>>,
+}
+
+impl Stall {
+    fn new(limit: Duration) -> Self {
+        let now = Instant::now();
+        Self {
+            limit,
+            last: now,
+            timer: Box::pin(tokio::time::sleep_until(now + limit)),
+        }
+    }
+
+    fn read(&mut self) {
+        self.last = Instant::now();
+    }
+
+    /// Whether the limit passed since the last read (else the timer wakes
+    /// `cx` when it might have).
+    fn poll_expired(&mut self, cx: &mut Context<'_>) -> bool {
+        loop {
+            if self.timer.as_mut().poll(cx).is_pending() {
+                return false;
+            }
+            let deadline = self.last + self.limit;
+            if deadline <= Instant::now() {
+                return true;
+            }
+            self.timer.as_mut().reset(deadline);
+        }
+    }
 }
 
 /// The parser's state between the pieces of a body.
@@ -136,6 +257,7 @@ impl Parser {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use futures_util::StreamExt;
     use proptest::prelude::*;
 
     /// The standard's algorithm over the whole stream at once: the
@@ -217,17 +339,67 @@ mod tests {
         assert_eq!(parse_in_pieces(b"data: a\r\r", &[8]), vec![b"a".to_vec()]);
     }
 
+    fn chunks_of(
+        pieces: Vec<Result<Bytes, &'static str>>,
+    ) -> Chunks<impl Stream<Item = Result<Bytes, &'static str>> + Unpin> {
+        Chunks::new(futures_util::stream::iter(pieces), "r", None)
+    }
+
     #[tokio::test]
     async fn a_failed_body_is_given_once_after_what_came_before() {
-        let pieces: Vec<Result<Bytes, &str>> = vec![
+        let pieces = vec![
             Ok(Bytes::from_static(b"data: x\n\ndata: y")),
             Err("reset"),
             Ok(Bytes::from_static(b"\n\n")),
         ];
-        let events: Vec<_> = data_events(futures_util::stream::iter(pieces))
+        let chunks: Vec<_> = chunks_of(pieces).collect().await;
+        assert_eq!(chunks.len(), 2);
+        assert_eq!(chunks[0].as_ref().unwrap(), b"x");
+        assert_eq!(
+            chunks[1].as_ref().unwrap_err().code,
+            ErrorCode::UpstreamFailed
+        );
+    }
+
+    #[tokio::test]
+    async fn a_stream_ends_at_done_and_skips_blank_chunks() {
+        let pieces = vec![
+            Ok(Bytes::from_static(b"data: a\n\ndata:  \n\ndata: b\n")),
+            Ok(Bytes::from_static(b"\ndata: [DONE]\n\ndata: after\n\n")),
+        ];
+        let chunks: Vec<_> = chunks_of(pieces).map(Result::unwrap).collect().await;
+        assert_eq!(chunks, vec![b"a".to_vec(), b"b".to_vec()]);
+        // Without `[DONE]`, the body's end ends it.
+        let pieces = vec![Ok(Bytes::from_static(b"data: a\n\ndata: cut"))];
+        let chunks: Vec<_> = chunks_of(pieces).map(Result::unwrap).collect().await;
+        assert_eq!(chunks, vec![b"a".to_vec()]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_body_silent_past_the_stall_limit_is_broken_off() {
+        // A chunk, then one every 3 s (each within the 5 s limit), then
+        // silence.
+        let body = futures_util::stream::unfold(0, |sent| async move {
+            if sent > 0 {
+                tokio::time::sleep(Duration::from_secs(if sent < 4 { 3 } else { 3600 })).await;
+            }
+            Some((
+                Ok::<_, &str>(Bytes::from(format!("data: {sent}\n\n"))),
+                sent + 1,
+            ))
+        });
+        let started = Instant::now();
+        let chunks: Vec<_> = Chunks::new(Box::pin(body), "r", Some(Duration::from_secs(5)))
             .collect()
             .await;
-        assert_eq!(events, vec![Ok(b"x".to_vec()), Err("reset")]);
+        assert_eq!(chunks.len(), 5, "four chunks and the error");
+        assert!(chunks[..4].iter().all(Result::is_ok));
+        assert_eq!(
+            chunks[4].as_ref().unwrap_err().code,
+            ErrorCode::UpstreamFailed
+        );
+        // Broken off 5 s after the last chunk (at 9 s), not before.
+        assert_eq!(started.elapsed(), Duration::from_secs(14));
     }
 
     fn stream_bytes() -> impl Strategy<Value = Vec<u8>> {

@@ -1,0 +1,559 @@
+//! The HTTP/1.1 client for plain-`http` backends: chat answers, streams and
+//! embeddings, the calls every paying request makes.
+//!
+//! Each thread keeps its own pool of idle connections, each a hyper
+//! connection driven by a task of that thread's runtime (so a request on
+//! an actix worker stays on its thread, as with [`crate::clients`]). A
+//! backend's request line and `Host` are made once, when the backend is
+//! built; a request is its head, its body and a connection. reqwest, which
+//! this replaces on that path, parses the URL into a URI again, builds its
+//! own header map, runs its redirect policy and a timer re-armed at every
+//! chunk of a stream, and locks a pool shared by the thread's requests,
+//! for each request. `https` backends, media calls, health probes and a
+//! process whose environment names an HTTP proxy keep reqwest.
+//!
+//! A connection goes back to its thread's pool with its answer's body. An
+//! answer left before its end (a stream read up to `[DONE]`, whose end
+//! came with it; a client gone mid-stream) is drained by hyper if the rest
+//! has arrived, else the connection is closed, which tells the backend to
+//! stop. A pooled connection is used only once it is ready: one that
+//! closed (the backend's keep-alive ran out, an answer left mid-body) is
+//! dropped, and a request that comes back unsent from a connection that
+//! closed under it goes on a new one. What waits on the backend is
+//! bounded by the caller: the head and a whole answer by the backend's
+//! timeout, a stream's chunks by [`crate::sse::Chunks`]'s stall limit.
+
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use futures_util::Stream;
+use http_body_util::{BodyExt, Full};
+use hyper::body::{Body, Incoming};
+use hyper::client::conn::http1::SendRequest;
+use hyper::header::{ACCEPT, CONTENT_TYPE, HOST, HeaderMap, HeaderName, HeaderValue};
+use hyper::{Method, Request, Response, Uri};
+use hyper_util::rt::TokioIo;
+use rialto_core::per_thread::PerThread;
+
+/// How long an idle connection stays in its pool (reqwest's setting here).
+const IDLE_TIMEOUT: Duration = Duration::from_secs(90);
+
+/// Idle connections kept for one backend address on one thread.
+const MAX_IDLE_PER_ADDRESS: usize = 256;
+
+/// The idle time after which the kernel probes a connection.
+const TCP_KEEPALIVE: Duration = Duration::from_secs(30);
+
+/// Whether plain-`http` backends may use this client: not when the
+/// environment names a proxy for them, which reqwest honours.
+pub(crate) fn usable() -> bool {
+    ["HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"]
+        .iter()
+        .all(|name| std::env::var_os(name).is_none_or(|value| value.is_empty()))
+}
+
+/// Where a backend's calls go, made once from its URL.
+#[derive(Debug)]
+pub(crate) struct Endpoint {
+    /// `host:port`: what is connected to, and the pool's key.
+    address: Box<str>,
+    host: HeaderValue,
+    chat: Uri,
+    embeddings: Uri,
+}
+
+impl Endpoint {
+    /// The endpoint of a backend whose base URL is `base`
+    /// (`http://host:port/v1`); `None` when it is not plain `http`.
+    pub(crate) fn new(base: &reqwest::Url) -> Option<Self> {
+        if base.scheme() != "http" || !base.username().is_empty() || base.password().is_some() {
+            return None;
+        }
+        let host = base.host_str()?;
+        let port = base.port_or_known_default()?;
+        // An IPv6 literal keeps its brackets in both.
+        let authority = match base.port() {
+            Some(port) => format!("{host}:{port}"),
+            None => host.to_owned(),
+        };
+        let path = base.path().trim_end_matches('/');
+        let origin = |tail: &str| -> Option<Uri> {
+            let mut uri = format!("{path}{tail}");
+            if let Some(query) = base.query() {
+                uri.push('?');
+                uri.push_str(query);
+            }
+            uri.parse().ok()
+        };
+        Some(Self {
+            address: format!("{host}:{port}").into(),
+            host: HeaderValue::from_str(&authority).ok()?,
+            chat: origin("/chat/completions")?,
+            embeddings: origin("/embeddings")?,
+        })
+    }
+
+    pub(crate) fn chat(&self) -> &Uri {
+        &self.chat
+    }
+
+    pub(crate) fn embeddings(&self) -> &Uri {
+        &self.embeddings
+    }
+}
+
+/// Why a request got no answer.
+#[derive(Debug)]
+pub(crate) enum SendError {
+    /// No connection within the connect timeout.
+    ConnectTimeout,
+    /// No connection: refused, unreachable, a name that does not resolve.
+    Connect(std::io::Error),
+    /// The connection failed before the answer's head.
+    Http(hyper::Error),
+}
+
+impl std::fmt::Display for SendError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::ConnectTimeout => f.write_str("connect timed out"),
+            Self::Connect(error) => write!(f, "connect: {error}"),
+            Self::Http(error) => write!(f, "{error}"),
+        }
+    }
+}
+
+/// The client: one pool per thread that sends.
+pub(crate) struct Upstreams {
+    pools: PerThread<Arc<Pool>>,
+    connect_timeout: Duration,
+}
+
+impl Upstreams {
+    pub(crate) fn new(connect_timeout: Duration) -> Self {
+        Self {
+            pools: PerThread::new(|| Arc::new(Pool::default())),
+            connect_timeout,
+        }
+    }
+
+    /// POSTs `body` (JSON) to `uri` of `endpoint` with `headers` (the
+    /// backend's own) and the request's id; the answer's head, its body to
+    /// be read.
+    pub(crate) async fn post(
+        &self,
+        endpoint: &Endpoint,
+        uri: &Uri,
+        headers: &HeaderMap,
+        request_id: &str,
+        body: Vec<u8>,
+    ) -> Result<Response<Answer>, SendError> {
+        let mut request = Request::new(Full::new(Bytes::from(body)));
+        *request.method_mut() = Method::POST;
+        *request.uri_mut() = uri.clone();
+        let head = request.headers_mut();
+        head.reserve(4 + headers.len());
+        head.insert(HOST, endpoint.host.clone());
+        head.insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+        head.insert(ACCEPT, HeaderValue::from_static("*/*"));
+        if let Ok(id) = HeaderValue::from_str(request_id) {
+            head.insert(HeaderName::from_static("x-request-id"), id);
+        }
+        for (name, value) in headers {
+            head.append(name.clone(), value.clone());
+        }
+        let pool = self.pools.get();
+        loop {
+            let (mut sender, reused) = match pool.take(&endpoint.address).await {
+                Some(sender) => (sender, true),
+                None => (self.connect(&endpoint.address).await?, false),
+            };
+            match sender.try_send_request(request).await {
+                Ok(response) => {
+                    let back = Some(GiveBack {
+                        pool,
+                        address: endpoint.address.clone(),
+                        sender,
+                    });
+                    return Ok(response.map(|body| Answer { body, back }));
+                }
+                Err(mut error) => match error.take_message() {
+                    // Closed under us before the request left: on another.
+                    Some(unsent) if reused => request = unsent,
+                    _ => return Err(SendError::Http(error.into_error())),
+                },
+            }
+        }
+    }
+
+    async fn connect(&self, address: &str) -> Result<SendRequest<Full<Bytes>>, SendError> {
+        let stream = tokio::time::timeout(
+            self.connect_timeout,
+            tokio::net::TcpStream::connect(address),
+        )
+        .await
+        .map_err(|_| SendError::ConnectTimeout)?
+        .map_err(SendError::Connect)?;
+        let _ = stream.set_nodelay(true);
+        let _ = socket2::SockRef::from(&stream)
+            .set_tcp_keepalive(&socket2::TcpKeepalive::new().with_time(TCP_KEEPALIVE));
+        let (sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(SendError::Http)?;
+        // On this thread's runtime, as the request's own task is.
+        tokio::spawn(async move {
+            if let Err(error) = connection.await {
+                tracing::debug!(%error, "upstream connection ended");
+            }
+        });
+        Ok(sender)
+    }
+}
+
+/// A thread's idle connections, by address, the most recently used last.
+#[derive(Default)]
+struct Pool {
+    idle: Mutex<HashMap<Box<str>, Vec<Idle>>>,
+}
+
+struct Idle {
+    sender: SendRequest<Full<Bytes>>,
+    since: Instant,
+}
+
+impl Pool {
+    /// The most recently used connection to `address` that is still open.
+    async fn take(&self, address: &str) -> Option<SendRequest<Full<Bytes>>> {
+        loop {
+            let mut sender = {
+                let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+                let idle = idle.get_mut(address)?;
+                let taken = idle.pop()?;
+                if taken.since.elapsed() > IDLE_TIMEOUT {
+                    // The rest are older still.
+                    idle.clear();
+                    return None;
+                }
+                taken.sender
+            };
+            // Ready at once, unless the backend closed it meanwhile.
+            if !sender.is_closed() && sender.ready().await.is_ok() {
+                return Some(sender);
+            }
+        }
+    }
+
+    fn give_back(&self, address: Box<str>, sender: SendRequest<Full<Bytes>>) {
+        if sender.is_closed() {
+            return;
+        }
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let idle = idle.entry(address).or_default();
+        if idle
+            .first()
+            .is_some_and(|oldest| oldest.since.elapsed() > IDLE_TIMEOUT)
+        {
+            idle.retain(|kept| kept.since.elapsed() <= IDLE_TIMEOUT);
+        }
+        if idle.len() < MAX_IDLE_PER_ADDRESS {
+            idle.push(Idle {
+                sender,
+                since: Instant::now(),
+            });
+        }
+    }
+}
+
+/// A connection to return to its pool once its answer is read.
+struct GiveBack {
+    pool: Arc<Pool>,
+    address: Box<str>,
+    sender: SendRequest<Full<Bytes>>,
+}
+
+/// An answer's body, holding its connection until it is dropped.
+pub(crate) struct Answer {
+    body: Incoming,
+    back: Option<GiveBack>,
+}
+
+impl Answer {
+    /// The whole body.
+    pub(crate) async fn bytes(self) -> Result<Bytes, hyper::Error> {
+        Ok(BodyExt::collect(self).await?.to_bytes())
+    }
+}
+
+/// However the answer ended, its connection goes back: one whose body
+/// was left unread is drained by hyper when the rest has arrived (a
+/// stream read up to `[DONE]`, whose end came with it), else closed, and
+/// the pool never hands out a closed one.
+impl Drop for Answer {
+    fn drop(&mut self) {
+        if let Some(back) = self.back.take() {
+            back.pool.give_back(back.address, back.sender);
+        }
+    }
+}
+
+impl Body for Answer {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// The body's data as it arrives (trailers are skipped).
+impl Stream for Answer {
+    type Item = Result<Bytes, hyper::Error>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        loop {
+            return match std::task::ready!(self.as_mut().poll_frame(cx)) {
+                Some(Ok(frame)) => match frame.into_data() {
+                    Ok(data) => Poll::Ready(Some(Ok(data))),
+                    Err(_) => continue,
+                },
+                Some(Err(error)) => Poll::Ready(Some(Err(error))),
+                None => Poll::Ready(None),
+            };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    fn url(text: &str) -> reqwest::Url {
+        text.parse().unwrap()
+    }
+
+    #[test]
+    fn an_endpoint_is_made_once_from_the_base_url() {
+        let endpoint = Endpoint::new(&url("http://10.0.0.7:8000/v1/")).unwrap();
+        assert_eq!(&*endpoint.address, "10.0.0.7:8000");
+        assert_eq!(endpoint.host, "10.0.0.7:8000");
+        assert_eq!(endpoint.chat(), "/v1/chat/completions");
+        assert_eq!(endpoint.embeddings(), "/v1/embeddings");
+        let endpoint = Endpoint::new(&url("http://models.internal/openai?api-version=2")).unwrap();
+        assert_eq!(&*endpoint.address, "models.internal:80");
+        assert_eq!(endpoint.host, "models.internal");
+        assert_eq!(endpoint.chat(), "/openai/chat/completions?api-version=2");
+        let endpoint = Endpoint::new(&url("http://[::1]:9/")).unwrap();
+        assert_eq!(&*endpoint.address, "[::1]:9");
+        assert_eq!(endpoint.chat(), "/chat/completions");
+        // Not for this client: TLS, and credentials in the URL.
+        assert!(Endpoint::new(&url("https://api.example.com/v1")).is_none());
+        assert!(Endpoint::new(&url("http://user:pw@host/v1")).is_none());
+    }
+
+    /// A backend answering every request on its `n`th connection with
+    /// `answers[n]` (the last for the rest), counting the connections it
+    /// accepted; with `close_after` it closes each connection after that
+    /// many answers.
+    async fn backend(
+        answers: &'static [&'static [u8]],
+        close_after: Option<usize>,
+    ) -> (Endpoint, Arc<AtomicUsize>) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let counter = Arc::clone(&accepted);
+        tokio::spawn(async move {
+            loop {
+                let (mut socket, _) = listener.accept().await.unwrap();
+                let nth = counter.fetch_add(1, Ordering::SeqCst);
+                let answer = answers[nth.min(answers.len() - 1)];
+                tokio::spawn(async move {
+                    let mut served = 0;
+                    let mut buffer = vec![0; 65536];
+                    let mut read = Vec::new();
+                    loop {
+                        let n = socket.read(&mut buffer).await.unwrap_or(0);
+                        if n == 0 {
+                            return;
+                        }
+                        read.extend_from_slice(&buffer[..n]);
+                        // Whole requests: a head and its 2-byte body.
+                        while let Some(end) = read.windows(4).position(|w| w == b"\r\n\r\n") {
+                            if read.len() < end + 4 + 2 {
+                                break;
+                            }
+                            read.drain(..end + 4 + 2);
+                            socket.write_all(answer).await.unwrap();
+                            served += 1;
+                            if close_after == Some(served) {
+                                return;
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        let endpoint = Endpoint::new(&url(&format!("http://{address}/v1"))).unwrap();
+        (endpoint, accepted)
+    }
+
+    const OK: &[u8] = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nhello";
+    /// A stream whose last event and end arrive together.
+    const STREAM: &[u8] = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n\
+        e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n";
+    /// A stream that has not ended.
+    const UNENDED: &[u8] = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n\
+        e\r\ndata: [DONE]\n\n\r\n";
+
+    async fn send(
+        upstreams: &Upstreams,
+        endpoint: &Endpoint,
+    ) -> Result<Response<Answer>, SendError> {
+        let headers = HeaderMap::new();
+        upstreams
+            .post(endpoint, endpoint.chat(), &headers, "r", b"{}".to_vec())
+            .await
+    }
+
+    async fn post(upstreams: &Upstreams, endpoint: &Endpoint) -> Result<Bytes, String> {
+        let response = send(upstreams, endpoint).await.map_err(|e| e.to_string())?;
+        response
+            .into_body()
+            .bytes()
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    #[tokio::test]
+    async fn a_connection_read_to_the_end_serves_the_next_request() {
+        let (endpoint, accepted) = backend(&[OK], None).await;
+        let upstreams = Upstreams::new(Duration::from_secs(1));
+        for _ in 0..5 {
+            assert_eq!(post(&upstreams, &endpoint).await.unwrap(), "hello");
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 1);
+    }
+
+    /// Connections the backend saw for a stream read up to `[DONE]` and
+    /// left there, then an ordinary request.
+    async fn connections_after_leaving(stream: &'static [u8]) -> usize {
+        let (endpoint, accepted) = backend(Box::leak(Box::new([stream, OK])), None).await;
+        let upstreams = Upstreams::new(Duration::from_secs(1));
+        let mut body = send(&upstreams, &endpoint).await.unwrap().into_body();
+        let first = futures_util::StreamExt::next(&mut body)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(first, "data: [DONE]\n\n");
+        drop(body);
+        // On the same connection, the stream again; on a new one, `OK`.
+        let again = post(&upstreams, &endpoint).await.unwrap();
+        let connections = accepted.load(Ordering::SeqCst);
+        let expected: &[u8] = if connections == 1 {
+            b"data: [DONE]\n\n"
+        } else {
+            b"hello"
+        };
+        assert_eq!(again, expected);
+        connections
+    }
+
+    #[tokio::test]
+    async fn an_answer_left_once_its_end_arrived_gives_its_connection_back() {
+        assert_eq!(connections_after_leaving(STREAM).await, 1);
+    }
+
+    #[tokio::test]
+    async fn an_answer_left_mid_body_takes_its_connection_with_it() {
+        assert_eq!(connections_after_leaving(UNENDED).await, 2);
+    }
+
+    #[tokio::test]
+    async fn a_connection_the_backend_closed_is_not_used_again() {
+        let (endpoint, accepted) = backend(&[OK], Some(1)).await;
+        let upstreams = Upstreams::new(Duration::from_secs(1));
+        for _ in 0..4 {
+            assert_eq!(post(&upstreams, &endpoint).await.unwrap(), "hello");
+        }
+        assert_eq!(accepted.load(Ordering::SeqCst), 4);
+    }
+
+    #[tokio::test]
+    async fn a_backend_that_is_not_listening_is_a_connect_error() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let address = listener.local_addr().unwrap();
+        drop(listener);
+        let endpoint = Endpoint::new(&url(&format!("http://{address}/v1"))).unwrap();
+        let upstreams = Upstreams::new(Duration::from_secs(1));
+        let Err(error) = send(&upstreams, &endpoint).await else {
+            panic!("a connection to a closed port");
+        };
+        assert!(matches!(error, SendError::Connect(_)), "{error}");
+    }
+
+    #[tokio::test]
+    async fn the_request_carries_host_type_id_and_the_backends_headers() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let address = listener.local_addr().unwrap();
+        let seen = tokio::spawn(async move {
+            let (mut socket, _) = listener.accept().await.unwrap();
+            let mut read = Vec::new();
+            let mut buffer = [0; 4096];
+            while !read.ends_with(b"\r\n\r\n{}") {
+                let n = socket.read(&mut buffer).await.unwrap();
+                read.extend_from_slice(&buffer[..n]);
+            }
+            socket.write_all(OK).await.unwrap();
+            String::from_utf8(read).unwrap().to_ascii_lowercase()
+        });
+        let endpoint = Endpoint::new(&url(&format!("http://{address}/v1"))).unwrap();
+        let mut headers = HeaderMap::new();
+        headers.insert("authorization", HeaderValue::from_static("Bearer k"));
+        let upstreams = Upstreams::new(Duration::from_secs(1));
+        let response = upstreams
+            .post(
+                &endpoint,
+                endpoint.chat(),
+                &headers,
+                "req-9",
+                b"{}".to_vec(),
+            )
+            .await
+            .unwrap();
+        assert_eq!(response.into_body().bytes().await.unwrap(), "hello");
+        let request = seen.await.unwrap();
+        assert!(
+            request.starts_with("post /v1/chat/completions http/1.1\r\n"),
+            "{request}"
+        );
+        for line in [
+            format!("host: {address}"),
+            "content-type: application/json".to_owned(),
+            "x-request-id: req-9".to_owned(),
+            "authorization: bearer k".to_owned(),
+            "content-length: 2".to_owned(),
+        ] {
+            assert!(
+                request.contains(&format!("{line}\r\n")),
+                "{line} in {request}"
+            );
+        }
+    }
+}
