@@ -32,10 +32,10 @@ use tokio::time::{Instant, Sleep};
 pub struct Chunks<B> {
     body: B,
     parser: Parser,
-    /// The body ended (its end, `[DONE]` or a failure): what the parser
-    /// holds is all there is.
+    /// The body reached its end: what the parser holds is all there is.
     body_ended: bool,
-    /// Nothing more is given.
+    /// Nothing more is given (`[DONE]`, a failure, or the parser emptied
+    /// after the body's end).
     done: bool,
     stall: Option<Stall>,
     /// For the log line of a broken stream.

@@ -59,8 +59,9 @@ pub(crate) fn usable() -> bool {
 /// Where a backend's calls go, made once from its URL.
 #[derive(Debug)]
 pub(crate) struct Endpoint {
-    /// `host:port`: what is connected to, and the pool's key.
-    address: Box<str>,
+    /// `host:port`: what is connected to, and the pool's key (shared, so
+    /// a request's connection goes back without a copy of it).
+    address: Arc<str>,
     host: HeaderValue,
     chat: Uri,
     embeddings: Uri,
@@ -217,7 +218,7 @@ impl Upstreams {
 /// A thread's idle connections, by address, the most recently used last.
 #[derive(Default)]
 struct Pool {
-    idle: Mutex<HashMap<Box<str>, Vec<Idle>>>,
+    idle: Mutex<HashMap<Arc<str>, Vec<Idle>>>,
 }
 
 struct Idle {
@@ -247,7 +248,7 @@ impl Pool {
         }
     }
 
-    fn give_back(&self, address: Box<str>, sender: SendRequest<Full<Bytes>>) {
+    fn give_back(&self, address: Arc<str>, sender: SendRequest<Full<Bytes>>) {
         if sender.is_closed() {
             return;
         }
@@ -271,7 +272,7 @@ impl Pool {
 /// A connection to return to its pool once its answer is read.
 struct GiveBack {
     pool: Arc<Pool>,
-    address: Box<str>,
+    address: Arc<str>,
     sender: SendRequest<Full<Bytes>>,
 }
 
