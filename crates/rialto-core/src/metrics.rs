@@ -14,7 +14,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::{Mutex, OnceLock};
 
 use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
+pub use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::{Family, MetricConstructor};
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
@@ -556,6 +556,90 @@ impl HttpHandles {
     }
 }
 
+/// One member of a family, looked up the first time it is counted and kept:
+/// counting then hashes no labels, takes no lock and allocates nothing
+/// (`Family::get_or_create` does all three). A member never counted never
+/// appears in the text, as with `get_or_create`, so a series still starts
+/// at its first event (the alerts on `rialto_ledger_settlements_total`
+/// watch a `failed` series appear).
+#[derive(Debug)]
+pub struct Resolved<M>(OnceLock<M>);
+
+impl<M> Resolved<M> {
+    pub const fn new() -> Self {
+        Self(OnceLock::new())
+    }
+}
+
+impl<M> Default for Resolved<M> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<M: Clone> Resolved<M> {
+    /// The member of `family` labelled `labels()`, looked up once.
+    pub fn of<S, C>(&self, family: &Family<S, M, C>, labels: impl FnOnce() -> S) -> &M
+    where
+        S: Clone + std::hash::Hash + Eq,
+        C: MetricConstructor<M>,
+    {
+        self.0.get_or_init(|| family.get_or_create_owned(&labels()))
+    }
+}
+
+/// A model's spend and token counters (`rialto_spend_usd_total`,
+/// `rialto_tokens_total`), each looked up the first time it counts: kept
+/// with the model, so a settlement counts with no lookup and no copy of the
+/// model's name.
+#[derive(Debug, Default)]
+pub struct ModelCounters {
+    model: String,
+    spend_usd: Resolved<Counter<f64, AtomicU64>>,
+    prompt_tokens: Resolved<Counter>,
+    completion_tokens: Resolved<Counter>,
+}
+
+impl ModelCounters {
+    pub fn new(model: &str) -> Self {
+        Self {
+            model: model.to_owned(),
+            ..Self::default()
+        }
+    }
+
+    pub fn spend_usd(&self, usd: f64) {
+        let model = || ModelLabels {
+            model: self.model.clone(),
+        };
+        self.spend_usd.of(&metrics().spend_usd, model).inc_by(usd);
+    }
+
+    /// Counts `tokens` of `kind` (`prompt` or `completion`); none is no
+    /// event.
+    pub fn tokens(&self, kind: TokenKind, tokens: u64) {
+        if tokens == 0 {
+            return;
+        }
+        let (resolved, kind) = match kind {
+            TokenKind::Prompt => (&self.prompt_tokens, "prompt"),
+            TokenKind::Completion => (&self.completion_tokens, "completion"),
+        };
+        let labels = || TokenLabels {
+            model: self.model.clone(),
+            kind,
+        };
+        resolved.of(&metrics().tokens, labels).inc_by(tokens);
+    }
+}
+
+/// What [`ModelCounters::tokens`] counts.
+#[derive(Debug, Clone, Copy)]
+pub enum TokenKind {
+    Prompt,
+    Completion,
+}
+
 /// The content type of [`Metrics::render`]'s text.
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
@@ -590,5 +674,39 @@ mod tests {
         assert!(text.contains("rialto_http_request_duration_seconds_bucket"));
         assert!(text.contains(r#"rialto_backend_in_flight{model="m",backend="b"} 3"#));
         assert!(text.ends_with("# EOF\n"));
+    }
+
+    /// A model's counters count into the families the text renders, each
+    /// series appearing with its first event (none for a count of zero),
+    /// and every later count goes to the same member.
+    #[test]
+    fn model_counters_count_into_their_families_from_their_first_event() {
+        let model = "counted-once-model";
+        let counters = ModelCounters::new(model);
+        counters.tokens(TokenKind::Prompt, 0);
+        counters.tokens(TokenKind::Completion, 5);
+        counters.tokens(TokenKind::Completion, 2);
+        let text = metrics().render();
+        assert!(
+            text.contains(&format!(
+                r#"rialto_tokens_total{{model="{model}",kind="completion"}} 7"#
+            )),
+            "{text}"
+        );
+        assert!(!text.contains(&format!(r#"model="{model}",kind="prompt""#)));
+        assert!(!text.contains(&format!(r#"rialto_spend_usd_total{{model="{model}"}}"#)));
+        counters.spend_usd(0.25);
+        counters.tokens(TokenKind::Prompt, 3);
+        ModelCounters::new(model).spend_usd(0.5);
+        let text = metrics().render();
+        assert!(
+            text.contains(&format!(
+                r#"rialto_spend_usd_total{{model="{model}"}} 0.75"#
+            )),
+            "{text}"
+        );
+        assert!(text.contains(&format!(
+            r#"rialto_tokens_total{{model="{model}",kind="prompt"}} 3"#
+        )));
     }
 }

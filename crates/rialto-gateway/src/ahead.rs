@@ -324,7 +324,7 @@ impl Asked {
             let gone = rialto_core::Error::internal("a route asked ahead is gone");
             return (Err(gone), out);
         };
-        count("used");
+        count(true);
         let answered = task.await.map_err(|error| {
             rialto_core::Error::internal(format!("the route's task failed: {error}"))
         });
@@ -349,7 +349,7 @@ impl Drop for Asked {
     fn drop(&mut self) {
         if let Some(task) = self.task.take() {
             self.ahead.returned(self.caller);
-            count("dropped");
+            count(false);
             task.abort();
         }
     }
@@ -402,10 +402,18 @@ impl Drop for Answer {
     }
 }
 
-fn count(outcome: &'static str) {
-    rialto_core::metrics::metrics()
-        .routes_ahead
-        .get_or_create(&rialto_core::metrics::OutcomeLabels { outcome })
+/// Counts a route asked ahead that was `used` or `dropped`.
+fn count(used: bool) {
+    use rialto_core::metrics::{Counter, OutcomeLabels, Resolved, metrics};
+    static USED: Resolved<Counter> = Resolved::new();
+    static DROPPED: Resolved<Counter> = Resolved::new();
+    let (resolved, outcome) = if used {
+        (&USED, "used")
+    } else {
+        (&DROPPED, "dropped")
+    };
+    resolved
+        .of(&metrics().routes_ahead, || OutcomeLabels { outcome })
         .inc();
 }
 

@@ -374,6 +374,8 @@ pub struct ModelEntry {
     headers: Vec<(HeaderName, HeaderValue)>,
     /// `tokenizer`, loaded at start.
     tokenizer: Option<Arc<tokenizers::Tokenizer>>,
+    /// Its spend and token counters, each looked up once.
+    counters: Arc<rialto_core::metrics::ModelCounters>,
 }
 
 impl ModelEntry {
@@ -419,6 +421,7 @@ impl ModelEntry {
             config: config.clone(),
             headers,
             tokenizer,
+            counters: Arc::new(rialto_core::metrics::ModelCounters::new(&config.id)),
         })
     }
 }

@@ -572,18 +572,23 @@ fn per_window(span_ms: i64) -> String {
 
 /// Counts an admission (`limit_type` "none") or a refusal by its window.
 fn record_decision(limit_type: &'static str) {
-    let decision = if limit_type == "none" {
-        "admitted"
-    } else {
-        "refused"
-    };
-    rialto_core::metrics::metrics()
-        .limiter_decisions
-        .get_or_create(&rialto_core::metrics::DecisionLabels {
-            decision,
+    use rialto_core::metrics::{Counter, DecisionLabels, Resolved, metrics};
+    // Admissions, one a request, count through a member looked up once.
+    static ADMITTED: Resolved<Counter> = Resolved::new();
+    let family = &metrics().limiter_decisions;
+    if limit_type == "none" {
+        let labels = || DecisionLabels {
+            decision: "admitted",
             limit_type,
-        })
-        .inc();
+        };
+        ADMITTED.of(family, labels).inc();
+    } else {
+        let labels = DecisionLabels {
+            decision: "refused",
+            limit_type,
+        };
+        family.get_or_create(&labels).inc();
+    }
 }
 
 fn refusal_error(

@@ -10,7 +10,7 @@ use actix_web::{HttpMessage, HttpRequest, HttpResponseBuilder};
 use rialto_billing::BillingClient;
 use rialto_billing::usage_queue::{Settled, settle_durably};
 use rialto_core::ErrorCode;
-use rialto_core::metrics::metrics;
+use rialto_core::metrics::{Counter, OutcomeLabels, Resolved, metrics};
 use rialto_limiter::{Admission, RateLimiter, Target, Ticket};
 use rialto_proto::auth::v1 as auth_pb;
 use rialto_proto::billing::v1 as billing_pb;
@@ -54,6 +54,8 @@ pub(crate) struct Settlement {
     owner: String,
     request_id: String,
     model_id: String,
+    /// The model's spend and token counters.
+    counters: Arc<rialto_core::metrics::ModelCounters>,
     /// A hold is open in the ledger until the request is billed.
     held: bool,
     /// What the hold reserved (exact decimals).
@@ -231,10 +233,7 @@ impl Settlement {
             }
         };
         if let Ok(usd) = cost.usd.parse::<f64>() {
-            let model = rialto_core::metrics::ModelLabels {
-                model: self.model_id.clone(),
-            };
-            metrics().spend_usd.get_or_create(&model).inc_by(usd);
+            self.counters.spend_usd(usd);
         }
         // Exact decimal strings become JSON numbers written digit for digit
         // (serde_json's arbitrary_precision), as the spec's `cost` wants.
@@ -343,15 +342,10 @@ impl Settlement {
         self.span.record("gen_ai.usage.input_tokens", usage.prompt);
         self.span
             .record("gen_ai.usage.output_tokens", usage.completion);
-        for (kind, tokens) in [("prompt", usage.prompt), ("completion", usage.completion)] {
-            if tokens > 0 {
-                let labels = rialto_core::metrics::TokenLabels {
-                    model: self.model_id.clone(),
-                    kind,
-                };
-                metrics().tokens.get_or_create(&labels).inc_by(tokens);
-            }
-        }
+        use rialto_core::metrics::TokenKind;
+        self.counters.tokens(TokenKind::Prompt, usage.prompt);
+        self.counters
+            .tokens(TokenKind::Completion, usage.completion);
     }
 
     /// The settlement a durable job will make (billing sends it when the
@@ -476,7 +470,7 @@ async fn charge_durably(
             return Ok(match charged.cost.filter(|_| hold.placed) {
                 Some(cost) => {
                     if hold.reserved {
-                        count_settlement_outcome("settled");
+                        count_settlement_outcome(Outcome::Settled);
                     }
                     Charged::Held(hold, cost)
                 }
@@ -509,10 +503,15 @@ async fn charge_durably(
 }
 
 fn count_hold(hold: &billing_pb::HoldResponse) {
-    let outcome = if hold.placed { "placed" } else { "refused" };
-    metrics()
-        .ledger_holds
-        .get_or_create(&rialto_core::metrics::OutcomeLabels { outcome })
+    static PLACED: Resolved<Counter> = Resolved::new();
+    static REFUSED: Resolved<Counter> = Resolved::new();
+    let (resolved, outcome) = if hold.placed {
+        (&PLACED, "placed")
+    } else {
+        (&REFUSED, "refused")
+    };
+    resolved
+        .of(&metrics().ledger_holds, || OutcomeLabels { outcome })
         .inc();
 }
 
@@ -574,16 +573,31 @@ pub(crate) async fn pending_settlements(limit: std::time::Duration) -> bool {
 
 fn count_settlement<E>(settled: &Result<Settled, E>) {
     count_settlement_outcome(match settled {
-        Ok(Settled::Now(_)) => "settled",
-        Ok(Settled::Queued) => "queued",
-        Err(_) => "failed",
+        Ok(Settled::Now(_)) => Outcome::Settled,
+        Ok(Settled::Queued) => Outcome::Queued,
+        Err(_) => Outcome::Failed,
     });
 }
 
-fn count_settlement_outcome(outcome: &'static str) {
-    metrics()
-        .ledger_settlements
-        .get_or_create(&rialto_core::metrics::OutcomeLabels { outcome })
+/// How a settlement went (`rialto_ledger_settlements_total{outcome}`).
+#[derive(Clone, Copy)]
+enum Outcome {
+    Settled,
+    Queued,
+    Failed,
+}
+
+fn count_settlement_outcome(outcome: Outcome) {
+    static SETTLED: Resolved<Counter> = Resolved::new();
+    static QUEUED: Resolved<Counter> = Resolved::new();
+    static FAILED: Resolved<Counter> = Resolved::new();
+    let (resolved, outcome) = match outcome {
+        Outcome::Settled => (&SETTLED, "settled"),
+        Outcome::Queued => (&QUEUED, "queued"),
+        Outcome::Failed => (&FAILED, "failed"),
+    };
+    resolved
+        .of(&metrics().ledger_settlements, || OutcomeLabels { outcome })
         .inc();
 }
 
@@ -659,6 +673,11 @@ pub(crate) async fn admit(
         prices,
         model,
     } = priced;
+    // A model's counters are kept with it; an endpoint's are looked up.
+    let counters = model.map_or_else(
+        || Arc::new(rialto_core::metrics::ModelCounters::new(model_id)),
+        |model| Arc::clone(&model.counters),
+    );
     if let Some(model) = model {
         crate::keys::check_privacy(principal, &model.config)?;
         // GenAI's semantic conventions, on the request's span.
@@ -774,6 +793,7 @@ pub(crate) async fn admit(
         owner,
         request_id: request_id.to_owned(),
         model_id: model_id.to_owned(),
+        counters,
         held: false,
         held_usd: String::new(),
         held_diem: String::new(),
@@ -1034,6 +1054,7 @@ mod charging {
             owner: hold.owner.clone(),
             request_id: hold.request_id.clone(),
             model_id: hold.model_id.clone(),
+            counters: Arc::new(rialto_core::metrics::ModelCounters::new(&hold.model_id)),
             held: false,
             held_usd: String::new(),
             held_diem: String::new(),
