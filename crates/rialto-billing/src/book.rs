@@ -28,13 +28,13 @@
 //! an owner picks them up by a refresh that the writer reads inside a
 //! batch, so the sum stays exact: `usd = database + unflushed`.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasher, RandomState};
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use rialto_core::db::{Database, now_ms};
+use rialto_core::hashing::{HashMap, RandomState};
 use rialto_core::{Error, ErrorCode, Result};
 use sqlx::Row;
 use tokio::sync::oneshot;
@@ -212,13 +212,15 @@ impl Book {
         let writer = writer::start(db.clone(), logged);
         Self {
             shared: Arc::new(Shared {
-                shards: (0..shards).map(|_| Mutex::new(HashMap::new())).collect(),
-                hasher: RandomState::new(),
+                shards: (0..shards)
+                    .map(|_| Mutex::new(HashMap::default()))
+                    .collect(),
+                hasher: RandomState::default(),
                 writer,
                 db,
                 lease_ms,
                 membership: std::sync::OnceLock::new(),
-                retired_spend: Mutex::new(HashMap::new()),
+                retired_spend: Mutex::new(HashMap::default()),
             }),
         }
     }
@@ -456,8 +458,8 @@ impl Book {
             balance,
             diem_epoch,
             stake,
-            holds: HashMap::new(),
-            keys: HashMap::new(),
+            holds: HashMap::default(),
+            keys: HashMap::default(),
             unflushed: (0, 0),
             pending: 0,
             refreshed_at: Instant::now(),
@@ -1796,8 +1798,8 @@ mod properties {
             },
             diem_epoch: 0,
             stake: None,
-            holds: HashMap::new(),
-            keys: HashMap::new(),
+            holds: HashMap::default(),
+            keys: HashMap::default(),
             unflushed: (0, 0),
             pending: 0,
             refreshed_at: Instant::now(),

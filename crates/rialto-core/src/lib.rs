@@ -22,6 +22,7 @@ pub mod config;
 pub mod db;
 pub mod error;
 pub mod grpc_auth;
+pub mod hashing;
 pub mod ids;
 pub mod log_writer;
 pub mod membership;

@@ -16,8 +16,6 @@ use std::net::TcpListener;
 use std::sync::Arc;
 
 use actix_web::dev::Server;
-use std::collections::HashMap;
-
 use actix_web::http::header::{HeaderName, HeaderValue};
 use actix_web::{App, HttpMessage, HttpRequest, HttpServer, web};
 use arc_swap::ArcSwap;
@@ -321,9 +319,9 @@ pub(crate) struct Catalog {
     /// The models in configuration order, each with its response headers
     /// built once.
     pub(crate) models: Vec<Arc<ModelEntry>>,
-    index: HashMap<String, usize>,
+    index: rialto_core::hashing::HashMap<String, usize>,
     /// Traits (the first model of each) and compatibility aliases.
-    names: HashMap<String, usize>,
+    names: rialto_core::hashing::HashMap<String, usize>,
     /// `[[characters]]`, first in the character set.
     characters: Vec<rialto_core::config::CharacterConfig>,
 }
@@ -340,7 +338,7 @@ impl Catalog {
             .enumerate()
             .map(|(i, m)| (m.config.id.clone(), i))
             .collect();
-        let mut names = HashMap::new();
+        let mut names = rialto_core::hashing::HashMap::default();
         for (i, model) in models.iter().enumerate() {
             for name in model.config.aliases.iter().chain(&model.config.traits) {
                 names.entry(name.clone()).or_insert(i);

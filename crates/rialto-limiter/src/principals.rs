@@ -19,11 +19,11 @@
 //! dropping one loses nothing: its next request starts from the same empty
 //! windows.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasher, RandomState};
+use std::hash::BuildHasher;
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
+use rialto_core::hashing::{HashMap, RandomState};
 use rialto_proto::limiter::v1 as pb;
 use tokio::sync::mpsc;
 
@@ -170,12 +170,12 @@ impl Principals {
     /// dropped after `idle_ms` idle with empty windows.
     pub fn new(shards: usize, span_ms: i64, idle_ms: i64, hits: HitSink) -> Self {
         let shards = (0..shards.max(1))
-            .map(|_| Mutex::new(HashMap::new()))
+            .map(|_| Mutex::new(HashMap::default()))
             .collect();
         Self {
             shards,
-            hasher: RandomState::new(),
-            tags: RandomState::new(),
+            hasher: RandomState::default(),
+            tags: RandomState::default(),
             span_ms,
             idle_ms,
             hits,
@@ -211,7 +211,7 @@ impl Principals {
                 shard.insert(
                     request.principal.into(),
                     PrincipalWindows {
-                        windows: HashMap::new(),
+                        windows: HashMap::default(),
                         last_active_ms: now,
                         in_flight: 0,
                     },
@@ -226,7 +226,7 @@ impl Principals {
                     request.window.into(),
                     NamedWindow {
                         window: Window::new(self.span_ms),
-                        last_logged_ms: HashMap::new(),
+                        last_logged_ms: HashMap::default(),
                         swept_ms: 0,
                     },
                 );
@@ -348,7 +348,7 @@ impl Principals {
             shard.insert(
                 event.principal.as_str().into(),
                 PrincipalWindows {
-                    windows: HashMap::new(),
+                    windows: HashMap::default(),
                     last_active_ms: now,
                     in_flight: 0,
                 },
@@ -363,7 +363,7 @@ impl Principals {
                 event.window.as_str().into(),
                 NamedWindow {
                     window: Window::new(self.span_ms),
-                    last_logged_ms: HashMap::new(),
+                    last_logged_ms: HashMap::default(),
                     swept_ms: 0,
                 },
             );
