@@ -268,6 +268,11 @@ async fn pairs(
     tag: &str,
     timing: Timing,
 ) -> anyhow::Result<(Tally, Batches)> {
+    // Each row starts with the writer caught up: what the row before left
+    // queued (durable in the log, not committed yet) would otherwise be
+    // this row's to wait for, a stream's hold waiting for its own batch
+    // behind it (a short run's streams row read no pair at all).
+    book.flush().await?;
     let begin = Instant::now() + timing.warmup;
     let end = begin + timing.measured;
     let sampler = tokio::spawn(sample_batches(book.clone(), begin, end));
