@@ -23,6 +23,7 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use rialto_auth::AuthClient;
 use rialto_billing::BillingClient;
+use rialto_core::hashing::HashMap;
 use rialto_core::{Brand, Config, ErrorCode, ModelConfig};
 use rialto_limiter::abuse::AbuseGuard;
 use rialto_limiter::{Caller, RateHeaders, RateLimiter, Target};
@@ -319,9 +320,9 @@ pub(crate) struct Catalog {
     /// The models in configuration order, each with its response headers
     /// built once.
     pub(crate) models: Vec<Arc<ModelEntry>>,
-    index: rialto_core::hashing::HashMap<String, usize>,
+    index: HashMap<String, usize>,
     /// Traits (the first model of each) and compatibility aliases.
-    names: rialto_core::hashing::HashMap<String, usize>,
+    names: HashMap<String, usize>,
     /// `[[characters]]`, first in the character set.
     characters: Vec<rialto_core::config::CharacterConfig>,
 }
@@ -338,7 +339,7 @@ impl Catalog {
             .enumerate()
             .map(|(i, m)| (m.config.id.clone(), i))
             .collect();
-        let mut names = rialto_core::hashing::HashMap::default();
+        let mut names = HashMap::default();
         for (i, model) in models.iter().enumerate() {
             for name in model.config.aliases.iter().chain(&model.config.traits) {
                 names.entry(name.clone()).or_insert(i);

@@ -10,7 +10,7 @@ use actix_web::{HttpMessage, HttpRequest, HttpResponseBuilder};
 use rialto_billing::BillingClient;
 use rialto_billing::usage_queue::{Settled, settle_durably};
 use rialto_core::ErrorCode;
-use rialto_core::metrics::{Counter, OutcomeLabels, Resolved, metrics};
+use rialto_core::metrics::{Counter, ModelCounters, OutcomeLabels, Resolved, TokenKind, metrics};
 use rialto_limiter::{Admission, RateLimiter, Target, Ticket};
 use rialto_proto::auth::v1 as auth_pb;
 use rialto_proto::billing::v1 as billing_pb;
@@ -55,7 +55,7 @@ pub(crate) struct Settlement {
     request_id: String,
     model_id: String,
     /// The model's spend and token counters.
-    counters: Arc<rialto_core::metrics::ModelCounters>,
+    counters: Arc<ModelCounters>,
     /// A hold is open in the ledger until the request is billed.
     held: bool,
     /// What the hold reserved (exact decimals).
@@ -342,7 +342,6 @@ impl Settlement {
         self.span.record("gen_ai.usage.input_tokens", usage.prompt);
         self.span
             .record("gen_ai.usage.output_tokens", usage.completion);
-        use rialto_core::metrics::TokenKind;
         self.counters.tokens(TokenKind::Prompt, usage.prompt);
         self.counters
             .tokens(TokenKind::Completion, usage.completion);
@@ -675,7 +674,7 @@ pub(crate) async fn admit(
     } = priced;
     // A model's counters are kept with it; an endpoint's are looked up.
     let counters = model.map_or_else(
-        || Arc::new(rialto_core::metrics::ModelCounters::new(model_id)),
+        || Arc::new(ModelCounters::new(model_id)),
         |model| Arc::clone(&model.counters),
     );
     if let Some(model) = model {
@@ -1054,7 +1053,7 @@ mod charging {
             owner: hold.owner.clone(),
             request_id: hold.request_id.clone(),
             model_id: hold.model_id.clone(),
-            counters: Arc::new(rialto_core::metrics::ModelCounters::new(&hold.model_id)),
+            counters: Arc::new(ModelCounters::new(&hold.model_id)),
             held: false,
             held_usd: String::new(),
             held_diem: String::new(),
