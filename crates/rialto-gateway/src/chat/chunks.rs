@@ -78,11 +78,7 @@ pub(super) fn read_chunk(
     // and each name would be checked again as it is borrowed.
     let text = std::str::from_utf8(json).ok()?;
     let Members(members) = serde_json::from_str(text).ok()?;
-    let repeated = members
-        .iter()
-        .enumerate()
-        .any(|(i, (name, _))| members[..i].iter().any(|(seen, _)| seen == name));
-    if repeated {
+    if repeats_a_name(&members) {
         return None;
     }
     let member = |wanted: &str| {
@@ -185,7 +181,16 @@ pub(super) fn read_chunk_tree(
 }
 
 /// An object's members as raw JSON, in their order.
-struct Members<'a>(Vec<(&'a str, &'a serde_json::value::RawValue)>);
+pub(super) struct Members<'a>(pub(super) Vec<(&'a str, &'a serde_json::value::RawValue)>);
+
+/// Whether two of `members` have one name (a tree keeps the last; the
+/// fast readers leave such an object to it).
+pub(super) fn repeats_a_name<T>(members: &[(&str, T)]) -> bool {
+    members
+        .iter()
+        .enumerate()
+        .any(|(i, (name, _))| members[..i].iter().any(|(seen, _)| seen == name))
+}
 
 impl<'de> serde::Deserialize<'de> for Members<'de> {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
@@ -265,7 +270,7 @@ impl ChoiceText {
 }
 
 /// The length of a JSON string, read without keeping the string.
-struct TextLen(usize);
+pub(super) struct TextLen(pub(super) usize);
 
 impl<'de> serde::Deserialize<'de> for TextLen {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {

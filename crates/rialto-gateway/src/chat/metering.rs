@@ -885,6 +885,7 @@ fn below_wallet_minimum(gateway: &Gateway, usd: &str) -> bool {
 }
 
 /// Token counts of a finished exchange, and their JSON for the response.
+#[cfg_attr(test, derive(Debug, PartialEq))]
 pub(crate) struct Usage {
     prompt: u64,
     completion: u64,
@@ -948,13 +949,22 @@ impl Usage {
 
 /// The upstream's usage, or an estimate (4 characters a token) when the
 /// upstream reported none.
+/// Whether the upstream's `usage` tells the tokens (else they are
+/// estimated from the text).
+pub(super) fn usage_is_told(upstream: &Value) -> bool {
+    upstream
+        .get("prompt_tokens")
+        .and_then(Value::as_u64)
+        .is_some()
+}
+
 pub(super) fn usage_or_estimate(
     upstream: Option<&Value>,
     prompt_estimate: u64,
     completion_chars: usize,
 ) -> Usage {
     let count = |v: &Value, key: &str| v.get(key).and_then(Value::as_u64);
-    if let Some(usage) = upstream.filter(|u| count(u, "prompt_tokens").is_some()) {
+    if let Some(usage) = upstream.filter(|usage| usage_is_told(usage)) {
         let prompt = count(usage, "prompt_tokens").unwrap_or_default();
         let completion = count(usage, "completion_tokens").unwrap_or_default();
         let details = usage.get("prompt_tokens_details").unwrap_or(&Value::Null);

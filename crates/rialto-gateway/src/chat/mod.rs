@@ -14,12 +14,14 @@
 //! - `stream`: a streamed answer relayed as SSE, with its checkpoints and
 //!   its ending (usage, `cost`, `[DONE]`);
 //! - `chunks`: one upstream chunk read (the fast path and the tree);
+//! - `whole`: a whole answer read and written as ours (the same two ways);
 //! - `validate`: the body's checks and the prompt's estimate.
 
 mod chunks;
 mod metering;
 mod stream;
 mod validate;
+mod whole;
 
 use std::sync::Arc;
 
@@ -37,12 +39,11 @@ use crate::{
     ApiError, Details, Gateway, ModelEntry, RateLimitHeaders, authenticate, header_value,
     parse_json, read_body,
 };
-use chunks::text_chars;
+use metering::BALANCE_REMAINING;
 pub(crate) use metering::{
     Admitted, PendingSettlement, Priced, Reservation, Settlement, Usage, admit, balance_remaining,
     pending_settlements, settle_later,
 };
-use metering::{BALANCE_REMAINING, usage_or_estimate};
 use stream::stream;
 use validate::{tokenizer_excess, validate};
 
@@ -370,7 +371,8 @@ pub(crate) fn invalid_answer() -> ApiError {
 
 /// A non-streamed answer, billed: what the response is built from.
 struct Answered {
-    body: Value,
+    /// Ours, as JSON.
+    body: Vec<u8>,
     backend: String,
     retry_count: u32,
     /// `X-Balance-Remaining` of a signed-in wallet.
@@ -428,7 +430,9 @@ async fn complete(
         response.insert_header((BALANCE_REMAINING, remaining));
     }
     search_error_header(&mut response, gateway, answered.search_error.as_deref());
-    Ok(response.json(answered.body))
+    Ok(response
+        .content_type(actix_web::http::header::ContentType::json())
+        .body(answered.body))
 }
 
 /// Asks the router for the whole answer, bills it, and shapes the body.
@@ -463,48 +467,30 @@ async fn answer(
             return Err(error.into());
         }
     };
-    let mut body: Value =
-        serde_json::from_slice(&answer.body_json).map_err(|_| invalid_answer())?;
-    let Some(object) = body.as_object_mut() else {
-        return Err(invalid_answer());
-    };
-    object.insert("id".into(), json!(exchange.completion_id));
-    object.insert("object".into(), json!("chat.completion"));
-    object.insert("model".into(), json!(model_id));
-    object.entry("created").or_insert_with(|| json!(now()));
-    object.remove("system_fingerprint");
-    if let Some(Value::Array(choices)) = object.get_mut("choices") {
-        for choice in choices.iter_mut().filter_map(Value::as_object_mut) {
-            choice.entry("logprobs").or_insert(Value::Null);
-            choice.entry("finish_reason").or_insert(Value::Null);
-        }
-    }
-    let completion_text = text_chars(object.get("choices"), "message");
-    let usage = usage_or_estimate(
-        object.get("usage"),
-        exchange.chat.prompt_tokens_estimate,
-        completion_text,
-    );
+    let documents = exchange
+        .web
+        .as_ref()
+        .and_then(|plan| augment::documents_call(plan, &exchange.found));
+    let read =
+        whole::Answer::read(&answer.body_json, documents.as_ref()).ok_or_else(invalid_answer)?;
+    let usage = read.usage(exchange.chat.prompt_tokens_estimate);
     let billed = exchange.settlement.bill(&usage).await;
     *balance = exchange.settlement.balance_before.take();
     let cost = billed?;
-    object.insert("usage".into(), usage.json);
-    object.insert("cost".into(), cost);
-    object.entry("prompt_logprobs").or_insert(Value::Null);
     if let Some(plan) = &exchange.web {
         augment::echo(&mut exchange.chat.parameters, plan, &exchange.found);
-        if let Some(call) = augment::documents_call(plan, &exchange.found) {
-            augment::add_documents(object, &call);
-        }
     }
-    object.insert(
-        gateway.brand.parameters_field.clone(),
-        Value::Object(exchange.chat.parameters),
-    );
     let balance_remaining = exchange.wallet_usd_before.map(|before| {
-        let charged: rust_decimal::Decimal =
-            body["cost"]["usd"].to_string().parse().unwrap_or_default();
+        let charged: rust_decimal::Decimal = cost["usd"].to_string().parse().unwrap_or_default();
         (before - charged).normalize().to_string()
+    });
+    let body = read.write(&whole::Ours {
+        id: &exchange.completion_id,
+        model: model_id,
+        usage: &usage.json,
+        cost: &cost,
+        parameters_field: &gateway.brand.parameters_field,
+        parameters: &exchange.chat.parameters,
     });
     Ok(Answered {
         body,
