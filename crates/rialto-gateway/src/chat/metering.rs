@@ -947,8 +947,6 @@ impl Usage {
     }
 }
 
-/// The upstream's usage, or an estimate (4 characters a token) when the
-/// upstream reported none.
 /// Whether the upstream's `usage` tells the tokens (else they are
 /// estimated from the text).
 pub(super) fn usage_is_told(upstream: &Value) -> bool {
@@ -958,6 +956,8 @@ pub(super) fn usage_is_told(upstream: &Value) -> bool {
         .is_some()
 }
 
+/// The upstream's usage, or an estimate (4 characters a token) when the
+/// upstream reported none.
 pub(super) fn usage_or_estimate(
     upstream: Option<&Value>,
     prompt_estimate: u64,
