@@ -184,12 +184,19 @@ pub(super) fn read_chunk_tree(
 pub(super) struct Members<'a>(pub(super) Vec<(&'a str, &'a serde_json::value::RawValue)>);
 
 /// Whether two of `members` have one name (a tree keeps the last; the
-/// fast readers leave such an object to it).
+/// fast readers leave such an object to it). Compared pairwise when few,
+/// sorted when many: an upstream's object of many thousand members must
+/// not cost a worker seconds.
 pub(super) fn repeats_a_name<T>(members: &[(&str, T)]) -> bool {
-    members
-        .iter()
-        .enumerate()
-        .any(|(i, (name, _))| members[..i].iter().any(|(seen, _)| seen == name))
+    if members.len() <= 16 {
+        return members
+            .iter()
+            .enumerate()
+            .any(|(i, (name, _))| members[..i].iter().any(|(seen, _)| seen == name));
+    }
+    let mut names: Vec<&str> = members.iter().map(|(name, _)| *name).collect();
+    names.sort_unstable();
+    names.windows(2).any(|pair| pair[0] == pair[1])
 }
 
 impl<'de> serde::Deserialize<'de> for Members<'de> {
@@ -419,6 +426,20 @@ mod tests {
                 "{}",
                 String::from_utf8_lossy(json)
             );
+        }
+    }
+
+    #[test]
+    fn repeated_names_are_found_among_few_members_and_many() {
+        use super::repeats_a_name;
+        for count in [0, 1, 2, 16, 17, 50_000] {
+            let names: Vec<String> = (0..count).map(|n| format!("k{n}")).collect();
+            let mut members: Vec<(&str, ())> = names.iter().map(|n| (n.as_str(), ())).collect();
+            assert!(!repeats_a_name(&members), "{count} distinct");
+            if count > 0 {
+                members.push((names[count / 2].as_str(), ()));
+                assert!(repeats_a_name(&members), "{count} and a repeat");
+            }
         }
     }
 

@@ -94,6 +94,9 @@ impl<'a> Answer<'a> {
 /// content neither text nor null), left to [`read_tree`], which reads
 /// anything.
 fn read_raw(json: &[u8]) -> Option<Answer<'_>> {
+    if beyond_raw_reading(json) {
+        return None;
+    }
     // Checked as UTF-8 once here: read from bytes, each member's raw text
     // and each name would be checked again as it is borrowed.
     let text = std::str::from_utf8(json).ok()?;
@@ -125,6 +128,38 @@ fn read_raw(json: &[u8]) -> Option<Answer<'_>> {
             len: json.len(),
         },
     })
+}
+
+/// Whether `json` may be one that raw members would pass on where a tree
+/// refuses it (an invalid answer): a raw member is checked for its syntax
+/// but neither decoded nor bounded in depth. So an answer that escapes a
+/// UTF-16 surrogate (`\uD800`-`\uDFFF`, refused when lone) or opens more
+/// than 100 arrays and objects in all (serde_json refuses nesting deeper
+/// than 128) is left to the tree; these are rare, and the check is one
+/// pass over the bytes.
+fn beyond_raw_reading(json: &[u8]) -> bool {
+    let mut opened = 0;
+    let mut bytes = json.iter();
+    while let Some(&byte) = bytes.next() {
+        match byte {
+            b'[' | b'{' => {
+                opened += 1;
+                if opened > 100 {
+                    return true;
+                }
+            }
+            // The guard takes the escaped byte whatever it is, so `\\u` (a
+            // backslash, then `u`) is not taken for an escape.
+            b'\\'
+                if bytes.next() == Some(&b'u')
+                    && bytes.clone().next().is_some_and(|hex| hex | 0x20 == b'd') =>
+            {
+                return true;
+            }
+            _ => {}
+        }
+    }
+    false
 }
 
 /// An answer's members in their order, read in one pass: `choices` to
@@ -399,6 +434,32 @@ mod tests {
             assert!(read_tree(json, None).is_some());
             assert!(Answer::read(json, None).is_some());
         }
+        // What a raw member would pass on unchecked: the tree refuses it.
+        let deep = format!(
+            r#"{{"choices":[],"x":{}{}}}"#,
+            "[".repeat(200),
+            "]".repeat(200)
+        );
+        for json in [
+            &br#"{"choices":[],"x":"\ud800"}"#[..],
+            br#"{"choices":[{"message":{"content":"\uDC00"}}],"usage":{"prompt_tokens":1}}"#,
+            deep.as_bytes(),
+        ] {
+            assert!(
+                read_raw(json).is_none(),
+                "{}",
+                String::from_utf8_lossy(json)
+            );
+            assert!(Answer::read(json, None).is_none());
+        }
+        // A surrogate pair is text (the tree way), a `\\u` is not an escape.
+        for json in [
+            &br#"{"choices":[{"message":{"content":"\ud83d\ude00"}}]}"#[..],
+            br#"{"choices":[{"message":{"content":"\\ud800"}}]}"#,
+        ] {
+            assert!(Answer::read(json, None).is_some());
+        }
+        assert!(read_raw(br#"{"choices":[{"message":{"content":"\\ud800"}}]}"#).is_some());
         for json in [&br#"[1,2]"#[..], b"not json", b"{\"a\":\"\xff\"}", b"{} {}"] {
             assert!(read_raw(json).is_none());
             assert!(Answer::read(json, None).is_none());
