@@ -77,7 +77,7 @@ pub(super) fn read_chunk(
     // Checked as UTF-8 once here: read from bytes, each member's raw text
     // and each name would be checked again as it is borrowed.
     let text = std::str::from_utf8(json).ok()?;
-    let Members(members) = serde_json::from_str(text).ok()?;
+    let Members(members): Members = serde_json::from_str(text).ok()?;
     if repeats_a_name(&members) {
         return None;
     }
@@ -180,8 +180,20 @@ pub(super) fn read_chunk_tree(
     }
 }
 
-/// An object's members as raw JSON, in their order.
-pub(super) struct Members<'a>(pub(super) Vec<(&'a str, &'a serde_json::value::RawValue)>);
+/// An object's members in their order, each value read as `V` reads it
+/// (raw JSON unless told otherwise).
+pub(super) struct Members<'a, V = &'a serde_json::value::RawValue>(pub(super) Vec<(&'a str, V)>);
+
+/// How a member's value is read, knowing its name.
+pub(super) trait MemberValue<'de>: Sized {
+    fn next<A: serde::de::MapAccess<'de>>(name: &'de str, map: &mut A) -> Result<Self, A::Error>;
+}
+
+impl<'de> MemberValue<'de> for &'de serde_json::value::RawValue {
+    fn next<A: serde::de::MapAccess<'de>>(_: &'de str, map: &mut A) -> Result<Self, A::Error> {
+        map.next_value()
+    }
+}
 
 /// Whether two of `members` have one name (a tree keeps the last; the
 /// fast readers leave such an object to it). Compared pairwise when few,
@@ -199,11 +211,11 @@ pub(super) fn repeats_a_name<T>(members: &[(&str, T)]) -> bool {
     names.windows(2).any(|pair| pair[0] == pair[1])
 }
 
-impl<'de> serde::Deserialize<'de> for Members<'de> {
+impl<'de, V: MemberValue<'de>> serde::Deserialize<'de> for Members<'de, V> {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct Visit;
-        impl<'de> serde::de::Visitor<'de> for Visit {
-            type Value = Members<'de>;
+        struct Visit<V>(std::marker::PhantomData<V>);
+        impl<'de, V: MemberValue<'de>> serde::de::Visitor<'de> for Visit<V> {
+            type Value = Members<'de, V>;
             fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
                 f.write_str("an object")
             }
@@ -212,13 +224,13 @@ impl<'de> serde::Deserialize<'de> for Members<'de> {
                 mut map: A,
             ) -> Result<Self::Value, A::Error> {
                 let mut members = Vec::with_capacity(8);
-                while let Some(member) = map.next_entry()? {
-                    members.push(member);
+                while let Some(name) = map.next_key::<&'de str>()? {
+                    members.push((name, V::next(name, &mut map)?));
                 }
                 Ok(Members(members))
             }
         }
-        deserializer.deserialize_map(Visit)
+        deserializer.deserialize_map(Visit(std::marker::PhantomData))
     }
 }
 

@@ -9,7 +9,7 @@
 use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
 
-use super::chunks::{Members, TextLen, repeats_a_name, text_chars};
+use super::chunks::{MemberValue, Members, TextLen, repeats_a_name, text_chars};
 use super::metering::{Usage, usage_is_told, usage_or_estimate};
 use super::now;
 use crate::augment;
@@ -100,7 +100,7 @@ fn read_raw(json: &[u8]) -> Option<Answer<'_>> {
     // Checked as UTF-8 once here: read from bytes, each member's raw text
     // and each name would be checked again as it is borrowed.
     let text = std::str::from_utf8(json).ok()?;
-    let AnswerMembers(mut members) = serde_json::from_str(text).ok()?;
+    let Members(mut members): Members<Member> = serde_json::from_str(text).ok()?;
     let choice_repeats = |member: &Member| match member {
         Member::Choices(choices) => choices.iter().any(|Members(m)| repeats_a_name(m)),
         _ => false,
@@ -139,9 +139,10 @@ fn read_raw(json: &[u8]) -> Option<Answer<'_>> {
 /// pass over the bytes.
 fn beyond_raw_reading(json: &[u8]) -> bool {
     // Plain loops, not one that matches each byte (that cost ~13
-    // instructions a byte): the counts vectorize, and the search goes from
+    // instructions a byte): the count vectorizes, and the search goes from
     // backslash to backslash.
-    if bytecount(json, b'[') + bytecount(json, b'{') > 100 {
+    let opened = json.iter().filter(|&&byte| byte == b'[' || byte == b'{');
+    if opened.count() > 100 {
         return true;
     }
     let mut rest = json;
@@ -157,39 +158,15 @@ fn beyond_raw_reading(json: &[u8]) -> bool {
     false
 }
 
-fn bytecount(bytes: &[u8], wanted: u8) -> usize {
-    bytes.iter().filter(|&&byte| byte == wanted).count()
-}
-
-/// An answer's members in their order, read in one pass: `choices` to
-/// each choice's members, `usage` to a tree, the rest raw.
-struct AnswerMembers<'a>(Vec<(&'a str, Member<'a>)>);
-
-impl<'de> serde::Deserialize<'de> for AnswerMembers<'de> {
-    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
-        struct Visit;
-        impl<'de> serde::de::Visitor<'de> for Visit {
-            type Value = AnswerMembers<'de>;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("an answer")
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                mut map: A,
-            ) -> Result<Self::Value, A::Error> {
-                let mut members = Vec::with_capacity(8);
-                while let Some(name) = map.next_key::<&'de str>()? {
-                    let member = match name {
-                        "choices" => Member::Choices(map.next_value()?),
-                        "usage" => Member::Usage(map.next_value()?),
-                        _ => Member::Raw(map.next_value()?),
-                    };
-                    members.push((name, member));
-                }
-                Ok(AnswerMembers(members))
-            }
-        }
-        deserializer.deserialize_map(Visit)
+/// An answer's members are read in one pass: `choices` to each choice's
+/// members, `usage` to a tree, the rest raw.
+impl<'de> MemberValue<'de> for Member<'de> {
+    fn next<A: serde::de::MapAccess<'de>>(name: &'de str, map: &mut A) -> Result<Self, A::Error> {
+        Ok(match name {
+            "choices" => Member::Choices(map.next_value()?),
+            "usage" => Member::Usage(map.next_value()?),
+            _ => Member::Raw(map.next_value()?),
+        })
     }
 }
 

@@ -220,10 +220,10 @@ pub fn cap(limit: Option<&rialto_proto::auth::v1::ConsumptionLimit>) -> String {
     };
     let mut parts = Vec::new();
     if let Some(usd) = limit.usd_nanos {
-        parts.push(format!("${}", nanos(usd)));
+        parts.push(format!("${}", rialto_billing::from_nanos(usd)));
     }
     if let Some(diem) = limit.diem_nanos {
-        parts.push(format!("{} DIEM", nanos(diem)));
+        parts.push(format!("{} DIEM", rialto_billing::from_nanos(diem)));
     }
     if parts.is_empty() {
         return "none".to_owned();
@@ -234,11 +234,6 @@ pub fn cap(limit: Option<&rialto_proto::auth::v1::ConsumptionLimit>) -> String {
         &limit.period
     };
     format!("{} per {}", parts.join(" + "), period.to_lowercase())
-}
-
-/// Nano-units as an exact decimal.
-pub fn nanos(value: i64) -> String {
-    rust_decimal::Decimal::new(value, 9).normalize().to_string()
 }
 
 /// The key-creating form, the same for the operator and an account holder.
