@@ -294,7 +294,10 @@ test-cluster: toolchain native models services ## Start a local cluster, run the
 	fi; \
 	$(TEST_CLUSTER) $(MAKE) --no-print-directory cluster-down || status=$$((status ? status : 1)); \
 	$(TEST_CLUSTER) deploy/cluster.sh clean || status=$$((status ? status : 1)); \
-	if [ $$status != 0 ]; then echo "test-cluster: failed; the processes' logs are in data/cluster-test/logs"; fi; \
+	if [ $$status != 0 ]; then \
+	  echo "test-cluster: failed; the processes' logs are in data/cluster-test/logs; their warnings:"; \
+	  grep -s -E "WARN|ERROR" data/cluster-test/logs/*.log | tail -n 80; \
+	fi; \
 	exit $$status
 
 clean: ## Remove build output, the venv and local data

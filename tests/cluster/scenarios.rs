@@ -132,11 +132,14 @@ pub async fn foundation(cluster: &Cluster, mock: &MockUpstream) {
     assert!(mock.authorization_headers().iter().all(Option::is_none));
 
     // Each gateway sees the same ledger: the balance and the history.
+    // (Both read before either is checked: a miss then says which request
+    // each of them lacks.)
     for gateway in 0..2 {
         let balance = cluster.balance(gateway, &account.admin_key).await;
-        assert_eq!(balance, 1_000_000_000 - 2 * (7_000 + 9_000));
         let usage = cluster.usage(gateway, &account.admin_key).await;
-        assert_eq!(usage.len(), 4, "{usage:?}");
+        let seen = format!("through gateway-{gateway}: usage {usage:?}, charged {charged:?}");
+        assert_eq!(balance, 1_000_000_000 - 2 * (7_000 + 9_000), "{seen}");
+        assert_eq!(usage.len(), 4, "{seen}");
         assert_eq!(usage.into_iter().collect::<HashMap<_, _>>(), charged);
     }
 

@@ -553,12 +553,46 @@ impl Book {
     pub fn snapshot(&self, owner: &str) -> Option<Snapshot> {
         let entry = self.loaded(owner)?;
         let guard = entry.lock();
-        let state = guard.as_ref()?;
-        Some(Snapshot {
-            balance: state.balance,
-            diem_epoch: state.diem_epoch,
-            stake: state.stake,
-        })
+        guard.as_ref().filter(|s| s.live).map(State::snapshot)
+    }
+
+    /// The owner's snapshot from memory for a read a client relies on (its
+    /// balance after an answer), when it is loaded here and still this
+    /// process's to decide. Where other processes may decide for the ledger
+    /// too (billing replicas on PostgreSQL: this process keeps no log of
+    /// its own), another replica may have loaded the owner since, when the
+    /// views of who owns it differed for a moment, and decided what this
+    /// memory misses: the owner's fence is read first, and an owner loaded
+    /// elsewhere is dropped here (its writes would be fenced out anyway),
+    /// so that the caller reads the database, where everything another
+    /// replica answered for is committed. One small query, on reads only.
+    pub async fn current_snapshot(&self, owner: &str) -> Result<Option<Snapshot>> {
+        let Some(entry) = self.loaded(owner) else {
+            return Ok(None);
+        };
+        if self.shared.writer.logs() {
+            // The only process deciding for this ledger (the log's lock).
+            return Ok(self.snapshot(owner));
+        }
+        let fence: Option<i64> = sqlx::query_scalar("SELECT fence FROM ledgers WHERE owner = $1")
+            .bind(owner)
+            .fetch_optional(self.shared.db.pool())
+            .await?;
+        let mut guard = entry.lock();
+        let Some(state) = guard.as_mut().filter(|s| s.live) else {
+            return Ok(None);
+        };
+        if fence == Some(state.fence) {
+            return Ok(Some(state.snapshot()));
+        }
+        tracing::info!(
+            owner,
+            "a ledger loaded by another billing replica is read again"
+        );
+        state.live = false;
+        drop(guard);
+        Self::drop_owner(&self.shared, &entry);
+        Ok(None)
     }
 
     /// Places a hold, deciding from memory; a durable one is written before
@@ -972,6 +1006,16 @@ async fn read_key_spend(db: &Database, key_id: &str, period: &str) -> Result<Key
         },
         None => KeySpend::default(),
     })
+}
+
+impl State {
+    fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            balance: self.balance,
+            diem_epoch: self.diem_epoch,
+            stake: self.stake,
+        }
+    }
 }
 
 /// The writer's side of an owner: called with the batch committed.
@@ -1563,6 +1607,50 @@ pub(crate) mod tests {
         assert_eq!(stored, ledger.journal_sums("account:f").await.unwrap());
         assert_eq!(stored.usd, 9 * NANO - charged);
         // The writers give their connections back when their books go.
+        drop((first, second));
+        drop_db.await;
+    }
+
+    /// A replica whose views differed from the gateways' for a moment
+    /// (another replica loaded and charged the owner meanwhile) does not
+    /// answer a balance from its memory, which misses that charge: it
+    /// reads the fence, lets the owner go and reads the database.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_replica_that_lost_an_owner_reads_its_balance_afresh() {
+        let (db, drop_db) = postgres().await;
+        let ledger = Ledger::new(db.clone());
+        ledger
+            .credit("account:r", 10 * NANO, 0, "seed")
+            .await
+            .unwrap();
+        let first = Book::start(db.clone(), 30_000);
+        let second = Book::start(db.clone(), 30_000);
+        let placed = first.hold("account:r", &hold("r1", 2 * NANO, false)).await;
+        assert!(matches!(placed.unwrap(), HoldOutcome::Placed { .. }));
+        first
+            .settle("account:r", &settle("r1", NANO))
+            .await
+            .unwrap();
+        let read = first.current_snapshot("account:r").await.unwrap();
+        assert_eq!(read.unwrap().balance.usd, 9 * NANO, "its own, from memory");
+        // The second replica takes the owner and charges it.
+        let placed = second.hold("account:r", &hold("r2", 2 * NANO, false)).await;
+        assert!(matches!(placed.unwrap(), HoldOutcome::Placed { .. }));
+        second
+            .settle("account:r", &settle("r2", NANO))
+            .await
+            .unwrap();
+        // The first one's memory is stale, and it knows.
+        assert_eq!(first.snapshot("account:r").unwrap().balance.usd, 9 * NANO);
+        assert!(first.current_snapshot("account:r").await.unwrap().is_none());
+        assert!(first.snapshot("account:r").is_none(), "let go");
+        assert_eq!(
+            ledger.snapshot("account:r").await.unwrap().balance.usd,
+            8 * NANO
+        );
+        // The owner's replica still answers from memory.
+        let read = second.current_snapshot("account:r").await.unwrap();
+        assert_eq!(read.unwrap().balance.usd, 8 * NANO);
         drop((first, second));
         drop_db.await;
     }

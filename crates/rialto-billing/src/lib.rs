@@ -698,7 +698,7 @@ impl BillingService for LocalBilling {
             }))
             .await;
         }
-        let balance = match self.book.snapshot(&request.owner) {
+        let balance = match self.book.current_snapshot(&request.owner).await? {
             Some(snapshot) => snapshot.balance,
             None => {
                 self.book.caught_up().await?;
@@ -712,7 +712,7 @@ impl BillingService for LocalBilling {
     }
 
     async fn get_balance(&self, request: pb::GetBalanceRequest) -> Result<pb::Balance> {
-        let snapshot = match self.book.snapshot(&request.owner) {
+        let snapshot = match self.book.current_snapshot(&request.owner).await? {
             Some(snapshot) => snapshot,
             None => {
                 self.book.caught_up().await?;
