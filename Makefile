@@ -296,7 +296,9 @@ test-cluster: toolchain native models services ## Start a local cluster, run the
 	$(TEST_CLUSTER) deploy/cluster.sh clean || status=$$((status ? status : 1)); \
 	if [ $$status != 0 ]; then \
 	  echo "test-cluster: failed; the processes' logs are in data/cluster-test/logs; their warnings:"; \
-	  grep -s -E "WARN|ERROR" data/cluster-test/logs/*.log | tail -n 80; \
+	  for log in data/cluster-test/logs/*.log; do \
+	    { grep -s -H -E "WARN|ERROR" "$$log" || true; } | tail -n 20; \
+	  done; \
 	fi; \
 	exit $$status
 

@@ -565,14 +565,20 @@ impl Book {
     /// memory misses: the owner's fence is read first, and an owner loaded
     /// elsewhere is dropped here (its writes would be fenced out anyway),
     /// so that the caller reads the database, where everything another
-    /// replica answered for is committed. One small query, on reads only.
+    /// replica answered for is committed. One small query, on reads only;
+    /// a database that cannot answer it fails the read. (A second process
+    /// on one SQLite file is checked too, though what only its log holds
+    /// is not in the database yet.) A hold's `before` balance is still
+    /// decided from memory: a replica that lost the owner finds out at its
+    /// next write.
     pub async fn current_snapshot(&self, owner: &str) -> Result<Option<Snapshot>> {
         let Some(entry) = self.loaded(owner) else {
             return Ok(None);
         };
         if self.shared.writer.logs() {
             // The only process deciding for this ledger (the log's lock).
-            return Ok(self.snapshot(owner));
+            let guard = entry.lock();
+            return Ok(guard.as_ref().filter(|s| s.live).map(State::snapshot));
         }
         let fence: Option<i64> = sqlx::query_scalar("SELECT fence FROM ledgers WHERE owner = $1")
             .bind(owner)
