@@ -156,6 +156,11 @@ impl Owner {
         }
     }
 
+    /// Its balances, epoch and stake, unless it was dropped meanwhile.
+    fn live_snapshot(&self) -> Option<Snapshot> {
+        self.lock().as_ref().filter(|s| s.live).map(State::snapshot)
+    }
+
     pub(crate) fn lock(&self) -> MutexGuard<'_, Option<State>> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -551,9 +556,7 @@ impl Book {
 
     /// The owner's snapshot from memory, when it is loaded here.
     pub fn snapshot(&self, owner: &str) -> Option<Snapshot> {
-        let entry = self.loaded(owner)?;
-        let guard = entry.lock();
-        guard.as_ref().filter(|s| s.live).map(State::snapshot)
+        self.loaded(owner)?.live_snapshot()
     }
 
     /// The owner's snapshot from memory for a read a client relies on (its
@@ -577,8 +580,7 @@ impl Book {
         };
         if self.shared.writer.logs() {
             // The only process deciding for this ledger (the log's lock).
-            let guard = entry.lock();
-            return Ok(guard.as_ref().filter(|s| s.live).map(State::snapshot));
+            return Ok(entry.live_snapshot());
         }
         let fence: Option<i64> = sqlx::query_scalar("SELECT fence FROM ledgers WHERE owner = $1")
             .bind(owner)
