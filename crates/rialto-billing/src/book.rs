@@ -1075,7 +1075,7 @@ pub(crate) mod tests {
     pub(crate) async fn postgres() -> (Database, impl std::future::Future<Output = ()>) {
         let server = std::env::var("E2E_POSTGRES_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into());
-        let name = format!("rialto_book_{}", crate::ledger::uuid_like());
+        let name = format!("rialto_book_{}", rialto_core::ids::row_id());
         let admin = move |sql: String, server: String| async move {
             use sqlx::Connection;
             let mut conn = sqlx::postgres::PgConnection::connect(&format!("{server}/postgres"))

@@ -767,7 +767,7 @@ async fn insert_journal(
          usd_held_nanos, diem_held_nanos, written_off_nanos, request_id, reference, at_ms) \
          VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)",
     )
-    .bind(uuid_like())
+    .bind(rialto_core::ids::row_id())
     .bind(entry.owner)
     .bind(entry.kind)
     .bind(entry.key)
@@ -782,15 +782,6 @@ async fn insert_journal(
     .execute(&mut **tx)
     .await?;
     Ok(())
-}
-
-/// A row id of 32 hex digits: the time in microseconds (14 digits), then
-/// 72 random bits. Time first, so new rows go to the end of the primary key's
-/// B-tree instead of a random page (fewer pages written per commit).
-pub(crate) fn uuid_like() -> String {
-    let micros = chrono::Utc::now().timestamp_micros().max(0) as u64;
-    let random = rialto_core::ids::random_bytes::<9>();
-    format!("{micros:014x}{}", hex::encode(random))
 }
 
 fn is_unique_violation(error: &sqlx::Error) -> bool {

@@ -47,6 +47,23 @@ pub fn request_id() -> String {
     hex::encode(bytes)
 }
 
+/// A database row id: 32 lowercase hex digits, the microseconds since the
+/// Unix epoch (14 digits) and then 72 random bits from the same per-thread
+/// pool as [`request_id`] (the ledger's writer makes one per journal row:
+/// a `getrandom` call each was a system call a record). Time first, so new
+/// rows go to the end of the primary key's B-tree instead of a random page
+/// (fewer pages written per commit).
+pub fn row_id() -> String {
+    let micros = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros() as u64)
+        .unwrap_or_default();
+    let mut bytes = [0u8; 16];
+    bytes[..7].copy_from_slice(&micros.to_be_bytes()[1..]);
+    id_random(&mut bytes[7..]);
+    hex::encode(bytes)
+}
+
 /// Random bytes for ids (not secrets): taken from a per-thread buffer the
 /// operating system's generator fills 4 KiB at a time, so that a request
 /// makes no `getrandom` call of its own.
@@ -80,6 +97,32 @@ mod tests {
         assert_ne!(a, b);
         // In time order, to the millisecond.
         assert!(a[..12] <= b[..12]);
+    }
+
+    #[test]
+    fn row_ids_are_hex_in_time_order_and_distinct() {
+        let before = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_micros() as u64;
+        let ids: Vec<String> = (0..2_000).map(|_| super::row_id()).collect();
+        for id in &ids {
+            assert_eq!(id.len(), 32);
+            assert!(
+                id.bytes()
+                    .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c))
+            );
+        }
+        // The first 14 digits are the time in microseconds, as the ids
+        // written before (`{micros:014x}`) had them.
+        let first = u64::from_str_radix(&ids[0][..14], 16).unwrap();
+        assert!(
+            first >= before && first - before < 60_000_000,
+            "{first} {before}"
+        );
+        assert!(ids.windows(2).all(|pair| pair[0][..14] <= pair[1][..14]));
+        let distinct: std::collections::HashSet<&String> = ids.iter().collect();
+        assert_eq!(distinct.len(), ids.len());
     }
 
     #[test]

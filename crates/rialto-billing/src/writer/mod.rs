@@ -748,7 +748,7 @@ fn journal_values(record: &Record) -> JournalValues<'_> {
     };
     let usage = matches!(record.kind, RecordKind::Settle | RecordKind::Expire);
     JournalValues {
-        id: crate::ledger::uuid_like(),
+        id: rialto_core::ids::row_id(),
         request_id,
         effects: record.effects(),
         model_id: usage.then_some(&*record.model_id),
