@@ -39,7 +39,7 @@ test: k8s-validate toolchain native models speech pgbouncer services venv bench-
 	python3 bench/run.py --smoke --profile debug --target-dir $(TARGET_DIR)
 	$(MAKE) --no-print-directory test-cluster
 
-bench: toolchain native models services bench-venv valgrind ## Benchmark suite (about 15 min with the abuse soak, and ~6 min once to build llama-bench; PostgreSQL for bench-ledger): writes BENCHMARKS.md and bench/results/*.json
+bench: toolchain native models services bench-venv valgrind ## Benchmark suite (about 25-35 min with the abuse soak, and ~6 min once to build llama-bench; PostgreSQL for bench-ledger): writes BENCHMARKS.md and bench/results/*.json
 	$(CARGO) build --release --locked -p rialto -p rialto-bench -p rialto-local --bins --example tokens_per_second
 	python3 bench/run.py --profile release --target-dir $(TARGET_DIR)
 

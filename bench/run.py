@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
-"""Rialto's benchmark suite: four scenarios side by side, in one run.
+"""Rialto's benchmark suite: six scenarios side by side, in one run.
 
     floor        load straight at the mock upstream
+    proxy        `bench-proxy` in front of it: the leanest pass-through (hyper)
+    actix-proxy  the same pass-through on Rialto's HTTP server (actix-web, reqwest)
     one-process  `rialto serve` (all five services), full path with key auth
     split        gateway + auth, limiter, billing, router each in its own process (gRPC)
     litellm      LiteLLM proxy 1.109.1, 2 workers, no database, same upstream
@@ -556,23 +558,29 @@ class Suite:
         return self.measure("floor", lambda m: (f"{self.upstreams[m]}/chat/completions", "bench-model"),
                             {}, self.upstream, [f"upstream-{n}" for n in self.upstreams])
 
-    def proxy(self):
+    def proxy(self, server="hyper"):
         """`bench-proxy` in front of each upstream: the leanest pass-through
-        proxy (hyper, one upstream connection per downstream one, nothing
-        parsed, 2 runtime workers like the gateway's 2 HTTP workers). Its
-        cost over the floor is what any proxy pays on this machine."""
+        proxy (one upstream connection per downstream one, nothing parsed, 2
+        workers like the gateway's 2 HTTP workers). On hyper (`proxy`) its
+        cost over the floor is what any proxy pays on this machine; on
+        actix-web with a reqwest client a worker (`actix-proxy`), about what
+        Rialto's HTTP server pays before any of Rialto's work (a little more:
+        reqwest wakes its worker once more a request than the client
+        Rialto's router keeps for plain-`http` backends)."""
+        scenario = "proxy" if server == "hyper" else f"{server}-proxy"
         procs = Processes(self.workdir)
         try:
             urls = {}
             for name, base in self.upstreams.items():
                 upstream = base.removeprefix("http://").removesuffix("/v1")
-                addr = procs.start(f"proxy-{name}", [self.binary("bench-proxy"), "--listen", "127.0.0.1:0",
-                                                     "--upstream", upstream, "--threads", "2"],
+                addr = procs.start(f"{scenario}-{name}", [self.binary("bench-proxy"), "--listen", "127.0.0.1:0",
+                                                          "--upstream", upstream, "--threads", "2",
+                                                          "--server", server],
                                    announce=r"bench-proxy listening on (\S+)")
                 urls[name] = f"http://{addr}/v1"
                 wait_http(f"{urls[name]}/models", 10)
-            return self.measure("proxy", lambda m: (f"{urls[m]}/chat/completions", "bench-model"),
-                                {}, procs, [f"proxy-{n}" for n in urls])
+            return self.measure(scenario, lambda m: (f"{urls[m]}/chat/completions", "bench-model"),
+                                {}, procs, [f"{scenario}-{n}" for n in urls])
         finally:
             procs.stop()
 
@@ -1037,7 +1045,8 @@ class Suite:
         ledger = self.ledger_bench()
         self.start_upstreams()
         try:
-            results = {"floor": self.floor(), "proxy": self.proxy(), "one-process": self.rialto(split=False),
+            results = {"floor": self.floor(), "proxy": self.proxy(), "actix-proxy": self.proxy("actix"),
+                       "one-process": self.rialto(split=False),
                        "split": self.rialto(split=True), "litellm": self.litellm(), "limiter": limiter,
                        "ledger": ledger, "local_model": local_model}
         finally:
@@ -1075,7 +1084,7 @@ def commit():
     return git("rev-parse", "--short", "HEAD") + (" (with uncommitted changes)" if dirty else "")
 
 
-SCENARIOS = ["floor", "proxy", "one-process", "split", "litellm"]
+SCENARIOS = ["floor", "proxy", "actix-proxy", "one-process", "split", "litellm"]
 
 
 def ms(us):
@@ -1202,6 +1211,7 @@ def report(results, meta):
     for name in scenarios[1:]:
         r = results[name]
         note = {"proxy": "the three pass-through proxies (one per upstream)",
+                "actix-proxy": "the three pass-through proxies on actix-web (one per upstream)",
                 "one-process": "the one process",
                 "split": f"all five processes; gateway alone peaks at {r.get('gateway_peak_rss_mb')} MB",
                 "litellm": "master and both workers"}[name]
@@ -1347,10 +1357,12 @@ TWICE = {
 }
 
 
-def proxy_figures(results):
-    """The same figures for `bench-proxy`, the bare pass-through proxy, where
-    they apply: what any proxy costs on this machine."""
-    proxy, floor = results.get("proxy"), results["floor"]
+def proxy_figures(results, scenario="proxy"):
+    """The same figures for a pass-through proxy scenario (`proxy`, the bare
+    hyper pass-through; `actix-proxy`, the same on Rialto's HTTP stack),
+    where they apply: what any proxy, or Rialto's stack alone, costs on this
+    machine."""
+    proxy, floor = results.get(scenario), results["floor"]
     if not proxy:
         return {}
     figures = {}
@@ -1383,13 +1395,19 @@ def targets_report(results, meta):
              "writer row is the old `bench-ledger`'s (each hold and each settlement its own transaction), not "
              "the same measurement.", ""]
     proxy = proxy_figures(results)
+    actix = proxy_figures(results, "actix-proxy")
     if proxy:
         lines += ["*Bare proxy* is `bench-proxy` in the same run (the proxy scenario above): the same figure for "
-                  "the leanest pass-through proxy, which does none of Rialto's work; *within 2×* is the issue's "
-                  "bar for a miss that a profile explains.", ""]
+                  "the leanest pass-through proxy, which does none of Rialto's work; "
+                  + ("*actix pass-through* is the same pass-through on Rialto's HTTP server (actix-web's "
+                     "workers, with a reqwest client each: the actix-proxy scenario), about what that server costs "
+                     "before any of Rialto's work (a little more: reqwest wakes its worker once more a request than "
+                     "Rialto's own upstream client); " if actix else "")
+                  + "*within 2×* is the issue's bar for a miss that a profile explains.", ""]
     header = "| figure | target |" + (f" before ({BEFORE_COMMIT}) |" if before else "") + " measured | met |" \
-        + (" within 2× | bare proxy |" if proxy else "")
-    lines += [header, "|---|---|" + ("---|" if before else "") + "---|---|" + ("---|---|" if proxy else "")]
+        + (" within 2× | bare proxy |" if proxy else "") + (" actix pass-through |" if actix else "")
+    lines += [header, "|---|---|" + ("---|" if before else "") + "---|---|" + ("---|---|" if proxy else "")
+              + ("---|" if actix else "")]
     for key, label, target, met in TARGETS:
         cell, value = now[key]
         verdict = ("yes" if met(value) else "**no**") if value is not None else \
@@ -1398,6 +1416,8 @@ def targets_report(results, meta):
         if proxy:
             twice = ("yes" if TWICE[key](value) else "**no**") if value is not None else "–"
             row += f" {twice} | {proxy.get(key, '–')} |"
+        if actix:
+            row += f" {actix.get(key, '–')} |"
         lines.append(row)
     return lines
 

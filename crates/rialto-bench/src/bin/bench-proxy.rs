@@ -8,11 +8,13 @@
 //! Rialto: the difference between it and the floor is the extra loopback
 //! hop and wake-ups that any proxy pays here.
 //!
-//! `--server actix` is the same pass-through on Rialto's own HTTP stack:
+//! `--server actix` is the same pass-through on Rialto's HTTP server:
 //! actix-web's workers (a single-threaded runtime each, a connection pinned
-//! to one) and a reqwest client per worker, as the gateway's router keeps.
-//! Its difference from the hyper proxy is what that stack costs before any
-//! of Rialto's work (`bench/ab.py --proxy --proxy-server actix`).
+//! to one) with a reqwest client per worker (the gateway's router keeps a
+//! client of its own for plain-`http` backends, which wakes its worker once
+//! less a request). Its difference from the hyper proxy is about what that
+//! server costs before any of Rialto's work (`make bench`'s `actix-proxy`
+//! scenario; `bench/ab.py --proxy --proxy-server actix`).
 
 use std::net::SocketAddr;
 
