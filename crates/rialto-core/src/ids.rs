@@ -37,14 +37,7 @@ pub fn random_token() -> Result<String, getrandom::Error> {
 /// random page: a batch of settlements writes one index page, not one
 /// each.
 pub fn request_id() -> String {
-    let millis = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as u64)
-        .unwrap_or_default();
-    let mut bytes = [0u8; 16];
-    bytes[..6].copy_from_slice(&millis.to_be_bytes()[2..]);
-    id_random(&mut bytes[6..]);
-    hex::encode(bytes)
+    time_first_id(since_epoch().as_millis() as u64, 6)
 }
 
 /// A database row id: 32 lowercase hex digits, the microseconds since the
@@ -54,14 +47,23 @@ pub fn request_id() -> String {
 /// rows go to the end of the primary key's B-tree instead of a random page
 /// (fewer pages written per commit).
 pub fn row_id() -> String {
-    let micros = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_micros() as u64)
-        .unwrap_or_default();
+    time_first_id(since_epoch().as_micros() as u64, 7)
+}
+
+/// 32 lowercase hex digits: the last `time_bytes` bytes of `time`, big
+/// endian (so ids sort by it), then random bits from [`id_random`].
+fn time_first_id(time: u64, time_bytes: usize) -> String {
     let mut bytes = [0u8; 16];
-    bytes[..7].copy_from_slice(&micros.to_be_bytes()[1..]);
-    id_random(&mut bytes[7..]);
+    bytes[..time_bytes].copy_from_slice(&time.to_be_bytes()[8 - time_bytes..]);
+    id_random(&mut bytes[time_bytes..]);
     hex::encode(bytes)
+}
+
+/// The time since the Unix epoch (zero on a clock set before it).
+fn since_epoch() -> std::time::Duration {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
 }
 
 /// Random bytes for ids (not secrets): taken from a per-thread buffer the
