@@ -1359,9 +1359,9 @@ TWICE = {
 
 def proxy_figures(results, scenario="proxy"):
     """The same figures for a pass-through proxy scenario (`proxy`, the bare
-    hyper pass-through; `actix-proxy`, the same on Rialto's HTTP stack),
-    where they apply: what any proxy, or Rialto's stack alone, costs on this
-    machine."""
+    hyper pass-through; `actix-proxy`, the same on Rialto's HTTP server),
+    where they apply: what any proxy, or about what Rialto's server alone,
+    costs on this machine."""
     proxy, floor = results.get(scenario), results["floor"]
     if not proxy:
         return {}

@@ -103,10 +103,7 @@ mod tests {
 
     #[test]
     fn row_ids_are_hex_in_time_order_and_distinct() {
-        let before = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap()
-            .as_micros() as u64;
+        let before = super::since_epoch().as_micros() as u64;
         let ids: Vec<String> = (0..2_000).map(|_| super::row_id()).collect();
         for id in &ids {
             assert_eq!(id.len(), 32);
