@@ -949,12 +949,14 @@ class Suite:
 
     def instructions(self):
         """Instructions per request of `rialto serve` (one process) under
-        callgrind, for this build and each `--instructions-also` one:
-        unlike time on this shared VM, a count that moves only when the
-        code does. User space only (valgrind does not see the kernel);
-        every thread of the process; after a warm-up, the counters are
-        zeroed, a load runs `duration` seconds, and the count is divided by
-        the requests it completed."""
+        callgrind, for this build and each `--instructions-also` one, and of
+        the two pass-throughs (`bench-proxy` on hyper and on actix-web) for
+        the same requests: unlike time on this shared VM, a count that moves
+        only when the code does, and Rialto's less the actix pass-through's
+        is about Rialto's own work. User space only (valgrind does not see
+        the kernel); every thread of the process; after a warm-up, the
+        counters are zeroed, a load runs `duration` seconds, and the count
+        is divided by the requests it completed."""
         if shutil.which("valgrind") is None:
             sys.exit("valgrind is missing: make bench installs it")
         builds = [("this build", self.bin), *self.args.instructions_also]
@@ -967,23 +969,57 @@ class Suite:
                     result[label][row] = self.count_instructions(folder, mode, model, concurrency)
                     print(f"   {label}, {row}: {result[label][row]['per_request']:,} instructions a request "
                           f"({result[label][row]['requests']} requests)", flush=True)
+            result["rep_strings"] = False
+            # The same requests through the pass-throughs (their rows keyed
+            # by server and Rialto's row name; they price nothing).
+            passing = result["pass-through"] = {}
+            for server in ("hyper", "actix"):
+                for row, mode, _, concurrency in self.INSTRUCTION_ROWS:
+                    upstream = "stream" if mode == "stream" else "fast"
+                    counted = self.count_instructions(None, mode, "bench-model", concurrency,
+                                                      proxy=(server, upstream))
+                    passing[f"{server} {row}"] = counted
+                    print(f"   {server} pass-through, {row}: {counted['per_request']:,} instructions a "
+                          f"request ({counted['requests']} requests)", flush=True)
             return result
         finally:
             self.upstream.stop()
 
-    def count_instructions(self, folder, mode, model, concurrency):
+    # What the C library is told under callgrind: never to fill or copy
+    # memory with `rep stosb` / `rep movsb`. Callgrind counts each byte
+    # such an instruction stores as one instruction (actix-web's request
+    # decoder zeroes a 3 KiB table each time it looks for a request, six
+    # times a chat and about twenty a stream: ~18,000 and ~62,000 counted,
+    # a few hundred cycles on the CPU), so vector loops, counted per 32
+    # bytes, keep the count close to what the CPU runs.
+    NO_REP_STRINGS = {"GLIBC_TUNABLES": "glibc.cpu.x86_rep_stosb_threshold=0xffffffffffff:"
+                                        "glibc.cpu.x86_rep_movsb_threshold=0xffffffffffff"}
+
+    def count_instructions(self, folder, mode, model, concurrency, proxy=None):
+        """One row under callgrind: `rialto serve` from `folder`, or with
+        `proxy` (server, upstream) `bench-proxy` in front of that upstream."""
         procs = Processes(self.workdir)
         out = os.path.join(self.workdir, f"callgrind-{secrets.token_hex(4)}.out")
+        valgrind = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
         try:
-            config = os.path.join(self.workdir, "instructions.toml")
-            operator = self.rialto_config(config)
-            addr = procs.start("callgrind", ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
-                                             os.path.join(folder, "rialto"), "--config", config, "serve"],
-                               announce=r"gateway listening on http://(\S+)")
-            base = f"http://{addr}"
-            wait_http(f"{base}/healthz", 180)
-            headers = {"Authorization": f"Bearer {inference_key(base, operator)}"}
-            url = f"{base}/api/v1/chat/completions"
+            if proxy:
+                server, upstream = proxy
+                target = self.upstreams[upstream].removeprefix("http://").removesuffix("/v1")
+                addr = procs.start("callgrind", [*valgrind, self.binary("bench-proxy"), "--listen", "127.0.0.1:0",
+                                                 "--upstream", target, "--threads", "2", "--server", server],
+                                   env=self.NO_REP_STRINGS, announce=r"bench-proxy listening on (\S+)")
+                wait_http(f"http://{addr}/v1/models", 60)
+                headers, url = {}, f"http://{addr}/v1/chat/completions"
+            else:
+                config = os.path.join(self.workdir, "instructions.toml")
+                operator = self.rialto_config(config)
+                addr = procs.start("callgrind", [*valgrind, os.path.join(folder, "rialto"), "--config", config,
+                                                 "serve"],
+                                   env=self.NO_REP_STRINGS, announce=r"gateway listening on http://(\S+)")
+                base = f"http://{addr}"
+                wait_http(f"{base}/healthz", 180)
+                headers = {"Authorization": f"Bearer {inference_key(base, operator)}"}
+                url = f"{base}/api/v1/chat/completions"
             body = {"model": model, "messages": CHAT, **({"stream": True} if mode == "stream" else {})}
             self.load(mode, url, headers, body, concurrency=concurrency)
             pid = str(procs.pids(["callgrind"])[0])
@@ -2043,15 +2079,36 @@ def instructions_report(results, meta):
              "kernel's TCP work is not seen), counted over a load of "
              f"{meta.get('duration_s', 5)} s after a warm-up, less what the process does idle over as long (its "
              "background clocks, counted before the load), and divided by the requests completed: a priced chat at "
-             "4 connections (`bench-fast`) and a priced stream of 16 chunks at 8 (`bench-stream`).", "",
+             "4 connections (`bench-fast`) and a priced stream of 16 chunks at 8 (`bench-stream`)."
+             + (" The same requests through the two pass-throughs (`bench-proxy` on hyper, and on actix-web with "
+                "a reqwest client: Rialto's HTTP server with none of its work) are counted the same way; what "
+                "Rialto counts over the actix pass-through is about its own work." if "pass-through" in counted
+                else "")
+             + (" The C library is told not to fill or copy memory with `rep stosb`/`rep movsb`: callgrind counts "
+                "each byte they store as an instruction (runs before 2026-12-02 counted ~18,000 of those a chat "
+                "and ~62,000 a stream, actix-web's request decoder zeroing a 3 KiB table, a few hundred cycles "
+                "on the CPU)." if counted.get("rep_strings") is False else ""), "",
              "| build | request | instructions a request | requests counted | errors |", "|---|---|---|---|---|"]
     for label, rows in counted.items():
-        if label == "meta":
+        if label in ("meta", "pass-through", "rep_strings"):
             continue
         for row, *_ in Suite.INSTRUCTION_ROWS:
             if row in rows:
                 r = rows[row]
                 lines.append(f"| {label} | {row} | {r['per_request']:,} | {r['requests']} | {r['errors']} |")
+    passing, ours = counted.get("pass-through", {}), counted.get("this build", {})
+    for server, name in (("hyper", "bare proxy (hyper)"), ("actix", "actix pass-through")):
+        for row, *_ in Suite.INSTRUCTION_ROWS:
+            r = passing.get(f"{server} {row}")
+            if r:
+                lines.append(f"| {name} | {row.removeprefix('priced ')} | {r['per_request']:,} | {r['requests']} "
+                             f"| {r['errors']} |")
+    for row, *_ in Suite.INSTRUCTION_ROWS:
+        stack, whole = passing.get(f"actix {row}"), ours.get(row)
+        if stack and whole:
+            own = whole["per_request"] - stack["per_request"]
+            lines.append(f"| this build less the actix pass-through | {row} | {own:,} "
+                         f"({round(100 * own / whole['per_request'])}% of Rialto's) | | |")
     return lines
 
 
