@@ -2073,7 +2073,8 @@ def instructions_report(results, meta):
         return []
     lines = ["", "## Instructions per request (callgrind)", "",
              measured_on_its_own(counted, meta) + "Time on this shared VM moves by a factor of two or more between "
-             "runs; the instructions a request costs move only when the code does, so a change's effect on CPU is "
+             "runs; the instructions a request costs move little unless the code changes (up to ~8% between runs of "
+             "one build: the ledger writer's batches follow timing), so a change's effect on CPU is "
              "read here. `rialto serve` (one process, the bench configuration) under valgrind's callgrind: "
              "user-space instructions of every thread (the ledger's writer and the log thread included; the "
              "kernel's TCP work is not seen), counted over a load of "
@@ -2085,7 +2086,7 @@ def instructions_report(results, meta):
                 "Rialto counts over the actix pass-through is about its own work." if "pass-through" in counted
                 else "")
              + (" The C library is told not to fill or copy memory with `rep stosb`/`rep movsb`: callgrind counts "
-                "each byte they store as an instruction (runs before 2026-12-02 counted ~18,000 of those a chat "
+                "each byte they store as an instruction (counts before commit c9b32d2 included ~18,000 of those a chat "
                 "and ~62,000 a stream, actix-web's request decoder zeroing a 3 KiB table, a few hundred cycles "
                 "on the CPU)." if counted.get("rep_strings") is False else ""), "",
              "| build | request | instructions a request | requests counted | errors |", "|---|---|---|---|---|"]
