@@ -6,6 +6,13 @@
 -- what is open rather than one entry per stream ever served. Measured on
 -- SQLite with the writer's statements (200,000 streams, 512 open at once,
 -- 64 a batch): 30% less time opening and closing holds, 25% less file.
+-- (On PostgreSQL a closed hold's old entries go at the next vacuum.)
+--
+-- Upgrading: rebuilding an index reads the whole table, and PostgreSQL
+-- locks `holds` against writes meanwhile, so streams opening during this
+-- migration wait for it (both indexes over a million holds: 0.26 s on
+-- PostgreSQL 15 on a 2-core VM); nothing fails, and old pods' queries
+-- are the same.
 DROP INDEX holds_open;
 CREATE INDEX holds_open ON holds (expires_at_ms) WHERE state = 'open';
 
