@@ -13,7 +13,7 @@ MODELS := models
 CHAT_MODEL := $(MODELS)/SmolLM2-135M-Instruct.Q4_1.gguf
 EMBEDDING_MODEL := $(MODELS)/all-minilm-l6-v2/model.safetensors
 
-.PHONY: help run test lint fmt build services venv toolchain native models speech pgbouncer clean bench bench-smoke bench-venv devnet valgrind
+.PHONY: help run test lint fmt build services venv toolchain native models speech pgbouncer clean bench bench-smoke bench-venv devnet valgrind perf
 
 help: ## List the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -39,9 +39,12 @@ test: k8s-validate toolchain native models speech pgbouncer services venv bench-
 	python3 bench/run.py --smoke --profile debug --target-dir $(TARGET_DIR)
 	$(MAKE) --no-print-directory test-cluster
 
-bench: toolchain native models services bench-venv valgrind ## Benchmark suite (about 25-35 min with the abuse soak, and ~6 min once to build llama-bench; PostgreSQL for bench-ledger): writes BENCHMARKS.md and bench/results/*.json
+bench: toolchain native models services bench-venv valgrind perf ## Benchmark suite (about 25-35 min with the abuse soak, and ~6 min once to build llama-bench; PostgreSQL for bench-ledger): writes BENCHMARKS.md and bench/results/*.json
 	$(CARGO) build --release --locked -p rialto -p rialto-bench -p rialto-local --bins --example tokens_per_second
 	python3 bench/run.py --profile release --target-dir $(TARGET_DIR)
+
+perf: ## Install Debian's linux-perf (make bench profiles the 512-stream row with perf) when missing
+	@command -v perf >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -yq linux-perf; }
 
 valgrind: ## Install Debian's valgrind (make bench counts instructions per request under callgrind) when missing
 	@command -v valgrind >/dev/null || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -yq valgrind; }

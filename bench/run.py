@@ -73,6 +73,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -1061,6 +1062,101 @@ class Suite:
         finally:
             procs.stop()
 
+    # -- where a stream's CPU goes (perf) -----------------------------------
+
+    # The 512-stream row is the one issue 15's target misses by the most:
+    # each run profiles it (`perf`, call stacks), Rialto against the actix
+    # pass-through, so the miss is explained by the run that measured it.
+    PROFILE_STREAMS = 512
+    PROFILE_SECONDS = 2
+    PROFILE_HZ = 999
+    # Each sample goes to the first part its thread (its name) or its stack
+    # (`perf script --no-inline` frames, joined by ";") matches, so the parts
+    # add up to the whole.
+    PROFILE_PARTS = (
+        ("the ledger's writer and WAL checkpointer (threads of their own)", "thread", r"^rialto-(ledger|wal)"),
+        ("other threads (the log's, the sweeper's clocks)", "thread", r"^(?!actix)"),
+        ("writing to the client's socket (actix's flush: `send`, loopback delivery)", "stack",
+         r"InnerDispatcher::poll_flush"),
+        ("reading the client's request (actix's decoder, `recv`)", "stack", r"InnerDispatcher::poll_request"),
+        ("the stream's end: settlement, its record, the last chunk", "stack", r"Relay::finish|stream::body_end"),
+        ("reading the upstream's chunks into ours (JSON)", "stack", r"Relay::read"),
+        ("the upstream's connection: its answer read, the request written (hyper, `recv`, `writev`)", "stack",
+         r"hyper::proto::h1|hyper::client|upstream::drive|__libc_recv|writev|hyper_util::|reqwest::"),
+        ("the SSE parser and the router's stream", "stack", r"rialto_router::sse::"),
+        ("the handler: key, limits, hold, validation, the router's request", "stack",
+         r"rialto_gateway::|rialto_router::|rialto_billing::|rialto_limiter::|rialto_auth::|bench_proxy::"),
+        ("epoll and Tokio's I/O driver", "stack", r"Driver::turn|epoll_wait"),
+        ("actix and Tokio: polling, scheduling, timers (other)", "stack", r""),
+    )
+    # Costs spread over the parts, by the function a sample was in (or, for
+    # serde_json, any function it was under).
+    PROFILE_ACROSS = (
+        ("the kernel", "leaf-dso", r"kernel"),
+        ("the allocator (mimalloc, glibc malloc)", "leaf", r"^_?mi_|malloc|^__?libc_free|^_int_free|^cfree|__rust_(alloc|dealloc|realloc)"),
+        ("memcpy, memmove, memset", "leaf", r"mem(cpy|move|set)"),
+        ("serde_json", "stack", r"serde_json::"),
+    )
+
+    def profile(self):
+        """Where a stream's CPU goes at 512 streams: `perf record` with call
+        stacks on the actix pass-through and on `rialto serve`, each given
+        the streams row's load, for PROFILE_SECONDS in its measured window;
+        each sample goes to a part (PROFILE_PARTS), and a part's samples are
+        turned into µs of CPU a stream by the streams the load completed a
+        second. Every thread of the process; kernel time under the part that
+        made the call."""
+        if shutil.which("perf") is None:
+            sys.exit("perf is missing: make bench installs it (Debian's linux-perf)")
+        self.start_upstreams()
+        try:
+            result = {"streams": self.PROFILE_STREAMS, "seconds": self.PROFILE_SECONDS, "hz": self.PROFILE_HZ}
+            for scenario in ("actix-proxy", "one-process"):
+                result[scenario] = self.profile_streams(scenario)
+                print(f"   {scenario}: {result[scenario]['cpu_us_per_stream']} us of CPU a stream under perf "
+                      f"({result[scenario]['samples']} samples)", flush=True)
+            return result
+        finally:
+            self.upstream.stop()
+
+    def profile_streams(self, scenario):
+        """One scenario's profile (PROFILE_PARTS, PROFILE_ACROSS)."""
+        procs = Processes(self.workdir)
+        data = os.path.join(self.workdir, f"perf-{scenario}.data")
+        try:
+            if scenario == "actix-proxy":
+                addr = procs.start("profiled", self.proxy_argv("actix", "stream"),
+                                   announce=r"bench-proxy listening on (\S+)")
+                url, headers, model = f"http://{addr}/v1/chat/completions", {}, "bench-model"
+            else:
+                base, key = self.start_rialto(False, procs)
+                url, headers, model = f"{base}/api/v1/chat/completions", {"Authorization": f"Bearer {key}"}, \
+                    "bench-stream"
+            body = {"model": model, "messages": CHAT, "stream": True}
+            loaded = {}
+            load = threading.Thread(target=lambda: loaded.update(self.load(
+                "stream", url, headers, body, concurrency=self.PROFILE_STREAMS, spread=self.spread)))
+            load.start()
+            # Into the load's measured window, clear of its start and its end.
+            time.sleep(self.warmup + 1)
+            pids = procs.pids(["profiled"] if scenario == "actix-proxy" else ["gateway"])
+            recorded = subprocess.run(["perf", "record", "-q", "-p", ",".join(map(str, pids)), "--call-graph",
+                                       "dwarf,16384", "-F", str(self.PROFILE_HZ), "-o", data, "--", "sleep",
+                                       str(self.PROFILE_SECONDS)], capture_output=True, text=True)
+            load.join()
+            if recorded.returncode != 0 or not loaded:
+                raise RuntimeError(f"perf record failed: {recorded.stderr[-2000:]}")
+            script = subprocess.run(["perf", "script", "--no-inline", "-i", data], capture_output=True, text=True,
+                                    errors="replace")
+            if script.returncode != 0:
+                raise RuntimeError(f"perf script failed: {script.stderr[-2000:]}")
+            return profile_parts(perf_samples(script.stdout), loaded["streams_per_s"] * self.PROFILE_SECONDS,
+                                 self.PROFILE_HZ, loaded)
+        finally:
+            procs.stop()
+            if os.path.exists(data):
+                os.remove(data)
+
     def run_only(self, step):
         """One step alone (`--only`): its results section."""
         started = time.time()
@@ -1068,7 +1164,8 @@ class Suite:
                    "soak": lambda: {"soak": self.soak()},
                    "failover": lambda: {"failover": self.failover()},
                    "media": lambda: {"media": self.media()},
-                   "instructions": lambda: {"instructions": self.instructions()}}[step]()
+                   "instructions": lambda: {"instructions": self.instructions()},
+                   "profile": lambda: {"profile": self.profile()}}[step]()
         elapsed = round(time.time() - started)
         shutil.rmtree(self.workdir, ignore_errors=True)
         return results, elapsed
@@ -1090,6 +1187,7 @@ class Suite:
         results["media"] = self.media()
         if not self.smoke:
             results["instructions"] = self.instructions()
+            results["profile"] = self.profile()
         # make test runs the soak on its own (make test-soak); a smoke does not repeat it.
         if not self.smoke:
             results["soak"] = self.soak()
@@ -1263,6 +1361,7 @@ def report(results, meta):
     lines += failover_report(results, meta)
     lines += media_report(results, meta)
     lines += instructions_report(results, meta)
+    lines += profile_report(results, meta)
 
     lines += targets_report(results, meta)
     notes = os.path.join(ROOT, "bench", "NOTES.md")
@@ -1939,7 +2038,7 @@ def main():
     parser.add_argument("--litellm-venv", default=os.path.join(ROOT, "bench", ".venv"))
     parser.add_argument("--duration", type=float, default=5.0, help="seconds per measurement")
     parser.add_argument("--command", help="recorded in the report (default: make bench, or this command line)")
-    parser.add_argument("--only", choices=["local-model", "soak", "failover", "media", "instructions"],
+    parser.add_argument("--only", choices=["local-model", "soak", "failover", "media", "instructions", "profile"],
                         help="run this step alone into bench/results/<time>-<step>.json (BENCHMARKS.md untouched: "
                              "add it to a full run's with --from-results)")
     parser.add_argument("--llama-bench-also", metavar="LABEL=PATH", action="append", default=[],
@@ -2114,6 +2213,98 @@ def instructions_report(results, meta):
                          f"({round(100 * own / whole['per_request'])}% of Rialto's) | | |")
     return lines
 
+
+
+def perf_frame(line):
+    """A frame of `perf script`'s stack (`addr symbol+off (dso)`): its
+    symbol with generic arguments and offset dropped, and its object."""
+    text = line.strip().split(" ", 1)[-1]
+    text, _, dso = text.rpartition(" (")
+    text = re.sub(r"\+0x[0-9a-f]+$", "", text)
+    name, depth = [], 0
+    for ch in text:
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth = max(0, depth - 1)
+        elif depth == 0:
+            name.append(ch)
+    return "".join(name) or text, dso.rstrip(")")
+
+
+def perf_samples(text):
+    """`perf script` output as (thread name, frames leaf first, leaf's object)."""
+    samples, thread, frames, leaf_dso = [], None, [], ""
+    for line in text.splitlines() + [""]:
+        if not line.strip():
+            if thread is not None:
+                samples.append((thread, frames, leaf_dso))
+            thread, frames, leaf_dso = None, [], ""
+        elif not line[0].isspace():
+            # "comm pid [cpu] time: period event:"; a comm may hold spaces.
+            thread = re.split(r"\s+\d+(/\d+)?\s", line.strip(), maxsplit=1)[0]
+        else:
+            name, dso = perf_frame(line)
+            if not frames:
+                leaf_dso = dso
+            frames.append(name)
+    return samples
+
+
+def profile_parts(samples, streams, hz, load):
+    """Samples into µs of CPU a stream, by part and across parts."""
+    parts = {name: 0 for name, *_ in Suite.PROFILE_PARTS}
+    across = {name: 0 for name, *_ in Suite.PROFILE_ACROSS}
+    leaves = {}
+    for thread, frames, leaf_dso in samples:
+        stack = ";".join(reversed(frames))
+        for name, kind, pattern in Suite.PROFILE_PARTS:
+            if re.search(pattern, thread if kind == "thread" else stack):
+                parts[name] += 1
+                break
+        leaf = frames[0] if frames else "?"
+        for name, kind, pattern in Suite.PROFILE_ACROSS:
+            subject = {"leaf-dso": leaf_dso, "leaf": leaf, "stack": stack}[kind]
+            if re.search(pattern, subject):
+                across[name] += 1
+        leaves[leaf] = leaves.get(leaf, 0) + 1
+    us = lambda n: round(n / hz / streams * 1e6, 1)
+    top = sorted(leaves.items(), key=lambda kv: -kv[1])[:15]
+    return {"samples": len(samples), "streams_profiled": round(streams), "cpu_us_per_stream": us(len(samples)),
+            "first_token_p50_us": load.get("first_token_us", {}).get("p50"),
+            "parts_us": {name: us(n) for name, n in parts.items()},
+            "across_us": {name: us(n) for name, n in across.items()},
+            "top_functions_us": [[name, us(n)] for name, n in top]}
+
+
+def profile_report(results, meta):
+    """The 512-stream profile; empty for results of runs before it."""
+    profiled = results.get("profile")
+    if not profiled or "one-process" not in profiled:
+        return []
+    ours, stack = profiled["one-process"], profiled["actix-proxy"]
+    lines = ["", f"## Where a stream's CPU goes at {profiled['streams']} streams (perf)", "",
+             measured_on_its_own(profiled, meta) + f"The 512-stream row's load on the actix pass-through and on "
+             f"`rialto serve` (one process), each recorded with `perf record --call-graph dwarf` at "
+             f"{profiled['hz']} Hz for {profiled['seconds']} s inside the measured window; every thread of the "
+             "process, kernel time under the part that made the call. Each sample goes to the first part its thread "
+             "or call stack matches (the order below), and samples become µs of CPU a stream by the streams the "
+             "load completed meanwhile. Recording call stacks slows the process (its CPU a stream reads higher "
+             "here than unprofiled); compare the columns, not the figures with other tables.", "",
+             "| part | actix pass-through µs | Rialto µs | Rialto over it µs |", "|---|---|---|---|"]
+    for name in ours["parts_us"]:
+        a, r = stack["parts_us"].get(name, 0), ours["parts_us"][name]
+        if a or r:
+            lines.append(f"| {name} | {a} | {r} | {round(r - a, 1):+} |")
+    lines.append(f"| **all** | **{stack['cpu_us_per_stream']}** | **{ours['cpu_us_per_stream']}** | "
+                 f"**{round(ours['cpu_us_per_stream'] - stack['cpu_us_per_stream'], 1):+}** |")
+    lines += ["", "Across the parts (the kernel, the allocator and memory copies by the function a sample was in; "
+              "serde_json by any it was under):", "", "| | actix pass-through µs | Rialto µs |", "|---|---|---|"]
+    for name in ours["across_us"]:
+        lines.append(f"| {name} | {stack['across_us'].get(name, 0)} | {ours['across_us'][name]} |")
+    lines += ["", "Rialto's functions with the most samples of their own: "
+              + "; ".join(f"`{name}` {us}" for name, us in ours["top_functions_us"][:10]) + " (µs a stream)."]
+    return lines
 
 if __name__ == "__main__":
     main()
