@@ -124,7 +124,7 @@ fn read_raw(json: &[u8]) -> Option<Answer<'_>> {
         completion_chars,
         usage,
         body: Body::Raw {
-            members,
+            members: members.into_vec(),
             len: json.len(),
         },
     })
