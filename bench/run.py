@@ -53,7 +53,13 @@ And failover (issue 17), only as `--only failover`: `make test-cluster` with
 its figures written out (each fault's refused requests and how long its
 principals went unserved; over-admissions), for the "Failover" section.
 
-`--only local-model` (or `--only soak`, `--only failover`, `--only media`) runs that step alone
+And where a stream's CPU goes at 512 streams (`--only profile`; a full run
+measures it too): `perf record` with call stacks on the actix pass-through and
+on `rialto serve` under the 512-stream load, each sample given to a part of a
+stream's work (Suite.PROFILE_PARTS), in µs of CPU a stream.
+
+`--only local-model` (or `--only soak`, `--only failover`, `--only media`, `--only instructions`,
+`--only profile`) runs that step alone
 into its own results file; `--from-results FULL.json PART.json` rewrites BENCHMARKS.md from a full
 run with the later files' sections added or replaced.
 """
