@@ -1084,14 +1084,16 @@ class Suite:
         ("other threads (the log's, the sweeper's clocks)", "thread", r"^(?!actix)"),
         ("writing to the client's socket (actix's flush: `send`, loopback delivery)", "stack",
          r"InnerDispatcher::poll_flush"),
-        ("reading the client's request (actix's decoder, `recv`)", "stack", r"InnerDispatcher::poll_request"),
         ("the stream's end: settlement, its record, the last chunk", "stack", r"Relay::finish|stream::body_end"),
         ("reading the upstream's chunks into ours (JSON)", "stack", r"Relay::read"),
-        ("the upstream's connection: its answer read, the request written (hyper, `recv`, `writev`)", "stack",
-         r"hyper::proto::h1|hyper::client|upstream::drive|__libc_recv|writev|hyper_util::|reqwest::"),
+        ("the upstream's connection: the request written, the answer read (hyper, `writev`, `recv`)", "stack",
+         r"hyper::proto::h1|hyper::client|upstream::drive|hyper_util::|reqwest::"),
         ("the SSE parser and the router's stream", "stack", r"rialto_router::sse::"),
+        ("the rest of a chunk's relay (the response body's poll: its lock, the router's stream)", "stack",
+         r"RelayBody as futures_core"),
         ("the handler: key, limits, hold, validation, the router's request", "stack",
          r"rialto_gateway::|rialto_router::|rialto_billing::|rialto_limiter::|rialto_auth::|bench_proxy::"),
+        ("reading the client's request (actix's decoder, `recv`)", "stack", r"InnerDispatcher::poll_request"),
         ("epoll and Tokio's I/O driver", "stack", r"Driver::turn|epoll_wait"),
         ("actix and Tokio: polling, scheduling, timers (other)", "stack", r""),
     )
@@ -1110,10 +1112,12 @@ class Suite:
         the streams row's load, for PROFILE_SECONDS in its measured window;
         each sample goes to a part (PROFILE_PARTS), and a part's samples are
         turned into µs of CPU a stream by the streams the load completed a
-        second. Every thread of the process; kernel time under the part that
-        made the call."""
+        second over its measured window. Every thread of the process; kernel
+        time under the part that made the call."""
         if shutil.which("perf") is None:
-            sys.exit("perf is missing: make bench installs it (Debian's linux-perf)")
+            raise RuntimeError("perf is missing: make bench installs it (Debian's linux-perf)")
+        if self.duration < self.PROFILE_SECONDS + 2:
+            raise RuntimeError(f"the profile needs a load of {self.PROFILE_SECONDS + 2} s or more (--duration)")
         self.start_upstreams()
         try:
             result = {"streams": self.PROFILE_STREAMS, "seconds": self.PROFILE_SECONDS, "hz": self.PROFILE_HZ}
@@ -1139,25 +1143,38 @@ class Suite:
                 url, headers, model = f"{base}/api/v1/chat/completions", {"Authorization": f"Bearer {key}"}, \
                     "bench-stream"
             body = {"model": model, "messages": CHAT, "stream": True}
-            loaded = {}
-            load = threading.Thread(target=lambda: loaded.update(self.load(
-                "stream", url, headers, body, concurrency=self.PROFILE_STREAMS, spread=self.spread)))
+            loaded, failed = {}, []
+
+            def run_load():
+                try:
+                    loaded.update(self.load("stream", url, headers, body, concurrency=self.PROFILE_STREAMS,
+                                            spread=self.spread))
+                except (RuntimeError, OSError, subprocess.SubprocessError, ValueError) as error:
+                    failed.append(error)
+
+            load = threading.Thread(target=run_load)
             load.start()
             # Into the load's measured window, clear of its start and its end.
             time.sleep(self.warmup + 1)
             pids = procs.pids(["profiled"] if scenario == "actix-proxy" else ["gateway"])
-            recorded = subprocess.run(["perf", "record", "-q", "-p", ",".join(map(str, pids)), "--call-graph",
+            # `cpu-clock`: each sample's period is its ns of CPU, on any host.
+            recorded = subprocess.run(["perf", "record", "-q", "-e", "cpu-clock", "-p", ",".join(map(str, pids)),
+                                       "--call-graph",
                                        "dwarf,16384", "-F", str(self.PROFILE_HZ), "-o", data, "--", "sleep",
                                        str(self.PROFILE_SECONDS)], capture_output=True, text=True)
             load.join()
-            if recorded.returncode != 0 or not loaded:
+            if failed or not loaded:
+                raise RuntimeError(f"the profiled load failed: {failed[0] if failed else 'no result'}")
+            if recorded.returncode != 0:
                 raise RuntimeError(f"perf record failed: {recorded.stderr[-2000:]}")
             script = subprocess.run(["perf", "script", "--no-inline", "-i", data], capture_output=True, text=True,
                                     errors="replace")
             if script.returncode != 0:
                 raise RuntimeError(f"perf script failed: {script.stderr[-2000:]}")
+            # Streams completed while recorded, at the rate of the load's
+            # measured window.
             return profile_parts(perf_samples(script.stdout), loaded["streams_per_s"] * self.PROFILE_SECONDS,
-                                 self.PROFILE_HZ, loaded)
+                                 loaded)
         finally:
             procs.stop()
             if os.path.exists(data):
@@ -1193,7 +1210,13 @@ class Suite:
         results["media"] = self.media()
         if not self.smoke:
             results["instructions"] = self.instructions()
-            results["profile"] = self.profile()
+            # A profile that cannot be taken (no perf, a host that forbids
+            # it) does not cost the run its other results.
+            try:
+                results["profile"] = self.profile()
+            except RuntimeError as error:
+                print(f"   profile not taken: {error}", flush=True)
+                results["profile"] = {"error": str(error)}
         # make test runs the soak on its own (make test-soak); a smoke does not repeat it.
         if not self.smoke:
             results["soak"] = self.soak()
@@ -2223,32 +2246,41 @@ def instructions_report(results, meta):
 
 def perf_frame(line):
     """A frame of `perf script`'s stack (`addr symbol+off (dso)`): its
-    symbol with generic arguments and offset dropped, and its object."""
+    symbol with generic arguments and offset dropped (a qualified path's
+    brackets too, its text kept: `<a::B<T> as c::D>::f` is `a::B as c::D::f`),
+    and its object."""
     text = line.strip().split(" ", 1)[-1]
     text, _, dso = text.rpartition(" (")
     text = re.sub(r"\+0x[0-9a-f]+$", "", text)
-    name, depth = [], 0
-    for ch in text:
+    name, brackets = [], []
+    for i, ch in enumerate(text):
         if ch == "<":
-            depth += 1
-        elif ch == ">":
-            depth = max(0, depth - 1)
-        elif depth == 0:
+            # After a name: generic arguments, dropped; else a qualified path.
+            generic = i > 0 and (text[i - 1].isalnum() or text[i - 1] in "_:")
+            brackets.append(generic)
+        elif ch == ">" and brackets:
+            brackets.pop()
+        elif not any(brackets):
             name.append(ch)
     return "".join(name) or text, dso.rstrip(")")
 
 
+# "comm pid[/tid] [cpu] time: period event:" (a comm may hold spaces).
+PERF_HEADER = re.compile(r"^(?P<thread>.*?)\s+\d+(?:/\d+)?\s+(?:\[\d+\]\s+)?\d+\.\d+:\s+(?P<period>\d+)\s+\S+:")
+
+
 def perf_samples(text):
-    """`perf script` output as (thread name, frames leaf first, leaf's object)."""
-    samples, thread, frames, leaf_dso = [], None, [], ""
+    """`perf script` output as (thread name, period, frames leaf first, the
+    leaf's object); the period of a `cpu-clock` sample is its ns of CPU."""
+    samples, header, frames, leaf_dso = [], None, [], ""
     for line in text.splitlines() + [""]:
         if not line.strip():
-            if thread is not None:
-                samples.append((thread, frames, leaf_dso))
-            thread, frames, leaf_dso = None, [], ""
+            if header is not None:
+                samples.append((header[0], header[1], frames, leaf_dso))
+            header, frames, leaf_dso = None, [], ""
         elif not line[0].isspace():
-            # "comm pid [cpu] time: period event:"; a comm may hold spaces.
-            thread = re.split(r"\s+\d+(/\d+)?\s", line.strip(), maxsplit=1)[0]
+            match = PERF_HEADER.match(line.strip())
+            header = (match["thread"], int(match["period"])) if match else (line.split()[0], 0)
         else:
             name, dso = perf_frame(line)
             if not frames:
@@ -2257,45 +2289,53 @@ def perf_samples(text):
     return samples
 
 
-def profile_parts(samples, streams, hz, load):
-    """Samples into µs of CPU a stream, by part and across parts."""
+def profile_parts(samples, streams, load):
+    """Samples into µs of CPU a stream (their periods: ns of CPU), by part
+    and across parts."""
     parts = {name: 0 for name, *_ in Suite.PROFILE_PARTS}
     across = {name: 0 for name, *_ in Suite.PROFILE_ACROSS}
-    leaves = {}
-    for thread, frames, leaf_dso in samples:
+    ours, total = {}, 0
+    for thread, period, frames, leaf_dso in samples:
+        total += period
         stack = ";".join(reversed(frames))
         for name, kind, pattern in Suite.PROFILE_PARTS:
             if re.search(pattern, thread if kind == "thread" else stack):
-                parts[name] += 1
+                parts[name] += period
                 break
         leaf = frames[0] if frames else "?"
         for name, kind, pattern in Suite.PROFILE_ACROSS:
             subject = {"leaf-dso": leaf_dso, "leaf": leaf, "stack": stack}[kind]
             if re.search(pattern, subject):
-                across[name] += 1
-        leaves[leaf] = leaves.get(leaf, 0) + 1
-    us = lambda n: round(n / hz / streams * 1e6, 1)
-    top = sorted(leaves.items(), key=lambda kv: -kv[1])[:15]
-    return {"samples": len(samples), "streams_profiled": round(streams), "cpu_us_per_stream": us(len(samples)),
+                across[name] += period
+        # The process's own functions (its binary's, not the kernel's or
+        # the C library's).
+        if os.path.basename(leaf_dso) in ("rialto", "bench-proxy"):
+            ours[leaf] = ours.get(leaf, 0) + period
+    us = lambda ns: round(ns / 1e3 / streams, 1)
+    top = sorted(ours.items(), key=lambda kv: -kv[1])[:15]
+    return {"samples": len(samples), "streams_profiled": round(streams), "cpu_us_per_stream": us(total),
             "first_token_p50_us": load.get("first_token_us", {}).get("p50"),
-            "parts_us": {name: us(n) for name, n in parts.items()},
-            "across_us": {name: us(n) for name, n in across.items()},
-            "top_functions_us": [[name, us(n)] for name, n in top]}
+            "parts_us": {name: us(ns) for name, ns in parts.items()},
+            "across_us": {name: us(ns) for name, ns in across.items()},
+            "top_functions_us": [[name, us(ns)] for name, ns in top]}
 
 
 def profile_report(results, meta):
     """The 512-stream profile; empty for results of runs before it."""
     profiled = results.get("profile")
-    if not profiled or "one-process" not in profiled:
+    if not profiled:
         return []
+    if "one-process" not in profiled:
+        return ["", "## Where a stream's CPU goes at 512 streams (perf)", "",
+                f"Not profiled in this run: {profiled.get('error', 'no figures')}."]
     ours, stack = profiled["one-process"], profiled["actix-proxy"]
     lines = ["", f"## Where a stream's CPU goes at {profiled['streams']} streams (perf)", "",
              measured_on_its_own(profiled, meta) + f"The 512-stream row's load on the actix pass-through and on "
              f"`rialto serve` (one process), each recorded with `perf record --call-graph dwarf` at "
              f"{profiled['hz']} Hz for {profiled['seconds']} s inside the measured window; every thread of the "
              "process, kernel time under the part that made the call. Each sample goes to the first part its thread "
-             "or call stack matches (the order below), and samples become µs of CPU a stream by the streams the "
-             "load completed meanwhile. Recording call stacks slows the process (its CPU a stream reads higher "
+             "or call stack matches (the order below), and their CPU time becomes µs a stream at the rate the "
+             "load completed streams over its measured window. Recording call stacks slows the process (its CPU a stream reads higher "
              "here than unprofiled); compare the columns, not the figures with other tables.", "",
              "| part | actix pass-through µs | Rialto µs | Rialto over it µs |", "|---|---|---|---|"]
     for name in ours["parts_us"]:
@@ -2308,7 +2348,8 @@ def profile_report(results, meta):
               "serde_json by any it was under):", "", "| | actix pass-through µs | Rialto µs |", "|---|---|---|"]
     for name in ours["across_us"]:
         lines.append(f"| {name} | {stack['across_us'].get(name, 0)} | {ours['across_us'][name]} |")
-    lines += ["", "Rialto's functions with the most samples of their own: "
+    lines += ["", "The functions of Rialto's binary with the most CPU of their own (the kernel's and the C "
+              "library's left out): "
               + "; ".join(f"`{name}` {us}" for name, us in ours["top_functions_us"][:10]) + " (µs a stream)."]
     return lines
 
