@@ -1088,8 +1088,9 @@ class Suite:
         ("reading the upstream's chunks into ours (JSON)", "stack", r"Relay::read"),
         ("the upstream's connection: the request written, the answer read (hyper, `writev`, `recv`)", "stack",
          r"hyper::proto::h1|hyper::client|upstream::drive|hyper_util::|reqwest::"),
-        ("the SSE parser and the router's stream", "stack", r"rialto_router::sse::"),
-        ("the rest of a chunk's relay (the response body's poll: its lock, the router's stream)", "stack",
+        ("the SSE parser (the upstream's body into chunks)", "stack", r"rialto_router::sse::"),
+        ("the rest of a chunk's relay (the response body's poll, the router's stream adapters, the stream's "
+         "clock)", "stack",
          r"RelayBody as futures_core"),
         ("the handler: key, limits, hold, validation, the router's request", "stack",
          r"rialto_gateway::|rialto_router::|rialto_billing::|rialto_limiter::|rialto_auth::|bench_proxy::"),
