@@ -1111,10 +1111,10 @@ class Suite:
         """Where a stream's CPU goes at 512 streams: `perf record` with call
         stacks on the actix pass-through and on `rialto serve`, each given
         the streams row's load, for PROFILE_SECONDS in its measured window;
-        each sample goes to a part (PROFILE_PARTS), and a part's samples are
-        turned into µs of CPU a stream by the streams the load completed a
-        second over its measured window. Every thread of the process; kernel
-        time under the part that made the call."""
+        each sample goes to a part (PROFILE_PARTS), and a part's CPU (its
+        samples' periods) is divided by the streams completed while recorded,
+        at the load's rate over its measured window. Every thread of the
+        process; kernel time under the part that made the call."""
         if shutil.which("perf") is None:
             raise RuntimeError("perf is missing: make bench installs it (Debian's linux-perf)")
         if self.duration < self.PROFILE_SECONDS + 2:
@@ -1174,8 +1174,7 @@ class Suite:
                 raise RuntimeError(f"perf script failed: {script.stderr[-2000:]}")
             # Streams completed while recorded, at the rate of the load's
             # measured window.
-            return profile_parts(perf_samples(script.stdout), loaded["streams_per_s"] * self.PROFILE_SECONDS,
-                                 loaded)
+            return profile_parts(perf_samples(script.stdout), loaded["streams_per_s"] * self.PROFILE_SECONDS)
         finally:
             procs.stop()
             if os.path.exists(data):
@@ -2244,7 +2243,6 @@ def instructions_report(results, meta):
     return lines
 
 
-
 def perf_frame(line):
     """A frame of `perf script`'s stack (`addr symbol+off (dso)`): its
     symbol with generic arguments and offset dropped (a qualified path's
@@ -2281,7 +2279,10 @@ def perf_samples(text):
             header, frames, leaf_dso = None, [], ""
         elif not line[0].isspace():
             match = PERF_HEADER.match(line.strip())
-            header = (match["thread"], int(match["period"])) if match else (line.split()[0], 0)
+            if not match:
+                # A sample without its period would be counted as no CPU.
+                raise RuntimeError(f"perf script wrote a sample header this does not read: {line!r}")
+            header = (match["thread"], int(match["period"]))
         else:
             name, dso = perf_frame(line)
             if not frames:
@@ -2290,7 +2291,7 @@ def perf_samples(text):
     return samples
 
 
-def profile_parts(samples, streams, load):
+def profile_parts(samples, streams):
     """Samples into µs of CPU a stream (their periods: ns of CPU), by part
     and across parts."""
     parts = {name: 0 for name, *_ in Suite.PROFILE_PARTS}
@@ -2315,7 +2316,6 @@ def profile_parts(samples, streams, load):
     us = lambda ns: round(ns / 1e3 / streams, 1)
     top = sorted(ours.items(), key=lambda kv: -kv[1])[:15]
     return {"samples": len(samples), "streams_profiled": round(streams), "cpu_us_per_stream": us(total),
-            "first_token_p50_us": load.get("first_token_us", {}).get("p50"),
             "parts_us": {name: us(ns) for name, ns in parts.items()},
             "across_us": {name: us(ns) for name, ns in across.items()},
             "top_functions_us": [[name, us(ns)] for name, ns in top]}
