@@ -12,6 +12,13 @@ BENCH_VENV := bench/.venv
 MODELS := models
 CHAT_MODEL := $(MODELS)/SmolLM2-135M-Instruct.Q4_1.gguf
 EMBEDDING_MODEL := $(MODELS)/all-minilm-l6-v2/model.safetensors
+# What every build and test of `make test` selects: the whole workspace, its
+# tests included. Cargo unifies a crate's features over what one command
+# selects, and the tests' dev-dependencies turn on more of some (alloy's
+# serde, figment's test, smallvec's union): a command selecting less (the
+# binaries alone, one package's test) compiles ~115 crates a second time,
+# ~4 minutes of a cold run.
+WORKSPACE := --locked --workspace
 
 .PHONY: help run test lint fmt build services venv toolchain native models speech pgbouncer clean bench bench-smoke bench-venv devnet valgrind perf
 
@@ -32,9 +39,9 @@ run: toolchain native models speech ## Build and start Rialto on its embedded de
 
 test: k8s-validate toolchain native models speech pgbouncer services venv bench-venv devnet browser ## Every check: k8s-validate, fmt, clippy -D warnings, all tests, test-soak, bench-smoke, test-cluster (starts PostgreSQL/NATS if needed)
 	$(CARGO) fmt --all --check
-	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
-	$(CARGO) build --locked -p rialto -p rialto-bench
-	$(CARGO) test --workspace --locked
+	$(CARGO) clippy $(WORKSPACE) --all-targets -- -D warnings
+	$(CARGO) build $(WORKSPACE) --all-targets
+	$(CARGO) test $(WORKSPACE)
 	$(MAKE) --no-print-directory test-soak
 	python3 bench/run.py --smoke --profile debug --target-dir $(TARGET_DIR)
 	$(MAKE) --no-print-directory test-cluster
@@ -260,7 +267,7 @@ $(K8S_VENV)/.installed: Makefile
 # something. RIALTO_SOAK_SECS=N runs it for N seconds.
 .PHONY: test-soak
 test-soak: toolchain native models ## The abuse soak alone (about 75 s; make test runs it)
-	RIALTO_SOAK=1 $(CARGO) test --locked -p rialto-e2e --test soak -- --nocapture
+	RIALTO_SOAK=1 $(CARGO) test $(WORKSPACE) --test soak -- --nocapture
 
 # A local cluster on loopback (deploy/cluster.sh): 2 gateways, 2 limiters,
 # 2 billing replicas, 1 auth and 1 router, one process each, against the local
@@ -286,14 +293,13 @@ cluster-down: ## Stop the local cluster
 TEST_CLUSTER := CLUSTER_BIN=$(TARGET_DIR)/debug/rialto CLUSTER_DIR=data/cluster-test CLUSTER_DATABASE=rialto_cluster_test CLUSTER_BUS_PREFIX=rialto-cluster-test
 
 test-cluster: toolchain native models services ## Start a local cluster, run the cluster test (scenarios, races, kills), stop and delete it
-	$(CARGO) build --locked -p rialto
-	$(CARGO) test --locked -p rialto-e2e --test cluster --no-run
+	$(CARGO) build $(WORKSPACE) --all-targets
 	$(TEST_CLUSTER) deploy/cluster.sh clean
 	rm -rf data/cluster-test
 	@status=0; \
-	$(TEST_CLUSTER) CLUSTER_EXTRA_TOML=tests/cluster/cluster.toml $(MAKE) --no-print-directory cluster || status=$$?; \
+	$(TEST_CLUSTER) CLUSTER_EXTRA_TOML=tests/cluster/cluster.toml deploy/cluster.sh up || status=$$?; \
 	if [ $$status = 0 ]; then \
-	  $(TEST_CLUSTER) RIALTO_CLUSTER=1 $(CARGO) test --locked -p rialto-e2e --test cluster -- --nocapture || status=$$?; \
+	  $(TEST_CLUSTER) RIALTO_CLUSTER=1 $(CARGO) test $(WORKSPACE) --test cluster -- --nocapture || status=$$?; \
 	fi; \
 	$(TEST_CLUSTER) $(MAKE) --no-print-directory cluster-down || status=$$((status ? status : 1)); \
 	$(TEST_CLUSTER) deploy/cluster.sh clean || status=$$((status ? status : 1)); \
