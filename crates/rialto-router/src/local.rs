@@ -174,14 +174,29 @@ impl StreamClock {
         static COMPLETION_TOKENS: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
             std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"completion_tokens\""));
         if COMPLETION_TOKENS.find(data).is_some()
-            && let Ok(chunk) = serde_json::from_slice::<Value>(data)
-            && let Some(tokens) = chunk
-                .pointer("/usage/completion_tokens")
-                .and_then(Value::as_u64)
+            && let Some(tokens) = completion_tokens(data)
         {
             self.completion_tokens = Some(tokens);
         }
     }
+}
+
+/// The `usage.completion_tokens` of a chunk, read into these two structs
+/// alone (serde skips the rest): a `Value` of the chunk allocated every
+/// member of it, its id, model and choices, to read one number.
+fn completion_tokens(chunk: &[u8]) -> Option<u64> {
+    #[derive(serde::Deserialize)]
+    struct Chunk {
+        usage: Option<Usage>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Usage {
+        completion_tokens: Option<u64>,
+    }
+    serde_json::from_slice::<Chunk>(chunk)
+        .ok()?
+        .usage?
+        .completion_tokens
 }
 
 impl Drop for StreamClock {
@@ -2045,6 +2060,36 @@ mod tests {
         assert!(events.last().unwrap().is_err());
         assert_eq!(events.iter().filter(|e| e.is_err()).count(), 1);
         assert_eq!(first.request_count() + second.request_count(), 1);
+    }
+
+    #[test]
+    fn a_streams_completion_tokens_come_from_its_usage_chunk_alone() {
+        let usage = br#"{"id":"c","object":"chat.completion.chunk","model":"m","choices":[],"usage":{"prompt_tokens":7,"completion_tokens":16,"total_tokens":23}}"#;
+        assert_eq!(completion_tokens(usage), Some(16));
+        // The name in a token's text, a usage of null or without the
+        // count, a number that is no count, a chunk that is not JSON.
+        for chunk in [
+            &br#"{"choices":[{"index":0,"delta":{"content":"\"completion_tokens\": 3"}}]}"#[..],
+            br#"{"choices":[],"usage":null}"#,
+            br#"{"choices":[],"usage":{"prompt_tokens":7}}"#,
+            br#"{"usage":{"completion_tokens":-1}}"#,
+            br#"{"usage":{"completion_tokens":1"#,
+        ] {
+            assert_eq!(
+                completion_tokens(chunk),
+                None,
+                "{}",
+                String::from_utf8_lossy(chunk)
+            );
+        }
+        let mut clock = StreamClock::new(
+            TokenTiming::new("m", "a_streams_completion_tokens"),
+            Instant::now(),
+        );
+        clock.chunk(br#"{"choices":[{"index":0,"delta":{"content":"hi"}}]}"#);
+        assert_eq!(clock.completion_tokens, None);
+        clock.chunk(usage);
+        assert_eq!((clock.chunks, clock.completion_tokens), (2, Some(16)));
     }
 
     #[test]
