@@ -17,8 +17,11 @@ EMBEDDING_MODEL := $(MODELS)/all-minilm-l6-v2/model.safetensors
 # selects, and the tests' dev-dependencies turn on more of some (alloy's
 # serde, figment's test, smallvec's union): a command selecting less (the
 # binaries alone, one package's test) compiles ~115 crates a second time,
-# ~4 minutes of a cold run.
+# ~4 minutes of a cold run. The binary as it ships (`make run`, the
+# Dockerfile: `-p rialto`, without the tests' features) is checked once
+# (`cargo check`): code that compiles only with the tests' features fails it.
 WORKSPACE := --locked --workspace
+SHIPPED := --locked -p rialto -p rialto-bench
 
 .PHONY: help run test lint fmt build services venv toolchain native models speech pgbouncer clean bench bench-smoke bench-venv devnet valgrind perf
 
@@ -41,6 +44,7 @@ test: k8s-validate toolchain native models speech pgbouncer services venv bench-
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy $(WORKSPACE) --all-targets -- -D warnings
 	$(CARGO) build $(WORKSPACE) --all-targets
+	$(CARGO) check $(SHIPPED)
 	$(CARGO) test $(WORKSPACE)
 	$(MAKE) --no-print-directory test-soak
 	python3 bench/run.py --smoke --profile debug --target-dir $(TARGET_DIR)
