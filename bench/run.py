@@ -884,9 +884,10 @@ class Suite:
         env = dict(os.environ, RIALTO_SOAK="1", RIALTO_SOAK_JSON=out, E2E_RIALTO_BIN=self.binary("rialto"),
                    CARGO_TARGET_DIR=os.path.abspath(self.args.target_dir))
         print("== soak: tests/soak/ against the release binary (about 75 s)", flush=True)
-        # The test (the load) in the debug profile make test builds; the
+        # The test (the load) in the debug profile make test builds, selected
+        # as make test selects it (the whole workspace: one feature set); the
         # server it starts is this profile's binary.
-        run = subprocess.run(["cargo", "test", "--locked", "-p", "rialto-e2e", "--test", "soak", "--",
+        run = subprocess.run(["cargo", "test", "--locked", "--workspace", "--test", "soak", "--",
                               "--nocapture"], cwd=ROOT, env=env, capture_output=True, text=True)
         if not os.path.exists(out):
             sys.exit(f"the soak wrote no figures:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}")

@@ -12,7 +12,7 @@
 //!
 //! ```sh
 //! CLUSTER_EXTRA_TOML=tests/cluster/cluster.toml make cluster
-//! RIALTO_CLUSTER=1 cargo test -p rialto-e2e --test cluster -- --nocapture
+//! RIALTO_CLUSTER=1 cargo test --workspace --test cluster -- --nocapture
 //! make cluster-down
 //! ```
 //!

@@ -800,7 +800,7 @@ pub fn rialto_binary() -> anyhow::Result<PathBuf> {
     let binary = dir.join("rialto");
     if !binary.exists() {
         bail!(
-            "{} does not exist: build it first with `cargo build -p rialto` (make test does)",
+            "{} does not exist: build it first with `cargo build --workspace --all-targets` (make test does)",
             binary.display()
         );
     }
