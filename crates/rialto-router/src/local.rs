@@ -2073,6 +2073,8 @@ mod tests {
             br#"{"choices":[],"usage":null}"#,
             br#"{"choices":[],"usage":{"prompt_tokens":7}}"#,
             br#"{"usage":{"completion_tokens":-1}}"#,
+            br#"{"usage":{"completion_tokens":16.0}}"#,
+            br#"{"usage":{"completion_tokens":"16"}}"#,
             br#"{"usage":{"completion_tokens":1"#,
         ] {
             assert_eq!(
