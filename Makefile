@@ -17,9 +17,10 @@ EMBEDDING_MODEL := $(MODELS)/all-minilm-l6-v2/model.safetensors
 # selects, and the tests' dev-dependencies turn on more of some (alloy's
 # serde, figment's test, smallvec's union): a command selecting less (the
 # binaries alone, one package's test) compiles ~115 crates a second time,
-# ~4 minutes of a cold run. The binary as it ships (`make run`, the
-# Dockerfile: `-p rialto`, without the tests' features) is checked once
-# (`cargo check`): code that compiles only with the tests' features fails it.
+# ~4 minutes of a cold run. The binaries as `make run`, the Dockerfile and
+# `make bench` build them (`-p rialto`, `-p rialto-bench`: without the tests'
+# features) are checked once (`cargo check`): code that compiles only with
+# the tests' features fails it.
 WORKSPACE := --locked --workspace
 SHIPPED := --locked -p rialto -p rialto-bench
 

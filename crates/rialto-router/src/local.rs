@@ -182,8 +182,8 @@ impl StreamClock {
 }
 
 /// The `usage.completion_tokens` of a chunk, read into these two structs
-/// alone (serde skips the rest): a `Value` of the chunk allocated every
-/// member of it, its id, model and choices, to read one number.
+/// alone: serde skips the rest, where a `Value` would allocate every member
+/// (its id, model and choices) to read one number.
 fn completion_tokens(chunk: &[u8]) -> Option<u64> {
     #[derive(serde::Deserialize)]
     struct Chunk {
