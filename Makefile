@@ -306,7 +306,7 @@ test-cluster: toolchain native models services ## Start a local cluster, run the
 	if [ $$status = 0 ]; then \
 	  $(TEST_CLUSTER) RIALTO_CLUSTER=1 $(CARGO) test $(WORKSPACE) --test cluster -- --nocapture || status=$$?; \
 	fi; \
-	$(TEST_CLUSTER) $(MAKE) --no-print-directory cluster-down || status=$$((status ? status : 1)); \
+	$(TEST_CLUSTER) deploy/cluster.sh down || status=$$((status ? status : 1)); \
 	$(TEST_CLUSTER) deploy/cluster.sh clean || status=$$((status ? status : 1)); \
 	if [ $$status != 0 ]; then \
 	  echo "test-cluster: failed; the processes' logs are in data/cluster-test/logs; their warnings:"; \
