@@ -978,7 +978,8 @@ class Suite:
             for label, folder in builds:
                 result[label] = {"bin": folder}
                 for row, mode, model, concurrency in self.INSTRUCTION_ROWS:
-                    result[label][row] = self.count_instructions(folder, mode, model, concurrency)
+                    result[label][row] = self.count_instructions(folder, mode, model, concurrency,
+                                                                 keep_as=f"{label} {row}")
                     print(f"   {label}, {row}: {result[label][row]['per_request']:,} instructions a request "
                           f"({result[label][row]['requests']} requests)", flush=True)
             # The same requests through the pass-throughs, in front of the
@@ -988,7 +989,8 @@ class Suite:
             for server in ("hyper", "actix"):
                 for row, mode, model, concurrency in self.INSTRUCTION_ROWS:
                     counted = self.count_instructions(None, mode, "bench-model", concurrency,
-                                                      proxy=(server, model.removeprefix("bench-")))
+                                                      proxy=(server, model.removeprefix("bench-")),
+                                                      keep_as=f"{server} pass-through {row}")
                     passing[f"{server} {row}"] = counted
                     print(f"   {server} pass-through, {row}: {counted['per_request']:,} instructions a "
                           f"request ({counted['requests']} requests)", flush=True)
@@ -1006,9 +1008,11 @@ class Suite:
     NO_REP_STRINGS = {"GLIBC_TUNABLES": "glibc.cpu.x86_rep_stosb_threshold=0xffffffffffff:"
                                         "glibc.cpu.x86_rep_movsb_threshold=0xffffffffffff"}
 
-    def count_instructions(self, folder, mode, model, concurrency, proxy=None):
+    def count_instructions(self, folder, mode, model, concurrency, proxy=None, keep_as=None):
         """One row under callgrind: `rialto serve` from `folder`, or with
-        `proxy` (server, upstream) `bench-proxy` in front of that upstream."""
+        `proxy` (server, upstream) `bench-proxy` in front of that upstream.
+        With `--keep-callgrind`, the load's dump is copied there as
+        `<keep_as>.callgrind` for `callgrind_annotate`."""
         procs = Processes(self.workdir)
         out = os.path.join(self.workdir, f"callgrind-{secrets.token_hex(4)}.out")
         valgrind = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}"]
@@ -1058,6 +1062,10 @@ class Suite:
             run = self.load(mode, url, headers, body, concurrency=concurrency)
             loaded = dump()
             load_seconds = time.monotonic() - load_started
+            if self.args.keep_callgrind and keep_as:
+                os.makedirs(self.args.keep_callgrind, exist_ok=True)
+                shutil.copyfile(f"{out}.{len(dumps)}", os.path.join(
+                    self.args.keep_callgrind, keep_as.replace(" ", "-") + ".callgrind"))
             # The load's own warm-up is counted too: it ran after the zero.
             requests = (run.get("streams") or run["requests"]) * (self.duration + self.warmup) / self.duration
             if not loaded or not requests:
@@ -2078,6 +2086,9 @@ def main():
                         type=labelled_binary,
                         help="another build's folder (holding its rialto) whose instructions per request are "
                              "counted next to this one's (e.g. the commit before a change)")
+    parser.add_argument("--keep-callgrind", metavar="FOLDER",
+                        help="with the instructions step: keep each row's callgrind dump of the load there "
+                             "(read it with callgrind_annotate --inclusive=yes)")
     parser.add_argument("--report-to", metavar="FILE",
                         help="with --smoke: write the report rendered from the smoke's figures here")
     parser.add_argument("--from-results", metavar="FILE", nargs="+",
