@@ -1239,6 +1239,94 @@ pub(crate) mod tests {
         drop.await;
     }
 
+    /// A closed hold is deleted a month after its stream began, a thousand
+    /// a statement; a younger one stays, and so does an open one, however
+    /// old (it is still to be charged).
+    async fn closed_holds_are_forgotten_after_a_month(db: Database) {
+        use crate::recovery::CLOSED_HOLD_RETENTION_MS as MONTH;
+        let ledger = Ledger::new(db.clone());
+        ledger
+            .credit("account:f", 10 * NANO, 0, "seed")
+            .await
+            .unwrap();
+        let book = Book::start(db.clone(), 30_000);
+        // A real stream: held durably, settled, its hold closed.
+        let placed = book.hold("account:f", &hold("f1", NANO, true)).await;
+        assert!(matches!(placed.unwrap(), HoldOutcome::Placed { .. }));
+        book.caught_up().await.unwrap();
+        let settled = book.settle("account:f", &settle("f1", NANO)).await;
+        assert_eq!(settled.unwrap(), charged(NANO, 0, 0));
+        book.flush().await.unwrap();
+        let later = now_ms() + MONTH + 1_000;
+        // 2,500 more closed over a month before `later` (three batches).
+        sqlx::query(
+            "INSERT INTO holds (request_id, owner, usd_nanos, diem_nanos, state, created_at_ms, \
+             expires_at_ms) \
+             WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 2500) \
+             SELECT 'old-' || i, 'account:f', 0, 0, \
+             CASE WHEN i % 2 = 0 THEN 'settled' ELSE 'expired' END, $1 - i, $1 - i FROM n",
+        )
+        .bind(later - MONTH - 1)
+        .execute(db.pool())
+        .await
+        .unwrap();
+        for (request_id, state, age) in [
+            ("young", "settled", 86_400_000),
+            ("open", "open", 2 * MONTH),
+        ] {
+            sqlx::query(
+                "INSERT INTO holds (request_id, owner, usd_nanos, diem_nanos, state, \
+                 created_at_ms, expires_at_ms) VALUES ($1, 'account:f', 0, 0, $2, $3, $4)",
+            )
+            .bind(request_id)
+            .bind(state)
+            .bind(later - age)
+            .bind(later + 60_000)
+            .execute(db.pool())
+            .await
+            .unwrap();
+        }
+        assert_eq!(book.forget_closed_holds(later).await.unwrap(), 2_501);
+        let left: Vec<String> =
+            sqlx::query_scalar("SELECT request_id FROM holds ORDER BY request_id")
+                .fetch_all(db.pool())
+                .await
+                .unwrap();
+        assert_eq!(left, ["open", "young"]);
+        assert_eq!(book.forget_closed_holds(later).await.unwrap(), 0);
+        // The charge's record stays in the journal.
+        assert_eq!(ledger.charged("f1").await.unwrap(), (NANO, 0));
+    }
+
+    #[tokio::test]
+    async fn closed_holds_are_forgotten_after_a_month_on_sqlite() {
+        let (_dir, db) = sqlite().await;
+        // Found by the index of closed holds, not by reading every hold.
+        let plan: Vec<String> = sqlx::query(
+            "EXPLAIN QUERY PLAN SELECT request_id FROM holds \
+             WHERE state <> 'open' AND created_at_ms < 1 LIMIT 1000",
+        )
+        .fetch_all(db.pool())
+        .await
+        .unwrap()
+        .iter()
+        .map(|row| row.get::<String, _>("detail"))
+        .collect();
+        assert!(
+            plan.iter()
+                .any(|step| step.contains("USING INDEX holds_closed")),
+            "{plan:?}"
+        );
+        closed_holds_are_forgotten_after_a_month(db).await;
+    }
+
+    #[tokio::test]
+    async fn closed_holds_are_forgotten_after_a_month_on_postgres() {
+        let (db, drop) = postgres().await;
+        closed_holds_are_forgotten_after_a_month(db).await;
+        drop.await;
+    }
+
     /// A stream's hold is durable; the process dies; after a restart its
     /// hold is charged its last checkpoint once its lease ends, and a usage
     /// record arriving afterwards charges nothing more.

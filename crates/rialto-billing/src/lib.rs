@@ -273,6 +273,9 @@ pub fn wallet_owner(address: &str) -> String {
 /// Nano-units per unit of USD or DIEM in the ledger.
 const NANOS: i64 = 1_000_000_000;
 
+/// How often closed holds past their retention are deleted.
+const FORGET_CLOSED_HOLDS_EVERY: std::time::Duration = std::time::Duration::from_secs(3600);
+
 /// A decimal amount as ledger nano-units, rounded up (a cost of a fraction
 /// of a nano-dollar is charged as one).
 pub fn to_nanos(amount: Decimal) -> Result<i64> {
@@ -458,7 +461,8 @@ impl LocalBilling {
     /// Expires holds past their time (a stream's is charged its last
     /// checkpoint), drops idle owners, and, after a restart, loads owners
     /// whose streams' holds outlived their lease so they are charged: for
-    /// ever, every second.
+    /// ever, every second. Every hour (and at start), deletes the holds
+    /// closed over a month ago ([`recovery::CLOSED_HOLD_RETENTION_MS`]).
     pub fn spawn_sweeper(&self) {
         let book = self.book.clone();
         tokio::spawn(async move {
@@ -475,6 +479,20 @@ impl LocalBilling {
                 match book.sweep(rialto_core::db::now_ms()) {
                     0 => {}
                     n => tracing::info!(holds = n, "expired holds"),
+                }
+            }
+        });
+        // Apart from the sweep, which must not wait for it: after an
+        // upgrade the first run deletes every month-old hold there is.
+        let book = self.book.clone();
+        tokio::spawn(async move {
+            let mut every = tokio::time::interval(FORGET_CLOSED_HOLDS_EVERY);
+            loop {
+                every.tick().await;
+                match book.forget_closed_holds(rialto_core::db::now_ms()).await {
+                    Ok(0) => {}
+                    Ok(n) => tracing::info!(holds = n, "deleted closed holds past their retention"),
+                    Err(error) => tracing::warn!(%error, "cannot delete closed holds"),
                 }
             }
         });

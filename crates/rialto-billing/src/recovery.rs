@@ -13,6 +13,11 @@
 //! those owners in memory:
 //! [`Book::recover`] loads the owners whose durable holds outlived their
 //! lease, and the next [`Book::sweep`] charges them.
+//!
+//! A closed hold stays in `holds` as the record of a stream's last
+//! checkpoint for [`CLOSED_HOLD_RETENTION_MS`]; then
+//! [`Book::forget_closed_holds`] deletes it, so the table keeps the size of
+//! a month of streams rather than one row for every stream ever served.
 
 use std::sync::Arc;
 
@@ -22,7 +27,40 @@ use sqlx::Row;
 use crate::book::{Book, IDLE, Owner, SettleOrder, decide_settle, queue};
 use crate::writer::RecordKind;
 
+/// How long a closed hold is kept after its stream began: 30 days.
+pub const CLOSED_HOLD_RETENTION_MS: i64 = 30 * 86_400_000;
+
+/// Closed holds deleted a statement: a few milliseconds of SQLite's write
+/// lock, which the ledger's writer waits for.
+const FORGET_BATCH: i64 = 1_000;
+
 impl Book {
+    /// Deletes the holds closed that began over
+    /// [`CLOSED_HOLD_RETENTION_MS`] before `now_ms`, [`FORGET_BATCH`] a
+    /// statement until none is left. Returns how many it deleted.
+    pub async fn forget_closed_holds(&self, now_ms: i64) -> Result<u64> {
+        let before = now_ms.saturating_sub(CLOSED_HOLD_RETENTION_MS);
+        let mut forgotten = 0;
+        loop {
+            // Found by `holds_closed`, the index of closed holds by age.
+            let deleted = sqlx::query(
+                "DELETE FROM holds WHERE request_id IN (SELECT request_id FROM holds \
+                 WHERE state <> 'open' AND created_at_ms < $1 LIMIT $2)",
+            )
+            .bind(before)
+            .bind(FORGET_BATCH)
+            .execute(self.shared.db.pool())
+            .await?
+            .rows_affected();
+            forgotten += deleted;
+            if deleted < FORGET_BATCH.unsigned_abs() {
+                return Ok(forgotten);
+            }
+            // The writer's commits go between two batches.
+            tokio::task::yield_now().await;
+        }
+    }
+
     /// Expires holds past their time (a durable one is charged its last
     /// checkpoint) and drops idle owners. Returns how many holds expired.
     pub fn sweep(&self, now_ms: i64) -> usize {

@@ -1,0 +1,13 @@
+-- A closed hold (a stream's last checkpoint: the record of what a cut
+-- stream was charged) is kept for 30 days, then billing deletes it
+-- (`CLOSED_HOLD_RETENTION_MS` in rialto-billing's recovery.rs): without
+-- that, `holds` and its primary key grew by one row for every stream ever
+-- served. This index finds the closed holds by age; like the open holds'
+-- indexes it holds only its own state's rows, so it stays the size of 30
+-- days of streams.
+--
+-- Upgrading: building it reads the whole table, and PostgreSQL locks
+-- `holds` against writes meanwhile (as the open holds' migration does,
+-- ~0.3 s a million holds); billing then deletes the holds closed over 30
+-- days ago a thousand at a time.
+CREATE INDEX holds_closed ON holds (created_at_ms) WHERE state <> 'open';
