@@ -262,12 +262,12 @@ pub fn expected_cost(
 
 /// The ledger owner of an account (wallets get `wallet:<address>`).
 pub fn account_owner(account_id: &str) -> String {
-    format!("account:{account_id}")
+    ["account:", account_id].concat()
 }
 
 /// The ledger owner of a signed-in wallet (EIP-55 or base58 address).
 pub fn wallet_owner(address: &str) -> String {
-    format!("wallet:{address}")
+    ["wallet:", address].concat()
 }
 
 /// Nano-units per unit of USD or DIEM in the ledger.

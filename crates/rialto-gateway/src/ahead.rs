@@ -298,8 +298,9 @@ impl Asked {
     ) -> Self {
         let router = router.clone();
         // In the request's span: the router's call continues its trace.
+        // Boxed, as the answer's task is (`chat::complete`).
         let task = tokio::spawn(tracing::Instrument::instrument(
-            async move { router.chat(chat).await },
+            Box::pin(async move { router.chat(chat).await }),
             tracing::Span::current(),
         ));
         Self {

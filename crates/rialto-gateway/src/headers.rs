@@ -207,8 +207,7 @@ pub async fn stamp(
     // The route's pattern, never the raw path: a metric label's values
     // must stay few.
     let route = route_of(response.request());
-    span.record("http.route", route);
-    span.record("http.response.status_code", status);
+    tracing::record_all!(span, http.route = route, http.response.status_code = status);
     if status >= 500 && rialto_core::telemetry::spans_exported() {
         span.record("otel.status_code", "ERROR");
     }

@@ -205,11 +205,13 @@ impl Policy {
     /// Every window a request of `caller` on `target` must fit in, in the
     /// order they are taken: the caller's own, the account's, the model's.
     pub fn windows(&self, caller: Caller<'_>, target: Target<'_>) -> Vec<WindowSpec> {
+        // Principals are joined with `concat`, not `format!`: the same text
+        // without the formatting machinery, on every admission.
         let mut windows = Vec::with_capacity(1);
         if let Some(limit) = self.key_limit(caller, target) {
             windows.push(WindowSpec {
                 scope: Scope::ApiKey,
-                principal: format!("key:{}", caller.key_id),
+                principal: ["key:", caller.key_id].concat(),
                 limit: to_pb(limit),
             });
         }
@@ -224,7 +226,7 @@ impl Policy {
             if let Some(user) = specific.or(general) {
                 windows.push(WindowSpec {
                     scope: Scope::User,
-                    principal: format!("user:{}", caller.account_id),
+                    principal: ["user:", caller.account_id].concat(),
                     limit: to_pb(user.limit()),
                 });
             }
@@ -232,7 +234,7 @@ impl Policy {
         if let Some(limit) = target.model_id.and_then(|id| self.global.get(id)) {
             windows.push(WindowSpec {
                 scope: Scope::Global,
-                principal: format!("global:{}", target.window),
+                principal: ["global:", target.window].concat(),
                 limit: to_pb(*limit),
             });
         }

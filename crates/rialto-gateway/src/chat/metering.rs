@@ -337,11 +337,14 @@ impl Settlement {
     }
 
     fn count_tokens(&self, usage: &Usage) {
-        self.span
-            .record("gen_ai.response.model", self.model_id.as_str());
-        self.span.record("gen_ai.usage.input_tokens", usage.prompt);
-        self.span
-            .record("gen_ai.usage.output_tokens", usage.completion);
+        // In one call: each `record` is a round through the subscriber's
+        // layers (the log's layer formats what it is given into the span).
+        tracing::record_all!(
+            self.span,
+            gen_ai.response.model = self.model_id.as_str(),
+            gen_ai.usage.input_tokens = usage.prompt,
+            gen_ai.usage.output_tokens = usage.completion,
+        );
         self.counters.tokens(TokenKind::Prompt, usage.prompt);
         self.counters
             .tokens(TokenKind::Completion, usage.completion);
@@ -689,8 +692,11 @@ pub(crate) async fn admit(
             "generate_content"
         };
         let span = tracing::Span::current();
-        span.record("gen_ai.operation.name", operation);
-        span.record("gen_ai.request.model", model.config.id.as_str());
+        tracing::record_all!(
+            span,
+            gen_ai.operation.name = operation,
+            gen_ai.request.model = model.config.id.as_str(),
+        );
     }
     let limiter = &gateway.services.limiter;
     let owner = crate::ledger_owner(principal);

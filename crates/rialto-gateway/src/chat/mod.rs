@@ -284,7 +284,7 @@ async fn complete_or_stream(
     .await?;
 
     let exchange = Exchange {
-        completion_id: format!("chatcmpl-{request_id}"),
+        completion_id: ["chatcmpl-", &request_id].concat(),
         request_id,
         chat,
         settlement,
@@ -396,15 +396,18 @@ async fn complete(
         let gateway = gateway.clone();
         let model = Arc::clone(model);
         // In the request's span: the router's call continues its trace.
+        // Boxed: the answer's state is kilobytes, and tokio moves a task's
+        // future (and its stage, as large) several times between spawning
+        // it and reading its output; a box is moved instead.
         tracing::Instrument::instrument(
-            async move {
+            Box::pin(async move {
                 // The balance before the request, when its charge told it
                 // (a route asked ahead, which no hold answered before): on
                 // the response whether it was served or refused.
                 let mut balance = None;
                 let answered = answer(&gateway, &model, route, exchange, &mut balance).await;
                 (answered, balance)
-            },
+            }),
             tracing::Span::current(),
         )
     });
