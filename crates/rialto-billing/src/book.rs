@@ -1302,16 +1302,19 @@ pub(crate) mod tests {
     async fn closed_holds_are_forgotten_after_a_month_on_sqlite() {
         let (_dir, db) = sqlite().await;
         // Found by the index of closed holds, not by reading every hold.
-        let plan: Vec<String> = sqlx::query(
-            "EXPLAIN QUERY PLAN SELECT request_id FROM holds \
-             WHERE state <> 'open' AND created_at_ms < 1 LIMIT 1000",
-        )
-        .fetch_all(db.pool())
-        .await
-        .unwrap()
-        .iter()
-        .map(|row| row.get::<String, _>("detail"))
-        .collect();
+        let explain = format!(
+            "EXPLAIN QUERY PLAN {}",
+            crate::recovery::FORGET_CLOSED_HOLDS
+        );
+        let plan: Vec<String> = sqlx::query(sqlx::AssertSqlSafe(explain))
+            .bind(1_i64)
+            .bind(1_000_i64)
+            .fetch_all(db.pool())
+            .await
+            .unwrap()
+            .iter()
+            .map(|row| row.get::<String, _>("detail"))
+            .collect();
         assert!(
             plan.iter()
                 .any(|step| step.contains("USING INDEX holds_closed")),

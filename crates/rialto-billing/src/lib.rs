@@ -461,8 +461,9 @@ impl LocalBilling {
     /// Expires holds past their time (a stream's is charged its last
     /// checkpoint), drops idle owners, and, after a restart, loads owners
     /// whose streams' holds outlived their lease so they are charged: for
-    /// ever, every second. Every hour (and at start), deletes the holds
-    /// closed over a month ago ([`recovery::CLOSED_HOLD_RETENTION_MS`]).
+    /// ever, every second. Every hour (and at start), deletes the closed
+    /// holds whose streams began over 30 days ago
+    /// ([`recovery::CLOSED_HOLD_RETENTION_MS`]).
     pub fn spawn_sweeper(&self) {
         let book = self.book.clone();
         tokio::spawn(async move {
@@ -483,7 +484,8 @@ impl LocalBilling {
             }
         });
         // Apart from the sweep, which must not wait for it: after an
-        // upgrade the first run deletes every month-old hold there is.
+        // upgrade its first run deletes every closed hold of a stream that
+        // began over 30 days ago.
         let book = self.book.clone();
         tokio::spawn(async move {
             let mut every = tokio::time::interval(FORGET_CLOSED_HOLDS_EVERY);

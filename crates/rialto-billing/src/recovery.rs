@@ -30,34 +30,50 @@ use crate::writer::RecordKind;
 /// How long a closed hold is kept after its stream began: 30 days.
 pub const CLOSED_HOLD_RETENTION_MS: i64 = 30 * 86_400_000;
 
-/// Closed holds deleted a statement: a few milliseconds of SQLite's write
-/// lock, which the ledger's writer waits for.
+/// Closed holds deleted a statement.
 const FORGET_BATCH: i64 = 1_000;
 
+/// The shortest pause between two statements of deletions. On SQLite the
+/// ledger's writer is another connection, on a thread of its own, that
+/// waits (SQLite's busy handler: sleeps of 1 to 100 ms) for the write lock
+/// a deletion holds: without a pause the next deletion would take the lock
+/// again before the writer's next try, and its batches would wait for the
+/// whole run.
+const FORGET_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// One statement of deletions: at most `$2` closed holds whose streams
+/// began before `$1`, found by `holds_closed`, the index of closed holds by
+/// age.
+pub(crate) const FORGET_CLOSED_HOLDS: &str = "DELETE FROM holds WHERE request_id IN \
+     (SELECT request_id FROM holds WHERE state <> 'open' AND created_at_ms < $1 LIMIT $2)";
+
 impl Book {
-    /// Deletes the holds closed that began over
-    /// [`CLOSED_HOLD_RETENTION_MS`] before `now_ms`, [`FORGET_BATCH`] a
-    /// statement until none is left. Returns how many it deleted.
+    /// Deletes the closed holds whose streams began over
+    /// [`CLOSED_HOLD_RETENTION_MS`] before `now_ms`, a thousand a
+    /// statement, with a pause after each at least twice as long as the
+    /// statement took (and at least 100 ms), until none is left. Returns
+    /// how many it deleted.
+    ///
+    /// Every billing replica runs it: on PostgreSQL two of them at once
+    /// may delete the same rows (one waits for the other's row locks and
+    /// then finds them gone) or, rarely, deadlock, which fails the run of
+    /// one of them until the next.
     pub async fn forget_closed_holds(&self, now_ms: i64) -> Result<u64> {
         let before = now_ms.saturating_sub(CLOSED_HOLD_RETENTION_MS);
         let mut forgotten = 0;
         loop {
-            // Found by `holds_closed`, the index of closed holds by age.
-            let deleted = sqlx::query(
-                "DELETE FROM holds WHERE request_id IN (SELECT request_id FROM holds \
-                 WHERE state <> 'open' AND created_at_ms < $1 LIMIT $2)",
-            )
-            .bind(before)
-            .bind(FORGET_BATCH)
-            .execute(self.shared.db.pool())
-            .await?
-            .rows_affected();
+            let started = std::time::Instant::now();
+            let deleted = sqlx::query(FORGET_CLOSED_HOLDS)
+                .bind(before)
+                .bind(FORGET_BATCH)
+                .execute(self.shared.db.pool())
+                .await?
+                .rows_affected();
             forgotten += deleted;
             if deleted < FORGET_BATCH.unsigned_abs() {
                 return Ok(forgotten);
             }
-            // The writer's commits go between two batches.
-            tokio::task::yield_now().await;
+            tokio::time::sleep(FORGET_PAUSE.max(started.elapsed() * 2)).await;
         }
     }
 

@@ -1,13 +1,13 @@
 -- A closed hold (a stream's last checkpoint: the record of what a cut
--- stream was charged) is kept for 30 days, then billing deletes it
--- (`CLOSED_HOLD_RETENTION_MS` in rialto-billing's recovery.rs): without
--- that, `holds` and its primary key grew by one row for every stream ever
--- served. This index finds the closed holds by age; like the open holds'
--- indexes it holds only its own state's rows, so it stays the size of 30
--- days of streams.
+-- stream was charged) is kept until 30 days after its stream began; then
+-- billing deletes it (`CLOSED_HOLD_RETENTION_MS` in rialto-billing's
+-- recovery.rs), so `holds` and its primary key hold a month of streams,
+-- not every stream ever served. This index finds the closed holds by age;
+-- like the open holds' indexes it holds only its own state's rows, and so
+-- the size of that month.
 --
 -- Upgrading: building it reads the whole table, and PostgreSQL locks
--- `holds` against writes meanwhile (as the open holds' migration does,
--- ~0.3 s a million holds); billing then deletes the holds closed over 30
--- days ago a thousand at a time.
+-- `holds` against writes meanwhile (0.56 s for a million holds, nearly
+-- all closed, on PostgreSQL 15 on a 2-core VM); billing then deletes the
+-- closed holds whose streams began over 30 days ago, a thousand at a time.
 CREATE INDEX holds_closed ON holds (created_at_ms) WHERE state <> 'open';

@@ -146,7 +146,7 @@ pub fn init(format: &str, level: &str, service: &str) {
 /// A log line's time as tracing-subscriber's default writes it (RFC 3339,
 /// UTC, microseconds: `2026-12-02T16:40:01.123456Z`), with the date and the
 /// time of day formatted once a second by each thread that logs: formatting
-/// the whole time for each line was ~1% of a priced chat's instructions.
+/// the whole time for each line is ~1% of a priced chat's instructions.
 struct LineTime;
 
 thread_local! {
@@ -157,12 +157,18 @@ thread_local! {
 
 impl tracing_subscriber::fmt::time::FormatTime for LineTime {
     fn format_time(&self, w: &mut tracing_subscriber::fmt::format::Writer<'_>) -> std::fmt::Result {
-        let since_epoch = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default();
-        write_line_time(w, since_epoch)
+        match std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH) {
+            Ok(since_epoch) if since_epoch.as_secs() < YEAR_10000 => {
+                write_line_time(w, since_epoch)
+            }
+            // A clock before 1970 or past year 9999: as the default has it.
+            _ => tracing_subscriber::fmt::time::SystemTime.format_time(w),
+        }
     }
 }
+
+/// 10000-01-01T00:00:00Z in seconds since the Unix epoch.
+const YEAR_10000: u64 = 253_402_300_800;
 
 fn write_line_time(
     w: &mut impl std::fmt::Write,
@@ -409,6 +415,8 @@ pub fn host_name() -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn a_line_time_is_rfc_3339_with_microseconds_and_follows_the_second() {
         use std::time::Duration;
@@ -440,9 +448,19 @@ mod tests {
         let parsed =
             chrono::DateTime::parse_from_rfc3339(&line(at + Duration::from_micros(456_789)));
         assert_eq!(parsed.unwrap().timestamp_micros(), 1_764_694_801_456_789);
+        // The same text as chrono's RFC 3339 with microseconds, over
+        // instants spread across the years.
+        for seconds in (0..253_402_300_799u64).step_by(9_876_543_211) {
+            for micros in [0, 1, 999_999, 123_456] {
+                let at = Duration::from_secs(seconds) + Duration::from_micros(micros);
+                let expected =
+                    chrono::DateTime::from_timestamp(seconds as i64, micros as u32 * 1_000)
+                        .unwrap()
+                        .to_rfc3339_opts(chrono::SecondsFormat::Micros, true);
+                assert_eq!(line(at), expected);
+            }
+        }
     }
-
-    use super::*;
 
     /// A buffer a subscriber writes its lines into.
     #[derive(Clone, Default)]
