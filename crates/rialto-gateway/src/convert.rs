@@ -285,12 +285,24 @@ mod tests {
     use super::*;
 
     /// A stand-in converter: a shell script that does `body` whatever it
-    /// is asked.
+    /// is asked. Written by a shell of its own, not by this process: a
+    /// file this process held open for writing could be inherited by a
+    /// child another test forks at that moment, and running the script
+    /// before that child starts its own program fails (`ETXTBSY`, "the
+    /// converter could not start").
     fn script(dir: &tempfile::TempDir, body: &str) -> PathBuf {
-        use std::os::unix::fs::PermissionsExt;
         let path = dir.path().join(format!("converter-{}.sh", body.len()));
-        std::fs::write(&path, format!("#!/bin/sh\ncat > /dev/null\n{body}\n")).unwrap();
-        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let written = std::process::Command::new("/bin/sh")
+            .args([
+                "-c",
+                "printf '%s' \"$1\" > \"$2\" && chmod 755 \"$2\"",
+                "sh",
+            ])
+            .arg(format!("#!/bin/sh\ncat > /dev/null\n{body}\n"))
+            .arg(&path)
+            .status()
+            .unwrap();
+        assert!(written.success());
         path
     }
 
