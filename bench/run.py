@@ -745,7 +745,12 @@ class Suite:
         print("== billing's writer: settlements per second (bench-ledger)", flush=True)
         argv = [self.binary("bench-ledger"), "--seconds", str(self.duration), "--warmup", str(self.warmup)]
         if self.smoke:
-            argv = [self.binary("bench-ledger"), "--seconds", "0.2", "--warmup", "0.1",
+            # A second a row: past the line of 8,192 records the writer
+            # lets callers run ahead of it, each waits for its own batch,
+            # about a quarter of a second of a debug build's writer on this
+            # host, during which a row completes no pair (a 0.2 s window
+            # read none in CI).
+            argv = [self.binary("bench-ledger"), "--seconds", "1.0", "--warmup", "0.5",
                     "--owners", "50", "--concurrency", "32", "--mid-concurrency", "8"]
         out = subprocess.run(argv, capture_output=True, text=True, timeout=12 * (self.duration + self.warmup) + 180)
         if out.returncode != 0:

@@ -1191,6 +1191,98 @@ pub(crate) mod tests {
         ten_of_a_thousand(db).await;
     }
 
+    /// The writer stalled (another connection holds SQLite's write lock):
+    /// 32 tasks settle until the log is [`BACKLOG`](crate::writer::log::BACKLOG)
+    /// records ahead of it, then wait for their batches, each with one
+    /// record past the line at most; once the lock is let go every
+    /// settlement is charged once, and memory, balance and journal agree.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn past_the_backlog_callers_wait_and_every_settlement_counts_once() {
+        use crate::writer::log::BACKLOG;
+        use std::sync::atomic::AtomicU64;
+        const TASKS: u64 = 32;
+        const PAIRS: u64 = 400;
+        let owners = ["account:a", "account:b", "account:c"];
+        let (dir, db) = sqlite().await;
+        let ledger = Ledger::new(db.clone());
+        for owner in owners {
+            ledger.credit(owner, 1_000 * NANO, 0, "seed").await.unwrap();
+        }
+        let book = Book::start(db, 30_000);
+        for owner in owners {
+            // Loaded before the writer stalls: a load waits for it.
+            let id = format!("warm-{owner}");
+            book.hold(owner, &hold(&id, NANO, false)).await.unwrap();
+            book.settle(owner, &settle(&id, 0)).await.unwrap();
+        }
+        book.flush().await.unwrap();
+        let blocker = rusqlite::Connection::open(dir.path().join("book.db")).unwrap();
+        blocker.execute_batch("BEGIN IMMEDIATE").unwrap();
+        let settled = Arc::new(AtomicU64::new(0));
+        let tasks: Vec<_> = (0..TASKS)
+            .map(|task| {
+                let (book, settled) = (book.clone(), settled.clone());
+                tokio::spawn(async move {
+                    let mut charged = 0;
+                    for i in 0..PAIRS {
+                        let owner = owners[((task + i) % 3) as usize];
+                        let id = format!("b{task}-{i}");
+                        book.hold(owner, &hold(&id, NANO, false)).await.unwrap();
+                        if let SettleOutcome::Settled { usd, .. } =
+                            book.settle(owner, &settle(&id, 3)).await.unwrap()
+                        {
+                            charged += usd;
+                        }
+                        settled.fetch_add(1, Ordering::Relaxed);
+                    }
+                    charged
+                })
+            })
+            .collect();
+        // The tasks run ahead of the stalled writer up to the line, and
+        // wait there.
+        let deadline = Instant::now() + Duration::from_secs(60);
+        let mut most = 0;
+        loop {
+            let behind = book.shared.writer.behind();
+            most = most.max(behind);
+            let before = settled.load(Ordering::Relaxed);
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            if behind >= BACKLOG && settled.load(Ordering::Relaxed) == before {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "never stopped: {behind} behind, {before} settled"
+            );
+        }
+        assert!(settled.load(Ordering::Relaxed) < TASKS * PAIRS);
+        let waiting = book.shared.writer.behind();
+        assert!(
+            (BACKLOG..BACKLOG + TASKS).contains(&waiting),
+            "{waiting} records behind the writer, the line {BACKLOG}, {TASKS} tasks"
+        );
+        blocker.execute_batch("ROLLBACK").unwrap();
+        let mut charged = 0;
+        for task in tasks {
+            charged += task.await.unwrap();
+        }
+        assert_eq!(
+            charged,
+            (TASKS * PAIRS) as i64 * 3,
+            "each settlement charged once"
+        );
+        let mut spent = 0;
+        for owner in owners {
+            let stored = reconcile(&book, &ledger, owner).await;
+            assert_eq!(book.snapshot(owner).unwrap().balance, stored);
+            spent += 1_000 * NANO - stored.usd;
+        }
+        assert_eq!(spent, charged);
+        assert!(most < BACKLOG + TASKS, "{most} behind at most");
+        assert_eq!(book.shared.writer.behind(), 0);
+    }
+
     /// Under constant load the WAL starts over about once a second (the
     /// checkpointer copies it, the writer copies the last frames between
     /// two batches): it holds the last second's commits, not all of them.

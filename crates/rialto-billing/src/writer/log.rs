@@ -237,6 +237,13 @@ impl Log {
         }
     }
 
+    /// Records appended that the writer has not committed yet.
+    #[cfg(test)]
+    pub(crate) fn behind(&self) -> u64 {
+        let seq = self.inner.lock().unwrap_or_else(|e| e.into_inner()).seq;
+        seq.saturating_sub(self.applied.load(Ordering::Relaxed))
+    }
+
     /// A logged record was not committed: every segment stays, so that the
     /// next start applies it.
     pub(crate) fn keep(&self) {

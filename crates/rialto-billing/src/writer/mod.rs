@@ -415,6 +415,12 @@ impl Handle {
         self.log.is_some()
     }
 
+    /// Records in the ledger's log the writer is not done with yet.
+    #[cfg(test)]
+    pub(crate) fn behind(&self) -> u64 {
+        self.log.as_ref().map_or(0, |log| log.behind())
+    }
+
     /// (batches, records) written so far.
     pub(crate) fn batches(&self) -> (u64, u64) {
         (
