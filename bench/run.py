@@ -1013,6 +1013,10 @@ class Suite:
     NO_REP_STRINGS = {"GLIBC_TUNABLES": "glibc.cpu.x86_rep_stosb_threshold=0xffffffffffff:"
                                         "glibc.cpu.x86_rep_movsb_threshold=0xffffffffffff"}
 
+    # Called once per chat request (streamed or not), after its body is
+    # read: callgrind's calls of it are the requests a dump served.
+    REQUEST_FUNCTION = re.compile(r"^rialto_gateway::chat::validate::validate(::h[0-9a-f]{16})?('\d+)?$")
+
     def count_instructions(self, folder, mode, model, concurrency, proxy=None, keep_as=None):
         """One row under callgrind: `rialto serve` from `folder`, or with
         `proxy` (server, upstream) `bench-proxy` in front of that upstream.
@@ -1072,13 +1076,20 @@ class Suite:
                 shutil.copyfile(f"{out}.{len(dumps)}", os.path.join(
                     self.args.keep_callgrind, keep_as.replace(" ", "-") + ".callgrind"))
             # The load's own warm-up is counted too: it ran after the zero.
-            requests = (run.get("streams") or run["requests"]) * (self.duration + self.warmup) / self.duration
+            # Rialto's requests are counted in the dump, as the calls of the
+            # function that validates each chat; the pass-throughs have none,
+            # and their count is the load's completed requests scaled to the
+            # warm-up too (which read 1-3% off the exact count for Rialto).
+            estimated = (run.get("streams") or run["requests"]) * (self.duration + self.warmup) / self.duration
+            exact = 0 if proxy else callgrind_calls(f"{out}.{len(dumps)}", self.REQUEST_FUNCTION)
+            requests = exact or estimated
             if not loaded or not requests:
                 raise RuntimeError("callgrind counted nothing")
             work = loaded - idle * load_seconds
-            return {"requests": round(requests), "instructions": loaded, "idle_per_second": round(idle),
-                    "load_seconds": round(load_seconds, 1), "per_request": round(work / requests),
-                    "errors": run["errors"]}
+            return {"requests": round(requests), "requests_by": "calls" if exact else "estimate",
+                    "requests_estimated": round(estimated), "instructions": loaded,
+                    "idle_per_second": round(idle), "load_seconds": round(load_seconds, 1),
+                    "per_request": round(work / requests), "errors": run["errors"]}
         finally:
             procs.stop()
 
@@ -2224,7 +2235,13 @@ def instructions_report(results, meta):
              "user-space instructions of every thread (the ledger's writer and the log thread included; the "
              "kernel's TCP work is not seen), counted over a load of "
              f"{meta.get('duration_s', 5)} s after a warm-up, less what the process does idle over as long (its "
-             "background clocks, counted before the load), and divided by the requests completed: a priced chat at "
+             "background clocks, counted before the load), and divided by the requests "
+             + ("served (Rialto's counted in the dump as the calls of `chat::validate::validate`, once a chat; the "
+                "pass-throughs' as the load's completed requests scaled to its warm-up too)"
+                if any(isinstance(rows, dict) and any(isinstance(r, dict) and r.get("requests_by") == "calls"
+                                                      for r in rows.values())
+                       for rows in counted.values()) else "completed")
+             + ": a priced chat at "
              "4 connections (`bench-fast`) and a priced stream of 16 chunks at 8 (`bench-stream`)."
              + (" The same requests through the two pass-throughs (`bench-proxy` on hyper, and on actix-web with "
                 "a reqwest client: Rialto's HTTP server with none of its work) are counted the same way; what "
@@ -2258,6 +2275,31 @@ def instructions_report(results, meta):
             lines.append(f"| this build less the actix pass-through | {row} | {own:,} "
                          f"({round(100 * own / whole['per_request'])}% of Rialto's) | | |")
     return lines
+
+
+def callgrind_calls(path, function):
+    """Calls of the functions whose name matches `function` in a callgrind
+    dump: the counts of their call lines (`calls=N ...` after `cfn=`) from
+    every caller. Names are compressed: `(id) name` the first time an id is
+    written, `(id)` after."""
+    names, callee, total = {}, None, 0
+    with open(path, errors="replace") as f:
+        for line in f:
+            if line.startswith(("fn=", "cfn=")):
+                rest = line.split("=", 1)[1].strip()
+                if rest.startswith("("):
+                    ident, _, name = rest[1:].partition(")")
+                    name = name.strip()
+                    if name:
+                        names[ident] = name
+                    else:
+                        name = names.get(ident, "")
+                else:
+                    name = rest
+                callee = name if line.startswith("cfn=") else None
+            elif line.startswith("calls=") and callee and function.match(callee):
+                total += int(line[len("calls="):].split()[0])
+    return total
 
 
 def perf_frame(line):
