@@ -2238,9 +2238,8 @@ def instructions_report(results, meta):
              "background clocks, counted before the load), and divided by the requests "
              + ("served (Rialto's counted in the dump as the calls of `chat::validate::validate`, once a chat; the "
                 "pass-throughs' as the load's completed requests scaled to its warm-up too)"
-                if any(isinstance(rows, dict) and any(isinstance(r, dict) and r.get("requests_by") == "calls"
-                                                      for r in rows.values())
-                       for rows in counted.values()) else "completed")
+                if any(r.get("requests_by") == "calls" for rows in counted.values() if isinstance(rows, dict)
+                       for r in rows.values() if isinstance(r, dict)) else "completed")
              + ": a priced chat at "
              "4 connections (`bench-fast`) and a priced stream of 16 chunks at 8 (`bench-stream`)."
              + (" The same requests through the two pass-throughs (`bench-proxy` on hyper, and on actix-web with "
