@@ -2,7 +2,7 @@
 //! to its log lines.
 
 use std::cell::RefCell;
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::Mutex;
 use std::time::Instant;
 
@@ -12,6 +12,7 @@ use actix_web::http::header::{CONTENT_ENCODING, HeaderName, HeaderValue};
 use actix_web::middleware::Next;
 use actix_web::{HttpMessage, web};
 use rialto_core::Brand;
+use rialto_core::hashing::HashMap;
 use rialto_core::metrics::{HttpHandles, HttpLabels};
 use tracing::Instrument;
 
@@ -73,6 +74,8 @@ impl Stamp {
 }
 
 const CF_RAY: HeaderName = HeaderName::from_static("cf-ray");
+/// Looked up in every request: a name, not a string to parse each time.
+static TRACEPARENT: HeaderName = HeaderName::from_static("traceparent");
 
 /// Middleware: assigns the request id, refuses callers the abuse guard
 /// blocks (before anything else), runs the request in a span that carries
@@ -129,10 +132,11 @@ pub async fn stamp(
     // A caller's trace (W3C `traceparent`) goes on here.
     let headers = request.headers();
     let parent = rialto_core::telemetry::extract(|name| {
-        headers
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned)
+        let value = match name {
+            "traceparent" => headers.get(&TRACEPARENT),
+            name => headers.get(name),
+        };
+        value.and_then(|v| v.to_str().ok()).map(str::to_owned)
     });
     rialto_core::telemetry::set_parent(&span, parent);
     let method = request.method().clone();
@@ -252,9 +256,13 @@ pub async fn stamp(
     }
     let elapsed_us = started.elapsed().as_micros() as u64;
     actix_web::rt::spawn(async move {
-        span.in_scope(|| {
+        if span.is_disabled() {
             tracing::info!(%method, path, status, elapsed_us, "request served");
-        });
+        } else {
+            // The method, path and status are the span's fields, which
+            // begin the line: not written twice.
+            span.in_scope(|| tracing::info!(elapsed_us, "request served"));
+        }
     });
     Ok(response)
 }

@@ -41,7 +41,7 @@ use crate::{Chat, ChatStream, MediaStream, RouterService};
 pub struct LocalRouter {
     /// Each model's route. A configuration reload ([`LocalRouter::reload`])
     /// replaces the map whole; a request keeps the route it started with.
-    models: ArcSwap<HashMap<String, Arc<ModelRoute>>>,
+    models: ArcSwap<Routes>,
     http: Clients,
     /// Chat and embeddings calls to plain-`http` backends.
     upstreams: upstream::Upstreams,
@@ -282,10 +282,14 @@ enum Answer {
     Chunks(ChunkStream),
 }
 
+/// Each model's route, by id (looked up once a request: foldhash, not
+/// SipHash).
+type Routes = rialto_core::hashing::HashMap<String, Arc<ModelRoute>>;
+
 /// Routes built for a configuration reload, not yet in force
 /// ([`LocalRouter::prepare_reload`]); dropped, they stop what they started.
 pub struct RoutesReload {
-    routes: HashMap<String, Arc<ModelRoute>>,
+    routes: Routes,
 }
 
 /// A request a backend accepted.
@@ -632,7 +636,7 @@ impl LocalRouter {
             read_timeout_secs: read_timeout,
             load: Box::new(load),
         };
-        let routes = router.build_routes(models, &HashMap::new())?;
+        let routes = router.build_routes(models, &Routes::default())?;
         router.models = ArcSwap::from_pointee(routes);
         Ok(router)
     }
@@ -641,14 +645,10 @@ impl LocalRouter {
     /// model, name and configuration are unchanged kept as it is (its
     /// circuit, its requests in flight, its health checks), and the others
     /// built, with their watchers running.
-    fn build_routes(
-        &self,
-        models: &[ModelConfig],
-        previous: &HashMap<String, Arc<ModelRoute>>,
-    ) -> Result<HashMap<String, Arc<ModelRoute>>> {
+    fn build_routes(&self, models: &[ModelConfig], previous: &Routes) -> Result<Routes> {
         let runtime = tokio::runtime::Handle::try_current()
             .map_err(|_| Error::internal("the router is built outside a Tokio runtime"))?;
-        let mut routes = HashMap::with_capacity(models.len());
+        let mut routes = Routes::with_capacity_and_hasher(models.len(), Default::default());
         for model in models {
             if model.backends.len() > MAX_BACKENDS {
                 return Err(Error::invalid(format!(

@@ -29,7 +29,7 @@
 //! whole answer by the backend's timeout, a stream's chunks by
 //! [`crate::sse::Chunks`]'s stall limit.
 
-use std::collections::HashMap;
+use rialto_core::hashing::HashMap;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};

@@ -26,12 +26,13 @@
 //! with `wal_autocheckpoint = 0` and a task checkpoints on its own
 //! ([`Database::spawn_checkpointer`]).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use rialto_core::db::Database;
+use rialto_core::hashing::HashMap;
 use rialto_core::{Error, ErrorCode, Result};
 use tokio::sync::{mpsc, oneshot};
 
@@ -776,7 +777,7 @@ struct OwnerSum {
 }
 
 fn owner_sums(jobs: &[WriteJob], written: &[Written]) -> OwnerSums {
-    let mut owners = OwnerSums::new();
+    let mut owners = OwnerSums::default();
     for (job, outcome) in jobs.iter().zip(written) {
         let record = &job.record;
         if record.kind == RecordKind::Refresh {
@@ -800,7 +801,7 @@ fn owner_sums(jobs: &[WriteJob], written: &[Written]) -> OwnerSums {
 /// 3. The capped keys' applied effects on their period's (usd, diem,
 ///    usd_held, diem_held), those that change anything.
 fn key_sums(jobs: &[WriteJob], written: &[Written]) -> Vec<(KeyRef, [i64; 4])> {
-    let mut keys: HashMap<KeyRef, [i64; 4]> = HashMap::new();
+    let mut keys: HashMap<KeyRef, [i64; 4]> = HashMap::default();
     for (job, outcome) in jobs.iter().zip(written) {
         if let Some(key) = job
             .record

@@ -299,7 +299,7 @@ async fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
     }
 
     // 5. Refreshes: the balances as this batch leaves them.
-    let mut refreshed = Refreshed::new();
+    let mut refreshed = Refreshed::default();
     for chunk in refresh_owners(jobs).chunks(ROWS_PER_STATEMENT) {
         let list = values(1, chunk.len());
         let sql = format!(

@@ -593,7 +593,7 @@ fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
     }
 
     // 5. Refreshes: the balances as this batch leaves them.
-    let mut refreshed = Refreshed::new();
+    let mut refreshed = Refreshed::default();
     {
         let mut select = tx.prepare_cached(
             "SELECT l.usd_nanos, l.diem_nanos, l.fence, s.diem_per_day_nanos \
