@@ -297,8 +297,8 @@ pub fn to_nanos(amount: Decimal) -> Result<i64> {
 /// into the `String` ~250).
 pub fn from_nanos(nanos: i64) -> String {
     const NANOS_PER_UNIT: u64 = 1_000_000_000;
-    // `-`, 11 whole digits (i64::MIN is 9,223,372,036.854775808 units),
-    // `.`, 9 decimals: 22 at most.
+    // `-`, 10 whole digits (i64::MIN is -9,223,372,036.854775808 units),
+    // `.`, 9 decimals: 21 at most.
     let mut text = [0u8; 24];
     let mut end = text.len();
     let magnitude = nanos.unsigned_abs();

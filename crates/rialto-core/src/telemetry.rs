@@ -269,7 +269,24 @@ impl PlainVisitor<'_> {
     }
 
     fn write(&mut self, text: &str) {
-        self.result = self.writer.write_str(text);
+        if self.result.is_ok() {
+            self.result = self.writer.write_str(text);
+        }
+    }
+}
+
+impl PlainVisitor<'_> {
+    /// Writes `text` as the default writes a message or an error: with a
+    /// terminal's control characters escaped, when the writer asks for it.
+    fn write_sanitized(&mut self, text: std::fmt::Arguments<'_>) {
+        if self.result.is_err() {
+            return;
+        }
+        self.result = if self.writer.sanitizes_ansi_escapes() {
+            Sanitized(&mut self.writer).write_fmt(text)
+        } else {
+            self.writer.write_fmt(text)
+        };
     }
 }
 
@@ -278,24 +295,24 @@ impl tracing::field::Visit for PlainVisitor<'_> {
         if !self.begin(field) {
             return;
         }
-        self.result = if field.name() == "message" {
-            write!(Sanitized(&mut self.writer), "{value:?}")
+        if field.name() == "message" {
+            self.write_sanitized(format_args!("{value:?}"));
         } else {
-            write!(self.writer, "{value:?}")
-        };
+            self.result = write!(self.writer, "{value:?}");
+        }
     }
 
     fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
         if !self.begin(field) {
             return;
         }
-        let plain = value
-            .bytes()
-            .all(|b| (b' '..=b'~').contains(&b) && b != b'"' && b != b'\\');
         if field.name() == "message" {
             // The default writes a message given as a string bare.
-            self.result = Sanitized(&mut self.writer).write_str(value);
-        } else if plain {
+            self.write_sanitized(format_args!("{value}"));
+        } else if value
+            .bytes()
+            .all(|b| (b' '..=b'~').contains(&b) && b != b'"' && b != b'\\')
+        {
             // What `{:?}` makes of it: nothing in it is escaped.
             self.write("\"");
             self.write(value);
@@ -303,6 +320,35 @@ impl tracing::field::Visit for PlainVisitor<'_> {
         } else {
             self.result = write!(self.writer, "{value:?}");
         }
+    }
+
+    /// As the default: the error, then ` <name>.sources=[...]` listing its
+    /// source and theirs, each sanitised as a message is.
+    fn record_error(
+        &mut self,
+        field: &tracing::field::Field,
+        value: &(dyn std::error::Error + 'static),
+    ) {
+        if !self.begin(field) {
+            return;
+        }
+        self.write_sanitized(format_args!("{value}"));
+        let Some(source) = value.source() else {
+            return;
+        };
+        self.write(" ");
+        self.write(field.name());
+        self.write(".sources=[");
+        let mut next = Some(source);
+        let mut first = true;
+        while let Some(error) = next {
+            if !std::mem::take(&mut first) {
+                self.write(", ");
+            }
+            self.write_sanitized(format_args!("{error}"));
+            next = error.source();
+        }
+        self.write("]");
     }
 
     fn record_u64(&mut self, field: &tracing::field::Field, value: u64) {
@@ -629,6 +675,18 @@ mod tests {
     #[test]
     fn plain_fields_are_the_default_formatters_without_colours() {
         use tracing_subscriber::layer::SubscriberExt;
+        #[derive(Debug)]
+        struct Failed(&'static str, Option<Box<Failed>>);
+        impl std::fmt::Display for Failed {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.0)
+            }
+        }
+        impl std::error::Error for Failed {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                self.1.as_deref().map(|e| e as _)
+            }
+        }
         let line = |plain: bool, log: &dyn Fn()| {
             let lines = Lines::default();
             let writer = lines.clone();
@@ -696,6 +754,16 @@ mod tests {
                     7
                 );
                 tracing::warn!(message = "bare \u{7}", answer = -42i64);
+                let failed = Failed(
+                    "outer \u{1b}[2J",
+                    Some(Box::new(Failed(
+                        "middle",
+                        Some(Box::new(Failed("inner", None))),
+                    ))),
+                );
+                tracing::error!(error = &failed as &dyn std::error::Error, "failed");
+                let alone = Failed("alone", None);
+                tracing::error!(r#error = &alone as &dyn std::error::Error);
             });
         });
         for expected in [
@@ -708,6 +776,8 @@ mod tests {
             "shape=(\"triangle\", 3) ratio=0.25 shown=as is",
             "odd \\x1b[2J \\u{9b} message 7",
             "bare \\x07 answer=-42",
+            "failed error=outer \\x1b[2J error.sources=[middle, inner]",
+            "error=alone\n",
         ] {
             assert!(kinds.contains(expected), "{expected} in {kinds}");
         }
