@@ -131,7 +131,7 @@ pub fn init(format: &str, level: &str, service: &str) {
     } else if colours {
         registry.with(fmt).try_init()
     } else {
-        registry.with(fmt.fmt_fields(plain_fields())).try_init()
+        registry.with(fmt.fmt_fields(PlainFields)).try_init()
     };
     if let (Ok(()), Some((dropped, guard))) = (installed, spawned) {
         let counter = dropped.clone();
@@ -202,18 +202,13 @@ fn write_line_time(
 /// Span and event fields as the default text formatter writes them without
 /// colours (`name=value`, space-separated, `message` bare, `log.*` left
 /// out), without its styling: it styles every name and `=` even when the
-/// style is none, and that was a sixth of a request's instructions.
-fn plain_fields() -> PlainFields {
-    PlainFields
-}
-
-/// The [`plain_fields`] formatter. A field's value is written as the
-/// default's `{value:?}` writes it, with the common kinds written directly:
-/// a number by `itoa`, and a string of printable ASCII with nothing to
-/// escape between its quotes as it is. Through `Debug` each string went
-/// through `char::escape_debug` a character at a time, and each number
-/// through `fmt::write`: ~9,000 instructions of a priced chat's line and
-/// span (callgrind).
+/// style is none, and that was a sixth of a request's instructions. A
+/// field's value is written as the default's `{value:?}` writes it, with
+/// the common kinds written directly: a number by `itoa`, and a string of
+/// printable ASCII with nothing to escape between its quotes as it is.
+/// Through `Debug` each string went through `char::escape_debug` a
+/// character at a time, and each number through `fmt::write`: ~9,000
+/// instructions of a priced chat's line and span (callgrind).
 #[derive(Clone, Copy, Debug, Default)]
 struct PlainFields;
 
@@ -273,9 +268,7 @@ impl PlainVisitor<'_> {
             self.result = self.writer.write_str(text);
         }
     }
-}
 
-impl PlainVisitor<'_> {
     /// Writes `text` as the default writes a message or an error: with a
     /// terminal's control characters escaped, when the writer asks for it.
     fn write_sanitized(&mut self, text: std::fmt::Arguments<'_>) {
@@ -696,7 +689,7 @@ mod tests {
                 .with_writer(move || writer.clone());
             if plain {
                 tracing::subscriber::with_default(
-                    tracing_subscriber::registry().with(layer.fmt_fields(plain_fields())),
+                    tracing_subscriber::registry().with(layer.fmt_fields(PlainFields)),
                     log,
                 );
             } else {
