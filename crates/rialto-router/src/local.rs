@@ -1026,10 +1026,15 @@ impl LocalRouter {
         } else {
             tracing::Span::none()
         };
+        // The HTTP sends are boxed: each holds kilobytes of connection and
+        // response state, which every future enclosing it (this attempt,
+        // the dispatch, the router's call) would otherwise hold too, and
+        // copy each time one of them is made.
         let result = async {
             match &backend.transport {
                 Transport::Http { base, headers, .. } if let Call::Media(media) = call => {
-                    self.send_media(backend, base, &headers.load(), body, media, request_id)
+                    let headers = headers.load();
+                    Box::pin(self.send_media(backend, base, &headers, body, media, request_id))
                         .await
                 }
                 Transport::Http {
@@ -1042,14 +1047,11 @@ impl LocalRouter {
                         Call::Chat | Call::ChatStream | Call::Media(_) => endpoint.chat(),
                     };
                     let stream = call == Call::ChatStream;
-                    self.send_upstream(
-                        backend,
-                        endpoint,
-                        uri,
-                        &headers.load(),
-                        body,
-                        stream,
-                        request_id,
+                    let headers = headers.load();
+                    Box::pin(
+                        self.send_upstream(
+                            backend, endpoint, uri, &headers, body, stream, request_id,
+                        ),
                     )
                     .await
                 }
@@ -1063,15 +1065,9 @@ impl LocalRouter {
                         Call::Embed => embeddings_url,
                         Call::Chat | Call::ChatStream | Call::Media(_) => chat_url,
                     };
-                    self.send_http(
-                        backend,
-                        url,
-                        &headers.load(),
-                        body,
-                        call == Call::ChatStream,
-                        request_id,
-                    )
-                    .await
+                    let headers = headers.load();
+                    let stream = call == Call::ChatStream;
+                    Box::pin(self.send_http(backend, url, &headers, body, stream, request_id)).await
                 }
                 Transport::InProcess(model) => {
                     send_in_process(model.as_ref(), backend.timeout, body, call).await

@@ -176,10 +176,21 @@ async fn complete_or_stream(
     let has_files = body["messages"]
         .as_array()
         .is_some_and(|messages| crate::files::any(messages));
+    // The futures awaited here are boxed where they are large or rare: a
+    // future holds its largest state, and each one enclosing it is moved
+    // (copied) when it is made and when actix boxes the handler, so an
+    // unboxed stream's or file's state would be copied on every request.
     let limited = if has_files {
-        let admission = files_admitted(gateway, request, principal, model, &request_id, &chat);
+        let admission = Box::pin(files_admitted(
+            gateway,
+            request,
+            principal,
+            model,
+            &request_id,
+            &chat,
+        ));
         let admission = admission.await?;
-        if let Err(error) = convert_files(&mut body, &mut chat, gateway).await {
+        if let Err(error) = Box::pin(convert_files(&mut body, &mut chat, gateway)).await {
             // The downloads and conversions were done: the request counts.
             gateway.services.limiter.commit(admission.ticket, 0);
             return Err(error);
@@ -263,7 +274,7 @@ async fn complete_or_stream(
     let Admitted {
         settlement,
         wallet_usd_before,
-    } = admit(
+    } = Box::pin(admit(
         gateway,
         request,
         principal,
@@ -280,10 +291,12 @@ async fn complete_or_stream(
             charged_after,
         },
         limited,
-    )
+    ))
     .await?;
 
-    let exchange = Exchange {
+    // Boxed: moved into the answer's task or the stream's relay, and held
+    // by every future on the way (an async fn keeps its arguments twice).
+    let exchange = Box::new(Exchange {
         completion_id: ["chatcmpl-", &request_id].concat(),
         request_id,
         chat,
@@ -293,10 +306,10 @@ async fn complete_or_stream(
         reader_patience: gateway.reader_patience,
         web,
         found: augment::Outcome::default(),
-    };
+    });
     match route {
         Route::Later(router_request) if exchange.chat.stream => {
-            stream(gateway, model, router_request, exchange).await
+            Box::pin(stream(gateway, model, router_request, exchange)).await
         }
         route => complete(gateway, request, model, route, exchange).await,
     }
@@ -386,7 +399,7 @@ async fn complete(
     request: &HttpRequest,
     model: &Arc<ModelEntry>,
     route: Route,
-    exchange: Exchange,
+    exchange: Box<Exchange>,
 ) -> Result<HttpResponse, ApiError> {
     // The backend's work and its settlement run as a task of their own: a
     // client that leaves meanwhile drops this handler but not the task, so
@@ -444,7 +457,7 @@ async fn answer(
     gateway: &Gateway,
     model: &ModelEntry,
     route: Route,
-    exchange: Exchange,
+    exchange: Box<Exchange>,
     balance: &mut Option<billing_pb::Balance>,
 ) -> Result<Answered, ApiError> {
     let mut exchange = exchange;

@@ -26,7 +26,7 @@ pub(super) async fn stream(
     gateway: &web::Data<Gateway>,
     model: &ModelEntry,
     router_request: rialto_router::Chat,
-    exchange: Exchange,
+    exchange: Box<Exchange>,
 ) -> Result<HttpResponse, ApiError> {
     let mut exchange = exchange;
     let mut router_request = router_request;
@@ -155,7 +155,7 @@ enum Ending {
 /// it is billed by. The first chunk is read by the handler (so it leaves
 /// with the head), the rest by [`RelayBody`] as the client takes them.
 struct Relay {
-    exchange: Exchange,
+    exchange: Box<Exchange>,
     parameters_field: String,
     head: ChunkHead,
     /// The upstream's own `usage`, when it sent one.
@@ -189,7 +189,7 @@ impl Drop for Relay {
 }
 
 impl Relay {
-    fn new(exchange: Exchange, parameters_field: String) -> Self {
+    fn new(exchange: Box<Exchange>, parameters_field: String) -> Self {
         let head = ChunkHead::new(&exchange.completion_id, &exchange.chat.model_id);
         let documents = exchange
             .web
