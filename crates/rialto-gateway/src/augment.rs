@@ -17,7 +17,7 @@ use rialto_core::ErrorCode;
 use rialto_proto::auth::v1 as auth_pb;
 use serde_json::{Map, Value, json};
 
-use crate::chat::{Admitted, Priced, Reservation, Usage, admit, balance_remaining};
+use crate::chat::{Admitted, Echo, Priced, Reservation, Usage, admit, balance_remaining};
 use crate::headers::RequestId;
 use crate::sources::{MAX_QUERY_CHARS, SearchResult};
 use crate::{ApiError, Details, Gateway, ModelEntry, authenticate, parse_json, read_body};
@@ -52,7 +52,7 @@ pub(crate) enum SearchMode {
 }
 
 impl SearchMode {
-    fn name(self) -> &'static str {
+    pub(crate) fn name(self) -> &'static str {
         match self {
             SearchMode::Off => "off",
             SearchMode::On => "on",
@@ -168,19 +168,8 @@ pub(crate) fn last_user_text(body: &Value) -> String {
 
 /// Whether a chat's echo asks for anything of the web (most do not: they
 /// pay for no planning).
-pub(crate) fn asks_for_web(parameters: &Map<String, Value>, x_search: bool) -> bool {
-    x_search
-        || requested_flag(parameters, "enable_web_scraping")
-        || parameters
-            .get("enable_web_search")
-            .is_some_and(|mode| mode != "off")
-}
-
-fn requested_flag(parameters: &Map<String, Value>, name: &str) -> bool {
-    parameters
-        .get(name)
-        .and_then(Value::as_bool)
-        .unwrap_or(false)
+pub(crate) fn asks_for_web(parameters: &Echo, x_search: bool) -> bool {
+    x_search || parameters.web_scraping || parameters.web_search != SearchMode::Off
 }
 
 /// The plan of a chat whose echo (`parameters`) holds what it asked for,
@@ -191,7 +180,7 @@ fn requested_flag(parameters: &Map<String, Value>, name: &str) -> bool {
 pub(crate) fn plan(
     gateway: &Gateway,
     model: &ModelEntry,
-    parameters: &mut Map<String, Value>,
+    parameters: &mut Echo,
     x_search: bool,
     body: &mut Map<String, Value>,
     prompt_tokens: u64,
@@ -199,12 +188,8 @@ pub(crate) fn plan(
 ) -> Result<Option<Plan>, ApiError> {
     let field = gateway.brand.parameters_field.as_str();
     let config = &model.config;
-    let mut search = match parameters.get("enable_web_search").and_then(Value::as_str) {
-        Some("on") => SearchMode::On,
-        Some("auto") => SearchMode::Auto,
-        _ => SearchMode::Off,
-    };
-    let scraping = requested_flag(parameters, "enable_web_scraping");
+    let mut search = parameters.web_search;
+    let scraping = parameters.web_scraping;
     let mut x_search_nanos = 0;
     if x_search {
         let Some(native) = &config.native_search else {
@@ -255,15 +240,15 @@ pub(crate) fn plan(
             _ => {}
         }
     }
-    parameters.insert("enable_web_search".into(), json!(search.name()));
-    parameters.insert("enable_web_scraping".into(), json!(!scrape.is_empty()));
-    let citations = requested_flag(parameters, "enable_web_citations");
-    let in_stream = requested_flag(parameters, "include_search_results_in_stream");
-    let documents = requested_flag(parameters, "return_search_results_as_documents");
+    parameters.web_search = search;
+    parameters.web_scraping = !scrape.is_empty();
+    let citations = parameters.web_citations;
+    let in_stream = parameters.search_results_in_stream;
+    let documents = parameters.search_results_as_documents;
     if search == SearchMode::Off && scrape.is_empty() && x_search_nanos == 0 {
         return Ok(None);
     }
-    let prices = rialto_billing::Prices::from_model(config);
+    let prices = &model.prices;
     let query_cost = || {
         let most = prices.cost(&rialto_proto::billing::v1::Usage {
             prompt_tokens,
@@ -513,7 +498,7 @@ async fn ask_for_query(
             .unwrap_or((written as u64).div_ceil(4)),
         ..Default::default()
     };
-    let cost = rialto_billing::Prices::from_model(&model.config).cost(&usage);
+    let cost = model.prices.cost(&usage);
     let cost_nanos = rialto_billing::to_nanos(cost)
         .ok()
         .and_then(|n| u64::try_from(n).ok())
@@ -590,15 +575,15 @@ fn sources_prompt(plan: &Plan, outcome: &Outcome) -> String {
 
 /// The echo's `web_search_citations` (when sources were looked for), in
 /// the order the prompt numbered them.
-pub(crate) fn echo(parameters: &mut Map<String, Value>, plan: &Plan, outcome: &Outcome) {
+pub(crate) fn echo(parameters: &mut Echo, plan: &Plan, outcome: &Outcome) {
     if outcome.error.is_some() {
-        parameters.insert("enable_web_search".into(), json!("off"));
+        parameters.web_search = SearchMode::Off;
     }
     if plan.search != SearchMode::Off || outcome.looked {
-        let citations: Vec<Value> = outcome.sources.iter().map(Source::citation).collect();
-        parameters.insert("web_search_citations".into(), Value::Array(citations));
+        parameters.web_search_citations =
+            Some(outcome.sources.iter().map(Source::citation).collect());
     }
-    parameters.insert("enable_web_scraping".into(), json!(outcome.scraped > 0));
+    parameters.web_scraping = outcome.scraped > 0;
 }
 
 /// The synthetic tool call carrying the sources as documents, when asked

@@ -375,6 +375,9 @@ pub struct ModelEntry {
     tokenizer: Option<Arc<tokenizers::Tokenizer>>,
     /// Its spend and token counters, each looked up once.
     counters: Arc<rialto_core::metrics::ModelCounters>,
+    /// Its prices as exact decimals, read once (from the configuration's
+    /// floats, through their shortest text: ~1,600 instructions a request).
+    prices: rialto_billing::Prices,
 }
 
 impl ModelEntry {
@@ -421,6 +424,7 @@ impl ModelEntry {
             headers,
             tokenizer,
             counters: Arc::new(rialto_core::metrics::ModelCounters::new(&config.id)),
+            prices: rialto_billing::Prices::from_model(config),
         })
     }
 }

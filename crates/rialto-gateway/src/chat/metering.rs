@@ -649,7 +649,7 @@ impl<'a> Priced<'a> {
         Self {
             target: Target::model(&model.config),
             model_id: &model.config.id,
-            prices: rialto_billing::Prices::from_model(&model.config),
+            prices: model.prices.clone(),
             model: Some(model),
         }
     }
@@ -962,25 +962,26 @@ pub(super) fn usage_is_told(upstream: &Value) -> bool {
         .is_some()
 }
 
-/// The upstream's usage, or an estimate (4 characters a token) when the
-/// upstream reported none.
+/// The upstream's usage (taken: ours writes it, with its total), or an
+/// estimate (4 characters a token) when the upstream reported none.
 pub(super) fn usage_or_estimate(
-    upstream: Option<&Value>,
+    upstream: Option<Value>,
     prompt_estimate: u64,
     completion_chars: usize,
 ) -> Usage {
     let count = |v: &Value, key: &str| v.get(key).and_then(Value::as_u64);
-    if let Some(usage) = upstream.filter(|usage| usage_is_told(usage)) {
-        let prompt = count(usage, "prompt_tokens").unwrap_or_default();
-        let completion = count(usage, "completion_tokens").unwrap_or_default();
-        let details = usage.get("prompt_tokens_details").unwrap_or(&Value::Null);
-        let mut json = usage.clone();
+    if let Some(mut json) = upstream.filter(usage_is_told) {
+        let prompt = count(&json, "prompt_tokens").unwrap_or_default();
+        let completion = count(&json, "completion_tokens").unwrap_or_default();
+        let details = json.get("prompt_tokens_details").unwrap_or(&Value::Null);
+        let cached = count(details, "cached_tokens").unwrap_or_default();
+        let cache_write = count(details, "cache_creation_input_tokens").unwrap_or_default();
         json["total_tokens"] = json!(prompt.saturating_add(completion));
         return Usage {
             prompt,
             completion,
-            cached: count(details, "cached_tokens").unwrap_or_default(),
-            cache_write: count(details, "cache_creation_input_tokens").unwrap_or_default(),
+            cached,
+            cache_write,
             json,
         };
     }

@@ -15,9 +15,11 @@
 //!   its ending (usage, `cost`, `[DONE]`);
 //! - `chunks`: one upstream chunk read (the fast path and the tree);
 //! - `whole`: a whole answer read and written as ours (the same two ways);
-//! - `validate`: the body's checks and the prompt's estimate.
+//! - `validate`: the body's checks and the prompt's estimate;
+//! - `echo`: the `<brand>_parameters` a chat's answer echoes.
 
 mod chunks;
+mod echo;
 mod metering;
 mod stream;
 mod validate;
@@ -31,7 +33,7 @@ use rialto_limiter::{Admission, Target};
 use rialto_proto::auth::v1 as auth_pb;
 use rialto_proto::billing::v1 as billing_pb;
 use rialto_proto::router::v1 as router_pb;
-use serde_json::{Map, Value, json};
+use serde_json::{Value, json};
 
 use crate::augment;
 use crate::headers::RequestId;
@@ -39,6 +41,7 @@ use crate::{
     ApiError, Details, Gateway, ModelEntry, RateLimitHeaders, authenticate, header_value,
     parse_json, read_body,
 };
+pub(crate) use echo::Echo;
 use metering::BALANCE_REMAINING;
 pub(crate) use metering::{
     Admitted, PendingSettlement, Priced, Reservation, Settlement, Usage, admit, balance_remaining,
@@ -52,7 +55,7 @@ struct Chat {
     model_id: String,
     stream: bool,
     /// The effective `<brand>_parameters`, echoed in the response.
-    parameters: Map<String, Value>,
+    parameters: Echo,
     /// What of them the router applies.
     service: router_pb::ServiceParameters,
     prompt_tokens_estimate: u64,
@@ -487,7 +490,7 @@ async fn answer(
         .web
         .as_ref()
         .and_then(|plan| augment::documents_call(plan, &exchange.found));
-    let read =
+    let mut read =
         whole::Answer::read(&answer.body_json, documents.as_ref()).ok_or_else(invalid_answer)?;
     let usage = read.usage(exchange.chat.prompt_tokens_estimate);
     let billed = exchange.settlement.bill(&usage).await;
@@ -505,7 +508,7 @@ async fn answer(
         model: model_id,
         usage: &usage.json,
         cost: &cost,
-        parameters_field: &gateway.brand.parameters_field,
+        brand: &gateway.brand,
         parameters: &exchange.chat.parameters,
     });
     Ok(Answered {

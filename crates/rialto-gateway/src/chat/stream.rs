@@ -86,8 +86,18 @@ pub(super) async fn stream(
         (before - held).normalize().to_string()
     });
     let exchange_error = exchange.found.error.clone();
-    let parameters_field = gateway.brand.parameters_field.clone();
-    let mut relay = Relay::new(exchange, parameters_field);
+    // Only a stream that ends with the web's citations writes the echo.
+    let echo_names = exchange
+        .web
+        .as_ref()
+        .filter(|plan| plan.in_stream)
+        .map(|_| {
+            (
+                gateway.brand.parameters_field.clone(),
+                gateway.brand.include_system_prompt_field.clone(),
+            )
+        });
+    let mut relay = Relay::new(exchange, echo_names);
     // The head leaves with the first chunk, in one write: answered at once,
     // it would go out alone and the first chunk a write (and two turns of
     // a busy worker's queue) later. Anything but an ordinary chunk (the
@@ -156,7 +166,9 @@ enum Ending {
 /// with the head), the rest by [`RelayBody`] as the client takes them.
 struct Relay {
     exchange: Box<Exchange>,
-    parameters_field: String,
+    /// `<brand>_parameters` and `include_<brand>_system_prompt`, when the
+    /// stream ends with a chunk of the web's citations.
+    echo_names: Option<(String, String)>,
     head: ChunkHead,
     /// The upstream's own `usage`, when it sent one.
     upstream_usage: Option<Value>,
@@ -189,7 +201,7 @@ impl Drop for Relay {
 }
 
 impl Relay {
-    fn new(exchange: Box<Exchange>, parameters_field: String) -> Self {
+    fn new(exchange: Box<Exchange>, echo_names: Option<(String, String)>) -> Self {
         let head = ChunkHead::new(&exchange.completion_id, &exchange.chat.model_id);
         let documents = exchange
             .web
@@ -197,7 +209,7 @@ impl Relay {
             .and_then(|plan| augment::documents_call(plan, &exchange.found));
         Self {
             exchange,
-            parameters_field,
+            echo_names,
             head,
             upstream_usage: None,
             completion_text: 0,
@@ -274,10 +286,11 @@ impl Relay {
         self.exchange.settlement.bill_later(&used);
     }
 
-    /// What the stream used so far: the upstream's count, or an estimate.
-    fn used(&self) -> Usage {
+    /// What the stream used, at its end: the upstream's count, or an
+    /// estimate.
+    fn used(&mut self) -> Usage {
         usage_or_estimate(
-            self.upstream_usage.as_ref(),
+            self.upstream_usage.take(),
             self.exchange.chat.prompt_tokens_estimate,
             self.completion_text,
         )
@@ -320,17 +333,20 @@ impl Relay {
         };
         let mut lines = vec![last];
         // The citations, when asked for in the stream: last before `[DONE]`.
-        if let Some(plan) = exchange.web.as_ref().filter(|plan| plan.in_stream) {
+        if let (Some(plan), Some((field, include_prompt))) = (
+            exchange.web.as_ref().filter(|plan| plan.in_stream),
+            &self.echo_names,
+        ) {
             let mut parameters = std::mem::take(&mut exchange.chat.parameters);
             augment::echo(&mut parameters, plan, &exchange.found);
-            if parameters.contains_key("web_search_citations") {
+            if parameters.web_search_citations.is_some() {
                 let citations = json!({
                     "id": exchange.completion_id,
                     "object": "chat.completion.chunk",
                     "created": created,
                     "model": exchange.chat.model_id,
                     "choices": [],
-                    &self.parameters_field: parameters,
+                    field: parameters.to_value(include_prompt),
                 });
                 lines.push(sse(&citations));
             }

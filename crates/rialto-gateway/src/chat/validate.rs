@@ -4,9 +4,11 @@
 
 use rialto_core::ErrorCode;
 use rialto_proto::router::v1 as router_pb;
-use serde_json::{Map, Value, json};
+use serde_json::{Map, Value};
 
 use super::Chat;
+use super::echo::Echo;
+use crate::augment::SearchMode;
 use crate::{ApiError, Details, Gateway};
 
 /// Most choices one request may ask for.
@@ -177,22 +179,16 @@ pub(super) fn validate(
         .unwrap_or(false);
     let parameters = effective_parameters(gateway, requested, &mut details)?;
     details.into_result()?;
-    let flag = |name: &str| {
-        parameters
-            .get(name)
-            .and_then(Value::as_bool)
-            .unwrap_or(false)
-    };
     let character_prompt = parameters
-        .get("character_slug")
-        .and_then(Value::as_str)
+        .character_slug
+        .as_deref()
         .and_then(|slug| gateway.character(slug))
         .map(|c| c.system_prompt.clone())
         .unwrap_or_default();
     let service = router_pb::ServiceParameters {
-        strip_thinking: flag("strip_thinking_response"),
-        disable_thinking: flag("disable_thinking"),
-        include_system_prompt: flag(&gateway.brand.include_system_prompt_field),
+        strip_thinking: parameters.strip_thinking_response,
+        disable_thinking: parameters.disable_thinking,
+        include_system_prompt: parameters.include_system_prompt,
         character_prompt,
     };
 
@@ -505,15 +501,15 @@ fn effective_parameters(
     gateway: &Gateway,
     requested: Option<Value>,
     details: &mut Details,
-) -> Result<Map<String, Value>, ApiError> {
+) -> Result<Echo, ApiError> {
     let field = gateway.brand.parameters_field.as_str();
     let include_prompt = gateway.brand.include_system_prompt_field.as_str();
     let requested = match requested {
-        None | Some(Value::Null) => Map::new(),
+        None | Some(Value::Null) => return Ok(Echo::default()),
         Some(Value::Object(map)) => map,
         Some(_) => {
             details.push(&[field], "Expected object");
-            Map::new()
+            return Ok(Echo::default());
         }
     };
     let booleans = [
@@ -535,20 +531,27 @@ fn effective_parameters(
             details.push(&[field, name], "Expected boolean");
         }
     }
-    if let Some(value) = requested.get("enable_web_search").filter(|v| !v.is_null())
-        && !matches!(value.as_str(), Some("off" | "on" | "auto"))
-    {
-        details.push(
-            &[field, "enable_web_search"],
-            "Invalid enum value. Expected 'auto' | 'off' | 'on'",
-        );
-    }
-    let mut character = None;
+    let web_search = match requested.get("enable_web_search") {
+        None | Some(Value::Null) => SearchMode::Off,
+        Some(value) => match value.as_str() {
+            Some("on") => SearchMode::On,
+            Some("auto") => SearchMode::Auto,
+            Some("off") => SearchMode::Off,
+            _ => {
+                details.push(
+                    &[field, "enable_web_search"],
+                    "Invalid enum value. Expected 'auto' | 'off' | 'on'",
+                );
+                SearchMode::Off
+            }
+        },
+    };
+    let mut character_slug = None;
     if let Some(slug) = requested.get("character_slug").filter(|v| !v.is_null()) {
         match slug.as_str() {
             // Private characters are as unknown as missing ones.
             Some(slug) => match gateway.character(slug).filter(|c| c.public) {
-                Some(found) => character = Some(found.slug.clone()),
+                Some(found) => character_slug = Some(found.slug.clone()),
                 None => {
                     return Err(ApiError::new(
                         ErrorCode::NotFound,
@@ -559,54 +562,27 @@ fn effective_parameters(
             None => details.push(&[field, "character_slug"], "Expected string"),
         }
     }
-    let mut echo = Map::new();
-    if let Some(slug) = character {
-        echo.insert("character_slug".into(), json!(slug));
-    }
     let flag = |name: &str| {
         requested
             .get(name)
             .and_then(Value::as_bool)
             .unwrap_or(false)
     };
-    echo.insert("enable_e2ee".into(), json!(false));
-    let search = requested
-        .get("enable_web_search")
-        .and_then(Value::as_str)
-        .filter(|mode| matches!(*mode, "on" | "auto"))
-        .unwrap_or("off");
-    echo.insert("enable_web_search".into(), json!(search));
-    echo.insert(
-        "enable_web_citations".into(),
-        json!(flag("enable_web_citations")),
-    );
-    echo.insert(
-        "enable_web_scraping".into(),
-        json!(flag("enable_web_scraping")),
-    );
-    echo.insert(
-        include_prompt.into(),
-        json!(
-            requested
-                .get(include_prompt)
-                .and_then(Value::as_bool)
-                .unwrap_or(true)
-        ),
-    );
-    echo.insert(
-        "include_search_results_in_stream".into(),
-        json!(flag("include_search_results_in_stream")),
-    );
-    echo.insert(
-        "return_search_results_as_documents".into(),
-        json!(flag("return_search_results_as_documents")),
-    );
-    echo.insert(
-        "strip_thinking_response".into(),
-        json!(flag("strip_thinking_response")),
-    );
-    echo.insert("disable_thinking".into(), json!(flag("disable_thinking")));
-    Ok(echo)
+    Ok(Echo {
+        character_slug,
+        web_search,
+        web_citations: flag("enable_web_citations"),
+        web_scraping: flag("enable_web_scraping"),
+        include_system_prompt: requested
+            .get(include_prompt)
+            .and_then(Value::as_bool)
+            .unwrap_or(true),
+        search_results_in_stream: flag("include_search_results_in_stream"),
+        search_results_as_documents: flag("return_search_results_as_documents"),
+        strip_thinking_response: flag("strip_thinking_response"),
+        disable_thinking: flag("disable_thinking"),
+        web_search_citations: None,
+    })
 }
 
 /// What the model's own tokenizer counts in the request's text (message

@@ -10,6 +10,7 @@ use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
 
 use super::chunks::{MemberValue, Members, TextLen, repeats_a_name, text_chars};
+use super::echo::Echo;
 use super::metering::{Usage, usage_is_told, usage_or_estimate};
 use super::now;
 use crate::augment;
@@ -53,9 +54,10 @@ pub(super) struct Ours<'a> {
     pub(super) model: &'a str,
     pub(super) usage: &'a Value,
     pub(super) cost: &'a Value,
-    /// `<brand>_parameters`, and what it echoes.
-    pub(super) parameters_field: &'a str,
-    pub(super) parameters: &'a Map<String, Value>,
+    /// The brand's names: `<brand>_parameters`, and a member of what it
+    /// echoes.
+    pub(super) brand: &'a rialto_core::Brand,
+    pub(super) parameters: &'a Echo,
 }
 
 impl<'a> Answer<'a> {
@@ -71,8 +73,8 @@ impl<'a> Answer<'a> {
 
     /// The tokens to bill: the upstream's usage when it tells them, else
     /// estimated (`prompt_estimate` and the completion's text).
-    pub(super) fn usage(&self, prompt_estimate: u64) -> Usage {
-        usage_or_estimate(self.usage.as_ref(), prompt_estimate, self.completion_chars)
+    pub(super) fn usage(&mut self, prompt_estimate: u64) -> Usage {
+        usage_or_estimate(self.usage.take(), prompt_estimate, self.completion_chars)
     }
 
     /// Ours, as JSON: the upstream's members with our id, object, model,
@@ -253,7 +255,7 @@ fn write_raw(members: &[(&str, Member)], len: usize, ours: &Ours) -> Vec<u8> {
         match (*name, member) {
             ("id" | "object" | "model" | "created" | "system_fingerprint" | "cost", _)
             | (_, Member::Usage(_)) => {}
-            (name, _) if name == ours.parameters_field => {}
+            (name, _) if name == ours.brand.parameters_field => {}
             (_, Member::Choices(choices)) => {
                 out.extend_from_slice(b",\"choices\":");
                 write_choices(&mut out, choices);
@@ -272,9 +274,10 @@ fn write_raw(members: &[(&str, Member)], len: usize, ours: &Ours) -> Vec<u8> {
         out.extend_from_slice(b",\"prompt_logprobs\":null");
     }
     out.push(b',');
-    let _ = serde_json::to_writer(&mut out, ours.parameters_field);
+    let _ = serde_json::to_writer(&mut out, &ours.brand.parameters_field);
     out.push(b':');
-    let _ = serde_json::to_writer(&mut out, ours.parameters);
+    ours.parameters
+        .write_json(&mut out, &ours.brand.include_system_prompt_field);
     out.push(b'}');
     out
 }
@@ -311,8 +314,9 @@ fn write_tree(mut object: Map<String, Value>, ours: &Ours) -> Vec<u8> {
     object.insert("cost".into(), ours.cost.clone());
     object.entry("prompt_logprobs").or_insert(Value::Null);
     object.insert(
-        ours.parameters_field.to_owned(),
-        Value::Object(ours.parameters.clone()),
+        ours.brand.parameters_field.clone(),
+        ours.parameters
+            .to_value(&ours.brand.include_system_prompt_field),
     );
     // A tree with string keys cannot fail to serialize.
     serde_json::to_vec(&object).unwrap_or_default()
@@ -320,21 +324,19 @@ fn write_tree(mut object: Map<String, Value>, ours: &Ours) -> Vec<u8> {
 
 #[cfg(test)]
 mod tests {
-    use super::{Answer, Body, Ours, read_raw, read_tree};
+    use super::{Answer, Body, Echo, Ours, read_raw, read_tree};
     use proptest::prelude::*;
     use serde_json::{Map, Value, json};
 
     /// Ours, written from an answer read one way or the other.
     fn written(answer: Answer) -> Value {
-        let parameters: Map<String, Value> =
-            serde_json::from_value(json!({"enable_web_search": "off"})).unwrap();
         let ours = Ours {
             id: "chatcmpl-ours",
             model: "our-model",
             usage: &json!({"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}),
             cost: &json!({"usd": "0.0001", "diem": "0"}),
-            parameters_field: "rialto_parameters",
-            parameters: &parameters,
+            brand: &rialto_core::Brand::new("rialto"),
+            parameters: &Echo::default(),
         };
         serde_json::from_slice(&answer.write(&ours)).unwrap()
     }
@@ -343,10 +345,10 @@ mod tests {
     /// when it reads the answer at all, are the tree's.
     fn agree(json: &[u8]) -> Result<bool, TestCaseError> {
         let tree = read_tree(json, None);
-        let Some(fast) = read_raw(json) else {
+        let Some(mut fast) = read_raw(json) else {
             return Ok(false);
         };
-        let Some(tree) = tree else {
+        let Some(mut tree) = tree else {
             return Err(TestCaseError::fail(format!(
                 "only the fast reader read {}",
                 String::from_utf8_lossy(json)
