@@ -12,7 +12,7 @@ use crate::augment::SearchMode;
 
 /// The echo's members. `enable_e2ee` is always false (end-to-end
 /// encryption is not offered).
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug)]
 pub(crate) struct Echo {
     /// A public character the chat speaks as.
     pub(crate) character_slug: Option<String>,

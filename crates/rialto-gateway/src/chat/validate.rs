@@ -177,14 +177,8 @@ pub(super) fn validate(
         .and_then(|r| r.get("enable_x_search"))
         .and_then(Value::as_bool)
         .unwrap_or(false);
-    let parameters = effective_parameters(gateway, requested, &mut details)?;
+    let (parameters, character_prompt) = effective_parameters(gateway, requested, &mut details)?;
     details.into_result()?;
-    let character_prompt = parameters
-        .character_slug
-        .as_deref()
-        .and_then(|slug| gateway.character(slug))
-        .map(|c| c.system_prompt.clone())
-        .unwrap_or_default();
     let service = router_pb::ServiceParameters {
         strip_thinking: parameters.strip_thinking_response,
         disable_thinking: parameters.disable_thinking,
@@ -496,20 +490,21 @@ fn check_cache_control(details: &mut Details, index: &str, part: &str, value: Op
 /// The `<brand>_parameters` echo: every required member, as requested
 /// (the router applies the system prompt and the thinking flags; the web
 /// members are what `augment::plan` then corrects to what is effective).
-/// End-to-end encryption is not offered: reported off.
+/// End-to-end encryption is not offered: reported off. With it, the
+/// system prompt of the character it names (empty for none).
 fn effective_parameters(
     gateway: &Gateway,
     requested: Option<Value>,
     details: &mut Details,
-) -> Result<Echo, ApiError> {
+) -> Result<(Echo, String), ApiError> {
     let field = gateway.brand.parameters_field.as_str();
     let include_prompt = gateway.brand.include_system_prompt_field.as_str();
     let requested = match requested {
-        None | Some(Value::Null) => return Ok(Echo::default()),
+        None | Some(Value::Null) => return Ok((Echo::default(), String::new())),
         Some(Value::Object(map)) => map,
         Some(_) => {
             details.push(&[field], "Expected object");
-            return Ok(Echo::default());
+            return Ok((Echo::default(), String::new()));
         }
     };
     let booleans = [
@@ -547,11 +542,15 @@ fn effective_parameters(
         },
     };
     let mut character_slug = None;
+    let mut character_prompt = String::new();
     if let Some(slug) = requested.get("character_slug").filter(|v| !v.is_null()) {
         match slug.as_str() {
             // Private characters are as unknown as missing ones.
             Some(slug) => match gateway.character(slug).filter(|c| c.public) {
-                Some(found) => character_slug = Some(found.slug.clone()),
+                Some(found) => {
+                    character_slug = Some(found.slug);
+                    character_prompt = found.system_prompt;
+                }
                 None => {
                     return Err(ApiError::new(
                         ErrorCode::NotFound,
@@ -568,7 +567,7 @@ fn effective_parameters(
             .and_then(Value::as_bool)
             .unwrap_or(false)
     };
-    Ok(Echo {
+    let echo = Echo {
         character_slug,
         web_search,
         web_citations: flag("enable_web_citations"),
@@ -582,7 +581,8 @@ fn effective_parameters(
         strip_thinking_response: flag("strip_thinking_response"),
         disable_thinking: flag("disable_thinking"),
         web_search_citations: None,
-    })
+    };
+    Ok((echo, character_prompt))
 }
 
 /// What the model's own tokenizer counts in the request's text (message
