@@ -485,9 +485,8 @@ async fn queue(
     }
     let mut response = HttpResponse::Ok();
     crate::chat::model_headers(&mut response, gateway, model, "", 0);
-    let usd = rialto_billing::from_nanos(i64::try_from(price).unwrap_or(i64::MAX));
-    let usd: Value = serde_json::from_str(&usd).unwrap_or(json!(0));
-    crate::chat::balance_remaining(&mut response, wallet_before, &json!({ "usd": usd }));
+    let charged = crate::chat::Cost::usd_nanos(price);
+    crate::chat::balance_remaining(&mut response, wallet_before, &charged);
     let answer = match kind {
         Kind::Video => json!({"model": model.config.id, "queue_id": id}),
         Kind::Audio => json!({"model": model.config.id, "queue_id": id, "status": "QUEUED"}),

@@ -18,7 +18,7 @@ use rust_decimal::Decimal;
 use serde_json::{Map, Value};
 
 use crate::chat::{
-    Admitted, Priced, Reservation, Settlement, Usage, admit, balance_remaining, model_headers,
+    Admitted, Cost, Priced, Reservation, Settlement, Usage, admit, balance_remaining, model_headers,
 };
 use crate::headers::RequestId;
 use crate::{ApiError, Catalog, Details, Gateway, ModelEntry};
@@ -111,7 +111,7 @@ pub(crate) struct Delivered {
 
 /// A media request charged: what its response's headers say.
 pub(crate) struct Charged {
-    cost: Value,
+    cost: Cost,
     backend: String,
     retry_count: u32,
     wallet_usd_before: Option<Decimal>,
@@ -380,11 +380,10 @@ impl Metered {
             start.retry_count,
         );
         // The price is known before the stream: the balance after it too.
-        let price = rialto_billing::from_nanos(i64::try_from(price_nanos).unwrap_or(i64::MAX));
         balance_remaining(
             &mut response,
             wallet_usd_before,
-            &serde_json::json!({"usd": serde_json::from_str::<Value>(&price).unwrap_or_default()}),
+            &Cost::usd_nanos(price_nanos),
         );
         let body = futures_util::stream::unfold(receiver, |mut receiver| async move {
             receiver.recv().await.map(|item| (item, receiver))

@@ -14,8 +14,10 @@ use rialto_core::metrics::{Counter, ModelCounters, OutcomeLabels, Resolved, Toke
 use rialto_limiter::{Admission, RateLimiter, Target, Ticket};
 use rialto_proto::auth::v1 as auth_pb;
 use rialto_proto::billing::v1 as billing_pb;
+use serde_json::value::RawValue;
 use serde_json::{Value, json};
 
+use super::chunks::{Members, repeats_a_name};
 use crate::holding::{Holder, Holding};
 use crate::{ApiError, Gateway, ModelEntry, RateLimitHeaders};
 
@@ -28,14 +30,66 @@ pub(crate) const BALANCE_REMAINING: &str = "x-balance-remaining";
 pub(crate) fn balance_remaining(
     response: &mut HttpResponseBuilder,
     before: Option<rust_decimal::Decimal>,
-    cost: &Value,
+    cost: &Cost,
 ) {
     if let Some(before) = before {
-        let charged: rust_decimal::Decimal = cost["usd"].to_string().parse().unwrap_or_default();
-        response.insert_header((
-            BALANCE_REMAINING,
-            (before - charged).normalize().to_string(),
-        ));
+        response.insert_header((BALANCE_REMAINING, cost.usd_left(before)));
+    }
+}
+
+/// What a request was charged: the response's `cost`, `{"usd", "diem"}`.
+/// Billing's exact decimal strings are kept as JSON numbers written digit
+/// for digit (serde_json's `arbitrary_precision`), as the spec wants, and
+/// written by whoever writes the answer; not a `json!` map built per
+/// request (two decimal strings parsed as whole JSON documents and a map
+/// of two keys cost ~2,000 instructions a chat).
+///
+/// Its members are written in the order a tree wrote them (by name), so
+/// answers read byte for byte as they did.
+#[derive(Debug, serde::Serialize)]
+pub(crate) struct Cost {
+    diem: serde_json::Number,
+    usd: serde_json::Number,
+}
+
+impl Cost {
+    /// A request that cost nothing (a free model).
+    pub(crate) fn free() -> Self {
+        Self {
+            usd: 0u64.into(),
+            diem: 0u64.into(),
+        }
+    }
+
+    /// Billing's cost. An amount that is not a JSON number (billing
+    /// writes plain decimals, never anything else) reads as 0 rather than
+    /// break the answer.
+    pub(crate) fn of(cost: &billing_pb::Cost) -> Self {
+        let number = |text: &str| text.parse().unwrap_or_else(|_| 0u64.into());
+        Self {
+            usd: number(&cost.usd),
+            diem: number(&cost.diem),
+        }
+    }
+
+    /// A price in USD alone, known before the call (`usd_nanos`).
+    pub(crate) fn usd_nanos(usd_nanos: u64) -> Self {
+        Self::of(&billing_pb::Cost {
+            usd: rialto_billing::from_nanos(i64::try_from(usd_nanos).unwrap_or(i64::MAX)),
+            diem: "0".into(),
+        })
+    }
+
+    /// A wallet's USD balance after this charge, from its balance
+    /// `before` (`X-Balance-Remaining`).
+    pub(crate) fn usd_left(&self, before: rust_decimal::Decimal) -> String {
+        let charged: rust_decimal::Decimal = self.usd.as_str().parse().unwrap_or_default();
+        (before - charged).normalize().to_string()
+    }
+
+    /// As a JSON tree, for the answers built as one.
+    pub(crate) fn to_value(&self) -> Value {
+        json!({"diem": self.diem, "usd": self.usd})
     }
 }
 
@@ -190,7 +244,7 @@ impl Settlement {
 
     /// Charges `usage` against the hold (and commits its tokens to the
     /// limiter); the `cost` object of the response.
-    pub(crate) async fn bill(&mut self, usage: &Usage) -> Result<Value, ApiError> {
+    pub(crate) async fn bill(&mut self, usage: &Usage) -> Result<Cost, ApiError> {
         let cost = match self.charge.take() {
             Some((hold, tokens)) => {
                 // A refusal gives the limiter its slots back (`charge`).
@@ -207,7 +261,7 @@ impl Settlement {
                 if !std::mem::take(&mut self.held) {
                     // Nothing was reserved (a free model): nothing to
                     // charge, and no round trip to the ledger.
-                    return Ok(json!({"usd": 0, "diem": 0}));
+                    return Ok(Cost::free());
                 }
                 let request = self.settle_request(usage);
                 let billed = request.usage.unwrap_or_default();
@@ -235,10 +289,7 @@ impl Settlement {
         if let Ok(usd) = cost.usd.parse::<f64>() {
             self.counters.spend_usd(usd);
         }
-        // Exact decimal strings become JSON numbers written digit for digit
-        // (serde_json's arbitrary_precision), as the spec's `cost` wants.
-        let number = |text: &str| serde_json::from_str::<Value>(text).unwrap_or(json!(0));
-        Ok(json!({"usd": number(&cost.usd), "diem": number(&cost.diem)}))
+        Ok(Cost::of(&cost))
     }
 
     /// Holds and settles in one call to billing, the answer of a route
@@ -897,7 +948,37 @@ pub(crate) struct Usage {
     completion: u64,
     cached: u64,
     cache_write: u64,
-    pub(super) json: Value,
+    pub(super) json: UsageJson,
+}
+
+/// A response's `usage`: the upstream's own text when it already says
+/// what ours would (it tells the tokens, and its `total_tokens` is their
+/// sum), written as it came; otherwise a tree. Reading the usual usage to
+/// a tree, setting its total and writing it back cost ~7,000 instructions
+/// a chat (a `BTreeMap`, and a string for each name and number).
+#[derive(Debug, serde::Serialize)]
+#[serde(untagged)]
+pub(crate) enum UsageJson {
+    Told(Box<RawValue>),
+    Tree(Value),
+}
+
+impl UsageJson {
+    /// As a JSON tree, for the answers built as one.
+    pub(crate) fn to_value(&self) -> Value {
+        match self {
+            Self::Told(raw) => serde_json::from_str(raw.get()).unwrap_or_default(),
+            Self::Tree(tree) => tree.clone(),
+        }
+    }
+}
+
+/// The same JSON, whichever way it is held (member order aside).
+#[cfg(test)]
+impl PartialEq for UsageJson {
+    fn eq(&self, other: &Self) -> bool {
+        self.to_value() == other.to_value()
+    }
 }
 
 impl Usage {
@@ -908,7 +989,7 @@ impl Usage {
             completion: 0,
             cached: 0,
             cache_write: 0,
-            json: json!({"prompt_tokens": prompt, "total_tokens": prompt}),
+            json: UsageJson::Tree(json!({"prompt_tokens": prompt, "total_tokens": prompt})),
         }
     }
 
@@ -919,11 +1000,11 @@ impl Usage {
             completion,
             cached: 0,
             cache_write: 0,
-            json: Value::Null,
+            json: UsageJson::Tree(Value::Null),
         }
     }
 
-    pub(crate) fn json(&self) -> &Value {
+    pub(crate) fn json(&self) -> &UsageJson {
         &self.json
     }
 
@@ -937,7 +1018,7 @@ impl Usage {
             completion: 0,
             cached: 0,
             cache_write: 0,
-            json: Value::Null,
+            json: UsageJson::Tree(Value::Null),
         }
     }
 
@@ -982,7 +1063,7 @@ pub(super) fn usage_or_estimate(
             completion,
             cached,
             cache_write,
-            json,
+            json: UsageJson::Tree(json),
         };
     }
     let completion = (completion_chars as u64).div_ceil(4);
@@ -991,11 +1072,151 @@ pub(super) fn usage_or_estimate(
         completion,
         cached: 0,
         cache_write: 0,
-        json: json!({
+        json: UsageJson::Tree(json!({
             "prompt_tokens": prompt_estimate,
             "completion_tokens": completion,
             "total_tokens": prompt_estimate.saturating_add(completion),
-        }),
+        })),
+    }
+}
+
+/// The counts an upstream's `usage` tells, read from its raw members as
+/// [`usage_or_estimate`] reads them from a tree (a count is a member
+/// whose number text is a `u64`, as `Value::as_u64` takes it under
+/// `arbitrary_precision`; anything else is not told).
+#[derive(Debug, Default)]
+pub(super) struct Counts {
+    prompt: Option<u64>,
+    completion: Option<u64>,
+    total: Option<u64>,
+    cached: Option<u64>,
+    cache_write: Option<u64>,
+}
+
+impl Counts {
+    /// `None` for a `usage` the raw reading leaves to a tree: not an
+    /// object of plainly named members (an escaped name is not borrowed),
+    /// or one naming a member twice (a tree keeps the last).
+    pub(super) fn read(usage: &RawValue) -> Option<Self> {
+        let Members(members) = serde_json::from_str::<Members>(usage.get()).ok()?;
+        if repeats_a_name(&members) {
+            return None;
+        }
+        let count = |raw: &RawValue| raw.get().parse::<u64>().ok();
+        let mut counts = Counts::default();
+        for (name, raw) in &members {
+            match *name {
+                "prompt_tokens" => counts.prompt = count(raw),
+                "completion_tokens" => counts.completion = count(raw),
+                "total_tokens" => counts.total = count(raw),
+                // Not an object: it tells nothing, as a tree's lookup.
+                "prompt_tokens_details" if raw.get().starts_with('{') => {
+                    let Members(details) = serde_json::from_str::<Members>(raw.get()).ok()?;
+                    if repeats_a_name(&details) {
+                        return None;
+                    }
+                    for (name, raw) in &details {
+                        match *name {
+                            "cached_tokens" => counts.cached = count(raw),
+                            "cache_creation_input_tokens" => counts.cache_write = count(raw),
+                            _ => {}
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        Some(counts)
+    }
+
+    /// Whether the usage tells the tokens (else they are estimated).
+    pub(super) fn told(&self) -> bool {
+        self.prompt.is_some()
+    }
+}
+
+/// [`usage_or_estimate`] for a `usage` read raw (`counts` from
+/// `upstream`): the same counts, and ours is the upstream's text when its
+/// total is already the sum (what ours would set it to).
+pub(super) fn usage_counted(
+    upstream: &RawValue,
+    counts: &Counts,
+    prompt_estimate: u64,
+    completion_chars: usize,
+) -> Usage {
+    let Some(prompt) = counts.prompt else {
+        return usage_or_estimate(None, prompt_estimate, completion_chars);
+    };
+    let completion = counts.completion.unwrap_or_default();
+    if counts.total != Some(prompt.saturating_add(completion)) {
+        // Ours sets the total: through a tree (rare).
+        let tree = serde_json::from_str(upstream.get()).ok();
+        return usage_or_estimate(tree, prompt_estimate, completion_chars);
+    }
+    Usage {
+        prompt,
+        completion,
+        cached: counts.cached.unwrap_or_default(),
+        cache_write: counts.cache_write.unwrap_or_default(),
+        json: UsageJson::Told(upstream.to_owned()),
+    }
+}
+
+#[cfg(test)]
+mod cost {
+    use super::*;
+
+    fn cost(usd: &str, diem: &str) -> Cost {
+        Cost::of(&billing_pb::Cost {
+            usd: usd.into(),
+            diem: diem.into(),
+        })
+    }
+
+    /// Billing's decimals are written as JSON numbers, digit for digit:
+    /// no rounding through a float, however many digits.
+    #[test]
+    fn written_as_the_numbers_billing_gave() {
+        let written = |c: &Cost| serde_json::to_string(c).unwrap();
+        assert_eq!(
+            written(&cost("0.000123", "0")),
+            r#"{"diem":0,"usd":0.000123}"#
+        );
+        assert_eq!(
+            written(&cost("12345678901234567890.000000001", "1.5")),
+            r#"{"diem":1.5,"usd":12345678901234567890.000000001}"#
+        );
+        assert_eq!(written(&Cost::free()), r#"{"diem":0,"usd":0}"#);
+        // The tree is the same text.
+        let c = cost("0.1", "0.000000001");
+        assert_eq!(c.to_value().to_string(), written(&c));
+    }
+
+    /// What is not a JSON number (billing never sends one) reads as 0,
+    /// never as a string or a broken answer.
+    #[test]
+    fn what_is_not_a_number_is_zero() {
+        for bad in ["", "abc", "1.", "1e", "0.1 ", "\"1\"", "1,5"] {
+            assert_eq!(
+                serde_json::to_string(&cost(bad, bad)).unwrap(),
+                r#"{"diem":0,"usd":0}"#,
+                "{bad:?}"
+            );
+        }
+    }
+
+    /// `X-Balance-Remaining`: the balance before less the USD charged.
+    #[test]
+    fn usd_left_after_the_charge() {
+        let before: rust_decimal::Decimal = "10.5".parse().unwrap();
+        assert_eq!(cost("0.000123", "0").usd_left(before), "10.499877");
+        assert_eq!(cost("10.5", "0").usd_left(before), "0");
+        assert_eq!(Cost::free().usd_left(before), "10.5");
+        assert_eq!(Cost::usd_nanos(500_000_000).usd_left(before), "10");
+        assert_eq!(
+            serde_json::to_string(&Cost::usd_nanos(1)).unwrap(),
+            r#"{"diem":0,"usd":0.000000001}"#
+        );
     }
 }
 
@@ -1095,7 +1316,7 @@ mod charging {
             completion: tokens,
             cached: 0,
             cache_write: 0,
-            json: Value::Null,
+            json: UsageJson::Tree(Value::Null),
         }
     }
 

@@ -44,8 +44,8 @@ use crate::{
 pub(crate) use echo::Echo;
 use metering::BALANCE_REMAINING;
 pub(crate) use metering::{
-    Admitted, PendingSettlement, Priced, Reservation, Settlement, Usage, admit, balance_remaining,
-    pending_settlements, settle_later,
+    Admitted, Cost, PendingSettlement, Priced, Reservation, Settlement, Usage, admit,
+    balance_remaining, pending_settlements, settle_later,
 };
 use stream::stream;
 use validate::{tokenizer_excess, validate};
@@ -499,10 +499,9 @@ async fn answer(
     if let Some(plan) = &exchange.web {
         augment::echo(&mut exchange.chat.parameters, plan, &exchange.found);
     }
-    let balance_remaining = exchange.wallet_usd_before.map(|before| {
-        let charged: rust_decimal::Decimal = cost["usd"].to_string().parse().unwrap_or_default();
-        (before - charged).normalize().to_string()
-    });
+    let balance_remaining = exchange
+        .wallet_usd_before
+        .map(|before| cost.usd_left(before));
     let body = read.write(&whole::Ours {
         id: &exchange.completion_id,
         model: model_id,

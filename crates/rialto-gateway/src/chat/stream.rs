@@ -14,7 +14,7 @@ use rialto_proto::router::v1::chat_stream_event::Event;
 use serde_json::{Value, json};
 
 use super::chunks::{Chunk, ChunkHead, read_chunk, read_chunk_tree, sse};
-use super::metering::{BALANCE_REMAINING, Usage, usage_or_estimate};
+use super::metering::{BALANCE_REMAINING, Cost, Usage, UsageJson, usage_or_estimate};
 use super::{Exchange, in_band_error, model_headers, search_error_header};
 use crate::augment;
 use crate::{ApiError, Gateway, ModelEntry};
@@ -363,12 +363,12 @@ impl Relay {
 #[derive(serde::Serialize)]
 struct LastChunk<'a> {
     choices: [(); 0],
-    cost: &'a Value,
+    cost: &'a Cost,
     created: &'a Value,
     id: &'a str,
     model: &'a str,
     object: &'static str,
-    usage: &'a Value,
+    usage: &'a UsageJson,
 }
 
 /// The rest of a stream, as its response body. Actix's dispatcher polls it
@@ -582,13 +582,16 @@ fn checkpoint_clock(every: std::time::Duration) -> tokio::time::Interval {
 mod tests {
     use serde_json::json;
 
-    use super::LastChunk;
+    use super::{Cost, LastChunk, UsageJson};
 
     /// The last chunk written from the relay's parts is, byte for byte,
     /// the line a `json!` tree of the same members wrote.
     #[test]
     fn the_last_chunk_is_the_line_a_tree_wrote() {
-        let cost = json!({"usd": "0.000123", "diem": "0"});
+        let cost = Cost::of(&rialto_proto::billing::v1::Cost {
+            usd: "0.000123".into(),
+            diem: "0".into(),
+        });
         let usage = json!({"prompt_tokens": 12, "completion_tokens": 34, "total_tokens": 46,
             "prompt_tokens_details": {"cached_tokens": 0}});
         let created = json!(1_764_000_000);
@@ -600,7 +603,7 @@ mod tests {
             id,
             model,
             object: "chat.completion.chunk",
-            usage: &usage,
+            usage: &UsageJson::Tree(usage.clone()),
         })
         .unwrap();
         let tree = json!({
@@ -610,7 +613,7 @@ mod tests {
             "model": model,
             "choices": [],
             "usage": usage,
-            "cost": cost,
+            "cost": cost.to_value(),
         });
         assert_eq!(written, tree.to_string());
     }

@@ -11,7 +11,9 @@ use serde_json::{Map, Value, json};
 
 use super::chunks::{MemberValue, Members, TextLen, repeats_a_name, text_chars};
 use super::echo::Echo;
-use super::metering::{Usage, usage_is_told, usage_or_estimate};
+use super::metering::{
+    Cost, Counts, Usage, UsageJson, usage_counted, usage_is_told, usage_or_estimate,
+};
 use super::now;
 use crate::augment;
 
@@ -23,8 +25,17 @@ pub(super) struct Answer<'a> {
     /// reader measures them only then).
     completion_chars: usize,
     /// The upstream's `usage`, as it said it.
-    usage: Option<Value>,
+    usage: Option<Upstream<'a>>,
     body: Body<'a>,
+}
+
+/// The upstream's `usage`, read.
+enum Upstream<'a> {
+    /// Its raw text, and the counts it tells (the fast reader's way).
+    Counted(&'a RawValue, Counts),
+    /// As a tree: the answer read as one, or a `usage` the raw reading
+    /// does not take.
+    Tree(Value),
 }
 
 enum Body<'a> {
@@ -44,16 +55,16 @@ enum Member<'a> {
     Raw(&'a RawValue),
     /// `choices`: each choice's members, raw.
     Choices(Vec<Members<'a>>),
-    /// `usage`, read as a tree (ours writes its own).
-    Usage(Value),
+    /// `usage`, raw (read to its counts after).
+    Usage(&'a RawValue),
 }
 
 /// What ours says whatever the upstream said.
 pub(super) struct Ours<'a> {
     pub(super) id: &'a str,
     pub(super) model: &'a str,
-    pub(super) usage: &'a Value,
-    pub(super) cost: &'a Value,
+    pub(super) usage: &'a UsageJson,
+    pub(super) cost: &'a Cost,
     /// The brand's names: `<brand>_parameters`, and a member of what it
     /// echoes.
     pub(super) brand: &'a rialto_core::Brand,
@@ -74,7 +85,14 @@ impl<'a> Answer<'a> {
     /// The tokens to bill: the upstream's usage when it tells them, else
     /// estimated (`prompt_estimate` and the completion's text).
     pub(super) fn usage(&mut self, prompt_estimate: u64) -> Usage {
-        usage_or_estimate(self.usage.take(), prompt_estimate, self.completion_chars)
+        let chars = self.completion_chars;
+        match self.usage.take() {
+            Some(Upstream::Counted(raw, counts)) => {
+                usage_counted(raw, &counts, prompt_estimate, chars)
+            }
+            Some(Upstream::Tree(tree)) => usage_or_estimate(Some(tree), prompt_estimate, chars),
+            None => usage_or_estimate(None, prompt_estimate, chars),
+        }
     }
 
     /// Ours, as JSON: the upstream's members with our id, object, model,
@@ -102,7 +120,7 @@ fn read_raw(json: &[u8]) -> Option<Answer<'_>> {
     // Checked as UTF-8 once here: read from bytes, each member's raw text
     // and each name would be checked again as it is borrowed.
     let text = std::str::from_utf8(json).ok()?;
-    let Members(mut members): Members<Member> = serde_json::from_str(text).ok()?;
+    let Members(members): Members<Member> = serde_json::from_str(text).ok()?;
     let choice_repeats = |member: &Member| match member {
         Member::Choices(choices) => choices.iter().any(|Members(m)| repeats_a_name(m)),
         _ => false,
@@ -110,12 +128,22 @@ fn read_raw(json: &[u8]) -> Option<Answer<'_>> {
     if repeats_a_name(&members) || members.iter().any(|(_, member)| choice_repeats(member)) {
         return None;
     }
-    let usage = members.iter_mut().find_map(|(_, member)| match member {
-        Member::Usage(usage) => Some(std::mem::take(usage)),
+    // A raw member a tree cannot read (too deep, a lone surrogate) never
+    // gets here: `beyond_raw_reading` left the answer to the tree.
+    let usage = members.iter().find_map(|(_, member)| match member {
+        Member::Usage(usage) => Some(match Counts::read(usage) {
+            Some(counts) => Upstream::Counted(usage, counts),
+            None => Upstream::Tree(serde_json::from_str(usage.get()).unwrap_or_default()),
+        }),
         _ => None,
     });
+    let told = match &usage {
+        Some(Upstream::Counted(_, counts)) => counts.told(),
+        Some(Upstream::Tree(tree)) => usage_is_told(tree),
+        None => false,
+    };
     let mut completion_chars = 0;
-    if !usage.as_ref().is_some_and(usage_is_told) {
+    if !told {
         for (_, member) in &members {
             if let Member::Choices(choices) = member {
                 completion_chars = measure(choices)?;
@@ -299,7 +327,7 @@ fn read_tree<'a>(json: &[u8], documents: Option<&Value>) -> Option<Answer<'a>> {
     }
     Some(Answer {
         completion_chars,
-        usage: object.remove("usage"),
+        usage: object.remove("usage").map(Upstream::Tree),
         body: Body::Tree(object),
     })
 }
@@ -310,8 +338,8 @@ fn write_tree(mut object: Map<String, Value>, ours: &Ours) -> Vec<u8> {
     object.insert("model".into(), json!(ours.model));
     object.entry("created").or_insert_with(|| json!(now()));
     object.remove("system_fingerprint");
-    object.insert("usage".into(), ours.usage.clone());
-    object.insert("cost".into(), ours.cost.clone());
+    object.insert("usage".into(), ours.usage.to_value());
+    object.insert("cost".into(), ours.cost.to_value());
     object.entry("prompt_logprobs").or_insert(Value::Null);
     object.insert(
         ours.brand.parameters_field.clone(),
@@ -324,17 +352,26 @@ fn write_tree(mut object: Map<String, Value>, ours: &Ours) -> Vec<u8> {
 
 #[cfg(test)]
 mod tests {
-    use super::{Answer, Body, Echo, Ours, read_raw, read_tree};
+    use super::{Answer, Body, Echo, Ours, UsageJson, read_raw, read_tree};
     use proptest::prelude::*;
     use serde_json::{Map, Value, json};
 
     /// Ours, written from an answer read one way or the other.
     fn written(answer: Answer) -> Value {
+        let usage = json!({"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8});
+        written_with(answer, &UsageJson::Tree(usage))
+    }
+
+    /// Ours with `usage`.
+    fn written_with(answer: Answer, usage: &UsageJson) -> Value {
         let ours = Ours {
             id: "chatcmpl-ours",
             model: "our-model",
-            usage: &json!({"prompt_tokens": 3, "completion_tokens": 5, "total_tokens": 8}),
-            cost: &json!({"usd": "0.0001", "diem": "0"}),
+            usage,
+            cost: &super::Cost::of(&rialto_proto::billing::v1::Cost {
+                usd: "0.0001".into(),
+                diem: "0".into(),
+            }),
             brand: &rialto_core::Brand::new("rialto"),
             parameters: &Echo::default(),
         };
@@ -354,10 +391,14 @@ mod tests {
                 String::from_utf8_lossy(json)
             )));
         };
-        prop_assert_eq!(fast.usage(11), tree.usage(11));
+        let (fast_usage, tree_usage) = (fast.usage(11), tree.usage(11));
+        prop_assert_eq!(&fast_usage, &tree_usage);
         let told_created = serde_json::from_slice::<Value>(json)
             .is_ok_and(|answer| answer.get("created").is_some());
-        let (mut fast, mut tree) = (written(fast), written(tree));
+        let (mut fast, mut tree) = (
+            written_with(fast, &fast_usage.json),
+            written_with(tree, &tree_usage.json),
+        );
         if !told_created {
             // Now, in both: it may be a second apart.
             fast.as_object_mut().unwrap().remove("created");
@@ -518,6 +559,7 @@ mod tests {
                 prop_oneof![
                     (0u64..1000).prop_map(|n| json!({"prompt_tokens": 2, "completion_tokens": n})),
                     Just(Value::Null),
+                    usage(),
                 ]
                 .boxed()
             ),
@@ -539,6 +581,88 @@ mod tests {
             // Any name: one that needs an escape goes the tree way.
             (any::<String>(), any::<String>()).prop_map(|(k, v)| (k, Value::from(v))),
         ]
+    }
+
+    /// A `usage` of any of the shapes upstreams send, and some they
+    /// should not: counts that are not `u64`s, a total that is not the
+    /// sum, details that are not an object.
+    fn usage() -> impl Strategy<Value = Value> {
+        let count = prop_oneof![
+            6 => (0u64..1000).prop_map(Value::from),
+            1 => Just(json!(u64::MAX)),
+            1 => Just(json!(2.0)),
+            1 => Just(json!(-1)),
+            1 => Just(json!("2")),
+            1 => Just(Value::Null),
+        ];
+        let details = prop_oneof![
+            proptest::option::of(count.clone())
+                .prop_map(|cached| json!({"cached_tokens": cached, "audio_tokens": 0})),
+            (count.clone(), count.clone()).prop_map(|(cached, written)| {
+                json!({"cached_tokens": cached, "cache_creation_input_tokens": written})
+            }),
+            Just(json!(3)),
+        ];
+        (
+            proptest::option::of(count.clone()),
+            proptest::option::of(count),
+            0u8..3,
+            proptest::option::of(details),
+        )
+            .prop_map(|(prompt, completion, total, details)| {
+                let mut usage = Map::new();
+                if let Some(prompt) = &prompt {
+                    usage.insert("prompt_tokens".into(), prompt.clone());
+                }
+                if let Some(completion) = &completion {
+                    usage.insert("completion_tokens".into(), completion.clone());
+                }
+                let sum = prompt
+                    .as_ref()
+                    .and_then(Value::as_u64)
+                    .unwrap_or(0)
+                    .saturating_add(completion.as_ref().and_then(Value::as_u64).unwrap_or(0));
+                match total {
+                    // The sum (the usual answer), one more, or none.
+                    0 => usage.insert("total_tokens".into(), json!(sum)),
+                    1 => usage.insert("total_tokens".into(), json!(sum.wrapping_add(1))),
+                    _ => None,
+                };
+                if let Some(details) = details {
+                    usage.insert("prompt_tokens_details".into(), details);
+                }
+                Value::Object(usage)
+            })
+    }
+
+    /// The usual `usage` (its total the sum) is written as the upstream
+    /// wrote it; one without its total, or a name repeated or escaped,
+    /// goes through a tree; each says what the tree says.
+    #[test]
+    fn a_usage_told_whole_is_written_as_it_came() {
+        let answer = |usage: &str| format!(r#"{{"choices":[],"usage":{usage}}}"#);
+        let json = answer(r#"{"total_tokens":8,"prompt_tokens":3,"completion_tokens":5}"#);
+        let usage = read_raw(json.as_bytes()).unwrap().usage(11);
+        match &usage.json {
+            UsageJson::Told(raw) => assert_eq!(
+                raw.get(),
+                r#"{"total_tokens":8,"prompt_tokens":3,"completion_tokens":5}"#
+            ),
+            UsageJson::Tree(tree) => panic!("read to a tree: {tree}"),
+        }
+        for usage in [
+            r#"{"prompt_tokens":3,"completion_tokens":5}"#,
+            r#"{"prompt_tokens":3,"completion_tokens":5,"total_tokens":9}"#,
+            r#"{"prompt_tokens":1,"prompt_tokens":3,"completion_tokens":5,"total_tokens":6}"#,
+            r#"{"prompt_tokens":3,"completion_tokens":5,"total_tokens":8,"x":1,"x":2}"#,
+            r#"{"prompt\u005ftokens":3,"completion_tokens":5,"total_tokens":8}"#,
+            r#"{"prompt_tokens":3,"completion_tokens":5,"total_tokens":8,"prompt_tokens_details":{"cached_tokens":1,"cached_tokens":2}}"#,
+        ] {
+            let json = answer(usage);
+            assert!(agree(json.as_bytes()).unwrap(), "{usage} went the tree way");
+            let read = read_raw(json.as_bytes()).unwrap().usage(11);
+            assert!(matches!(read.json, UsageJson::Tree(_)), "{usage}");
+        }
     }
 
     proptest! {
