@@ -1084,7 +1084,7 @@ pub(super) fn usage_or_estimate(
 /// [`usage_or_estimate`] reads them from a tree (a count is a member
 /// whose number text is a `u64`, as `Value::as_u64` takes it under
 /// `arbitrary_precision`; anything else is not told).
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(super) struct Counts {
     prompt: Option<u64>,
     completion: Option<u64>,
@@ -1096,7 +1096,11 @@ pub(super) struct Counts {
 impl Counts {
     /// `None` for a `usage` the raw reading leaves to a tree: not an
     /// object of plainly named members (an escaped name is not borrowed),
-    /// or one naming a member twice (a tree keeps the last).
+    /// or one naming a member twice, at its top or in its
+    /// `prompt_tokens_details` (a tree keeps the last), where a count is
+    /// read. Deeper than that its text is written as it came, as every
+    /// raw member of an answer is (escapes and a repeated name in, say,
+    /// `completion_tokens_details` kept as the upstream wrote them).
     pub(super) fn read(usage: &RawValue) -> Option<Self> {
         let Members(members) = serde_json::from_str::<Members>(usage.get()).ok()?;
         if repeats_a_name(&members) {

@@ -189,7 +189,7 @@ fn beyond_raw_reading(json: &[u8]) -> bool {
 }
 
 /// An answer's members are read in one pass: `choices` to each choice's
-/// members, `usage` to a tree, the rest raw.
+/// members, the rest raw (`usage` is read to its counts after).
 impl<'de> MemberValue<'de> for Member<'de> {
     fn next<A: serde::de::MapAccess<'de>>(name: &'de str, map: &mut A) -> Result<Self, A::Error> {
         Ok(match name {
@@ -604,7 +604,8 @@ mod tests {
             Just(json!(3)),
         ];
         (
-            proptest::option::of(count.clone()),
+            // Mostly present, so many cases reach the raw way.
+            proptest::option::weighted(0.9, count.clone()),
             proptest::option::of(count),
             0u8..3,
             proptest::option::of(details),
@@ -642,7 +643,16 @@ mod tests {
     fn a_usage_told_whole_is_written_as_it_came() {
         let answer = |usage: &str| format!(r#"{{"choices":[],"usage":{usage}}}"#);
         let json = answer(r#"{"total_tokens":8,"prompt_tokens":3,"completion_tokens":5}"#);
+        assert!(agree(json.as_bytes()).unwrap());
         let usage = read_raw(json.as_bytes()).unwrap().usage(11);
+        assert_eq!(
+            usage.billed(),
+            rialto_proto::billing::v1::Usage {
+                prompt_tokens: 3,
+                completion_tokens: 5,
+                ..Default::default()
+            }
+        );
         match &usage.json {
             UsageJson::Told(raw) => assert_eq!(
                 raw.get(),
@@ -666,6 +676,19 @@ mod tests {
     }
 
     proptest! {
+        /// Any `usage` alone (most answers' shape), compact or pretty: the
+        /// fast reader's counts and written usage are the tree reader's.
+        #[test]
+        fn the_fast_usage_is_the_tree_usage(usage in usage(), pretty in any::<bool>()) {
+            let usage = if pretty {
+                serde_json::to_string_pretty(&usage).unwrap()
+            } else {
+                usage.to_string()
+            };
+            let json = format!(r#"{{"choices":[],"usage":{usage}}}"#);
+            prop_assert!(agree(json.as_bytes())?);
+        }
+
         /// Any answer: the fast reader reads and writes it as the tree
         /// reader does, or leaves it to the tree.
         #[test]
