@@ -87,9 +87,11 @@ impl Cost {
         (before - charged).normalize().to_string()
     }
 
-    /// As a JSON tree, for the answers built as one.
+    /// As a JSON tree, for the answers built as one (the derived shape:
+    /// one definition of it).
     pub(crate) fn to_value(&self) -> Value {
-        json!({"diem": self.diem, "usd": self.usd})
+        // Two numbers under string keys: serializing cannot fail.
+        serde_json::to_value(self).unwrap_or_default()
     }
 }
 

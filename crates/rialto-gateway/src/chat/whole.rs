@@ -38,6 +38,16 @@ enum Upstream<'a> {
     Tree(Value),
 }
 
+impl Upstream<'_> {
+    /// Whether it tells the tokens (else they are estimated).
+    fn told(&self) -> bool {
+        match self {
+            Upstream::Counted(_, counts) => counts.told(),
+            Upstream::Tree(tree) => usage_is_told(tree),
+        }
+    }
+}
+
 enum Body<'a> {
     /// The answer's members in their order, borrowed from the upstream's
     /// bytes (`len` of them): raw JSON, but the choices read to their
@@ -137,13 +147,8 @@ fn read_raw(json: &[u8]) -> Option<Answer<'_>> {
         }),
         _ => None,
     });
-    let told = match &usage {
-        Some(Upstream::Counted(_, counts)) => counts.told(),
-        Some(Upstream::Tree(tree)) => usage_is_told(tree),
-        None => false,
-    };
     let mut completion_chars = 0;
-    if !told {
+    if !usage.as_ref().is_some_and(Upstream::told) {
         for (_, member) in &members {
             if let Member::Choices(choices) = member {
                 completion_chars = measure(choices)?;
