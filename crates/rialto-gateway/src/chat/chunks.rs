@@ -65,11 +65,13 @@ impl ChunkHead {
 }
 
 /// Reads one upstream chunk without building its tree (most of a stream's
-/// cost per chunk when it did): its members stay raw JSON, copied once into
-/// the line the client gets, and only the text of its deltas is measured.
-/// `None` for a chunk out of the ordinary (not an object of distinct,
-/// plainly named members; choices not objects with string contents), left
-/// to [`read_chunk_tree`], which reads anything.
+/// cost per chunk when it did), in one pass: its members stay raw JSON,
+/// copied once into the line the client gets, and its choices are read for
+/// the text of their deltas as that pass goes over them (their raw text is
+/// then found by where they stand: [`value_text`]). `None` for a chunk out
+/// of the ordinary (not an object of distinct, plainly named members;
+/// choices not objects with string contents), left to [`read_chunk_tree`],
+/// which reads anything.
 pub(super) fn read_chunk(
     json: &[u8],
     head: &mut ChunkHead,
@@ -78,9 +80,21 @@ pub(super) fn read_chunk(
     // Checked as UTF-8 once here: read from bytes, each member's raw text
     // and each name would be checked again as it is borrowed.
     let text = std::str::from_utf8(json).ok()?;
-    let Members(members): Members = serde_json::from_str(text).ok()?;
-    if repeats_a_name(&members) {
+    let Members(read): Members<ChunkValue> = serde_json::from_str(text).ok()?;
+    if repeats_a_name(&read) {
         return None;
+    }
+    let mut choices = None;
+    let mut members = SmallVec::<[(&str, &str); 8]>::with_capacity(read.len());
+    for (i, (name, value)) in read.iter().enumerate() {
+        let raw = match value {
+            ChunkValue::Raw(raw) => raw.get(),
+            ChunkValue::Choices(seen) => {
+                choices = seen.as_ref();
+                value_text(text, &read, i)?
+            }
+        };
+        members.push((*name, raw));
     }
     let member = |wanted: &str| {
         members
@@ -91,18 +105,14 @@ pub(super) fn read_chunk(
     if member("error").is_some() {
         return Some(Chunk::Error(sse_raw(json)));
     }
-    let choices: Option<ChoicesText> = match member("choices") {
-        Some(raw) if raw.get().starts_with('[') => Some(serde_json::from_str(raw.get()).ok()?),
-        _ => None,
-    };
-    if let Some(raw) = member("usage").filter(|raw| raw.get().starts_with('{')) {
-        *usage = Some(serde_json::from_str(raw.get()).ok()?);
+    if let Some(raw) = member("usage").filter(|raw| raw.starts_with('{')) {
+        *usage = Some(serde_json::from_str(raw).ok()?);
     }
-    let Some(ChoicesText { chars, .. }) = choices.filter(|choices| choices.count > 0) else {
+    let Some(&ChoicesText { chars, .. }) = choices.filter(|choices| choices.count > 0) else {
         return Some(Chunk::Skip);
     };
     let created = member("created");
-    let prefix = head.prefix(|| created.and_then(|raw| serde_json::from_str(raw.get()).ok()));
+    let prefix = head.prefix(|| created.and_then(|raw| serde_json::from_str(raw).ok()));
     let kept = || {
         members.iter().filter(|(name, _)| {
             !matches!(
@@ -111,27 +121,96 @@ pub(super) fn read_chunk(
             )
         })
     };
-    // The line's exact length (a name read here has no escapes: serde_json
-    // cannot lend one that has), so that the `Vec`, full, becomes `Bytes`
+    // The line's exact length, so that the `Vec`, full, becomes `Bytes`
     // without a second allocation.
     let length = prefix.len()
         + kept()
-            .map(|(name, raw)| name.len() + raw.get().len() + 4)
+            .map(|(name, raw)| name.len() + raw.len() + 4)
             .sum::<usize>()
         + 3;
     let mut line = Vec::with_capacity(length);
     line.extend_from_slice(prefix);
     for (name, raw) in kept() {
         line.push(b',');
-        let _ = serde_json::to_writer(&mut line, name);
-        line.push(b':');
-        line.extend_from_slice(raw.get().as_bytes());
+        write_member(&mut line, name, raw);
     }
     line.extend_from_slice(b"}\n\n");
     Some(Chunk::Forward {
         line: Bytes::from(line),
         chars,
     })
+}
+
+/// A member as it was: its name, borrowed from the upstream's JSON, and its
+/// raw value. A borrowed name is written as it came: serde_json lends only
+/// a name without escapes, and a name that needs none holds no `"`, `\` or
+/// control character.
+pub(super) fn write_member(out: &mut Vec<u8>, name: &str, raw: &str) {
+    out.push(b'"');
+    out.extend_from_slice(name.as_bytes());
+    out.extend_from_slice(b"\":");
+    out.extend_from_slice(raw.as_bytes());
+}
+
+/// A chunk's member as [`read_chunk`] reads it: raw, or, its `choices`,
+/// read for their text (`None` when they are not an array).
+enum ChunkValue<'a> {
+    Raw(&'a serde_json::value::RawValue),
+    Choices(Option<ChoicesText>),
+}
+
+impl<'de> MemberValue<'de> for ChunkValue<'de> {
+    fn next<A: serde::de::MapAccess<'de>>(name: &'de str, map: &mut A) -> Result<Self, A::Error> {
+        if name == "choices" {
+            map.next_value::<ChoicesMember>()
+                .map(|ChoicesMember(seen)| Self::Choices(seen))
+        } else {
+            map.next_value().map(Self::Raw)
+        }
+    }
+}
+
+/// The raw JSON text of the value of `members[i]`, members read from the
+/// object `text` with their names borrowed from it. Between a name and its
+/// value stand only whitespace and `:`, and between a value and the next
+/// name (or the object's `}`) only whitespace and `,`, so the value is what
+/// lies between them, trimmed. A borrowed name had no escapes, so its
+/// text in `text` is the name itself, in quotes. `None` (never for an
+/// object serde_json read) when the bytes around are not so.
+fn value_text<'a, V>(text: &'a str, members: &[(&'a str, V)], i: usize) -> Option<&'a str> {
+    let at = |name: &str| (name.as_ptr() as usize).checked_sub(text.as_ptr() as usize);
+    let (name, _) = members.get(i)?;
+    let start = at(name)? + name.len();
+    let rest = text.get(start..)?.strip_prefix('"')?;
+    let rest = trim_space_start(rest).strip_prefix(':')?;
+    let value_start = text.len() - rest.len();
+    let value_end = match members.get(i + 1) {
+        Some((next, _)) => {
+            let before = text.get(..at(next)?)?.strip_suffix('"')?;
+            trim_space_end(before).strip_suffix(',')?.len()
+        }
+        None => trim_space_end(text).strip_suffix('}')?.len(),
+    };
+    Some(trim_space_end(trim_space_start(
+        text.get(value_start..value_end)?,
+    )))
+}
+
+/// JSON's whitespace (a `char` pattern's trim costs ~60 instructions a
+/// call even with none to trim).
+fn is_space(byte: &u8) -> bool {
+    matches!(byte, b' ' | b'\t' | b'\n' | b'\r')
+}
+
+fn trim_space_start(text: &str) -> &str {
+    let spaces = text.bytes().take_while(is_space).count();
+    // Whitespace is ASCII: what follows it starts a character.
+    text.get(spaces..).unwrap_or(text)
+}
+
+fn trim_space_end(text: &str) -> &str {
+    let spaces = text.bytes().rev().take_while(is_space).count();
+    text.get(..text.len() - spaces).unwrap_or(text)
 }
 
 /// Reads one upstream chunk as a tree: any chunk [`read_chunk`] leaves, and
@@ -256,13 +335,19 @@ struct ChoicesText {
     chars: usize,
 }
 
-impl<'de> serde::Deserialize<'de> for ChoicesText {
+/// A chunk's `choices` member: read as [`ChoicesText`] when it is an
+/// array, passed over when it is anything else (which a tree reads as no
+/// choices).
+struct ChoicesMember(Option<ChoicesText>);
+
+impl<'de> serde::Deserialize<'de> for ChoicesMember {
     fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        use serde::de::IgnoredAny;
         struct Visit;
         impl<'de> serde::de::Visitor<'de> for Visit {
-            type Value = ChoicesText;
+            type Value = ChoicesMember;
             fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("an array of choices")
+                f.write_str("a chunk's choices")
             }
             fn visit_seq<A: serde::de::SeqAccess<'de>>(
                 self,
@@ -273,10 +358,36 @@ impl<'de> serde::Deserialize<'de> for ChoicesText {
                     choices.count += 1;
                     choices.chars += choice.chars();
                 }
-                Ok(choices)
+                Ok(ChoicesMember(Some(choices)))
+            }
+            // An object (a number too, under `arbitrary_precision`).
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Self::Value, A::Error> {
+                while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                Ok(ChoicesMember(None))
+            }
+            fn visit_unit<E>(self) -> Result<Self::Value, E> {
+                Ok(ChoicesMember(None))
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<Self::Value, E> {
+                Ok(ChoicesMember(None))
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<Self::Value, E> {
+                Ok(ChoicesMember(None))
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<Self::Value, E> {
+                Ok(ChoicesMember(None))
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<Self::Value, E> {
+                Ok(ChoicesMember(None))
+            }
+            fn visit_str<E>(self, _: &str) -> Result<Self::Value, E> {
+                Ok(ChoicesMember(None))
             }
         }
-        deserializer.deserialize_seq(Visit)
+        deserializer.deserialize_any(Visit)
     }
 }
 
@@ -357,7 +468,7 @@ pub(super) fn text_chars(choices: Option<&Value>, member: &str) -> usize {
 
 #[cfg(test)]
 mod tests {
-    use super::{Chunk, ChunkHead, read_chunk, read_chunk_tree};
+    use super::{Chunk, ChunkHead, Members, read_chunk, read_chunk_tree, value_text};
     use proptest::prelude::*;
     use serde_json::{Value, json};
 
@@ -431,8 +542,12 @@ mod tests {
             json!({"error": {"message": "overloaded", "type": "server_error"}}),
             json!({"choices": [{"delta": {"content": null, "tool_calls": [{"index": 0}]}}, {"delta": {"content": "ab"}}], "x-extra": [1, 2.50]}),
         ] {
-            let json = serde_json::to_vec(&chunk).unwrap();
-            assert!(agree(&json).unwrap(), "{chunk} went the slow way");
+            for json in [
+                serde_json::to_vec(&chunk).unwrap(),
+                serde_json::to_vec_pretty(&chunk).unwrap(),
+            ] {
+                assert!(agree(&json).unwrap(), "{chunk} went the slow way");
+            }
         }
     }
 
@@ -496,6 +611,15 @@ mod tests {
         prop_oneof![
             proptest::collection::vec(choice, 0..3)
                 .prop_map(|c| ("choices".to_owned(), Value::from(c))),
+            // Choices that are not an array: no choices, to a tree.
+            prop_oneof![
+                Just(Value::Null),
+                Just(json!({"0": {"delta": {"content": "a"}}})),
+                Just(json!("choices")),
+                Just(json!(12.5)),
+                Just(json!(true)),
+            ]
+            .prop_map(|c| ("choices".to_owned(), c)),
             (0u64..1000).prop_map(|n| ("usage".to_owned(), json!({"completion_tokens": n}))),
             Just(("usage".to_owned(), Value::Null)),
             Just(("error".to_owned(), json!({"message": "no"}))),
@@ -515,18 +639,87 @@ mod tests {
         /// Any chunk: the fast reader answers as the tree reader does, or
         /// leaves the chunk to it.
         #[test]
-        fn the_fast_reader_is_the_tree_reader(members in proptest::collection::vec(member(), 0..12)) {
+        fn the_fast_reader_is_the_tree_reader(
+            members in proptest::collection::vec((member(), spaces()), 0..12),
+            last in space(),
+            pretty in any::<bool>(),
+        ) {
             let mut object = String::from("{");
-            for (i, (name, value)) in members.iter().enumerate() {
+            for (i, ((name, value), [a, b, c, d])) in members.iter().enumerate() {
                 if i > 0 {
                     object.push(',');
                 }
+                object.push_str(a);
                 object.push_str(&serde_json::to_string(name).unwrap());
+                object.push_str(b);
                 object.push(':');
-                object.push_str(&value.to_string());
+                object.push_str(c);
+                if pretty {
+                    object.push_str(&serde_json::to_string_pretty(value).unwrap());
+                } else {
+                    object.push_str(&value.to_string());
+                }
+                object.push_str(d);
             }
             object.push('}');
+            object.push_str(last);
             agree(object.as_bytes())?;
         }
+
+        /// The text found for each member by where it stands is the text
+        /// serde_json captures raw, whatever the whitespace around it.
+        #[test]
+        fn a_value_found_by_its_place_is_the_raw_value(
+            members in proptest::collection::vec(
+                ("[a-z_]{1,8}", any_json(), spaces()), 1..8),
+            last in space(),
+        ) {
+            let mut object = String::from("{");
+            for (i, (name, value, [a, b, c, d])) in members.iter().enumerate() {
+                if i > 0 {
+                    object.push(',');
+                }
+                object.push_str(&format!("{a}\"{name}\"{b}:{c}{value}{d}"));
+            }
+            object.push('}');
+            object.push_str(last);
+            let Members(read): Members = serde_json::from_str(&object).unwrap();
+            for (i, (_, raw)) in read.iter().enumerate() {
+                prop_assert_eq!(value_text(&object, &read, i), Some(raw.get()));
+            }
+        }
+    }
+
+    /// JSON's whitespace, as it may stand around a name or a value.
+    fn space() -> impl Strategy<Value = &'static str> {
+        prop_oneof![Just(""), Just(""), Just(" "), Just("\n  "), Just("\t\r\n ")]
+    }
+
+    fn spaces() -> impl Strategy<Value = [&'static str; 4]> {
+        [space(), space(), space(), space()]
+    }
+
+    /// A JSON value's text, compact or pretty, of any kind.
+    fn any_json() -> impl Strategy<Value = String> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+            any::<i64>().prop_map(Value::from),
+            any::<String>().prop_map(Value::from),
+        ];
+        let value = leaf.prop_recursive(3, 16, 4, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::from),
+                proptest::collection::btree_map("[a-z]{1,3}", inner, 0..4)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        });
+        (value, any::<bool>()).prop_map(|(value, pretty)| {
+            if pretty {
+                serde_json::to_string_pretty(&value).unwrap()
+            } else {
+                value.to_string()
+            }
+        })
     }
 }

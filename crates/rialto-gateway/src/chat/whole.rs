@@ -9,7 +9,7 @@
 use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
 
-use super::chunks::{MemberValue, Members, TextLen, repeats_a_name, text_chars};
+use super::chunks::{MemberValue, Members, TextLen, repeats_a_name, text_chars, write_member};
 use super::echo::Echo;
 use super::metering::{
     Cost, Counts, Usage, UsageJson, usage_counted, usage_is_told, usage_or_estimate,
@@ -233,7 +233,7 @@ fn write_choices(out: &mut Vec<u8>, choices: &[Members]) {
             if j > 0 {
                 out.push(b',');
             }
-            write_member(out, name, raw);
+            write_member(out, name, raw.get());
         }
         let mut empty = members.is_empty();
         for untold in ["logprobs", "finish_reason"] {
@@ -257,15 +257,6 @@ fn write_choices(out: &mut Vec<u8>, choices: &[Members]) {
 struct MessageText {
     #[serde(default)]
     content: Option<TextLen>,
-}
-
-/// A member as it was: its name (borrowed, so written without escapes:
-/// one that had any could not be borrowed) and its raw value.
-fn write_member(out: &mut Vec<u8>, name: &str, raw: &RawValue) {
-    out.push(b'"');
-    out.extend_from_slice(name.as_bytes());
-    out.extend_from_slice(b"\":");
-    out.extend_from_slice(raw.get().as_bytes());
 }
 
 /// Ours from the upstream's `members` (`len` bytes of JSON).
@@ -295,7 +286,7 @@ fn write_raw(members: &[(&str, Member)], len: usize, ours: &Ours) -> Vec<u8> {
             }
             (name, Member::Raw(raw)) => {
                 out.push(b',');
-                write_member(&mut out, name, raw);
+                write_member(&mut out, name, raw.get());
             }
         }
     }
