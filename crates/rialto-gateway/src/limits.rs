@@ -32,19 +32,75 @@ const RETRY_AFTER: HeaderName = HeaderName::from_static("retry-after");
 pub fn write_headers(headers: &mut HeaderMap, values: &RateHeaders, refused: bool) {
     let number = |n: i64| HeaderValue::from(n);
     let count = |n: u64| HeaderValue::from(n);
-    headers.insert(LIMIT_REQUESTS, count(values.limit_requests));
+    headers.insert(
+        LIMIT_REQUESTS,
+        steady(Steady::LimitRequests, values.limit_requests.into(), |n| {
+            count(n as u64)
+        }),
+    );
     headers.insert(REMAINING_REQUESTS, count(values.remaining_requests));
-    headers.insert(RESET_REQUESTS, number(values.reset_requests));
+    headers.insert(
+        RESET_REQUESTS,
+        steady(Steady::ResetRequests, values.reset_requests.into(), |n| {
+            number(n as i64)
+        }),
+    );
     if let Some(tokens) = &values.tokens {
-        headers.insert(LIMIT_TOKENS, count(tokens.limit));
+        headers.insert(
+            LIMIT_TOKENS,
+            steady(Steady::LimitTokens, tokens.limit.into(), |n| {
+                count(n as u64)
+            }),
+        );
         headers.insert(REMAINING_TOKENS, count(tokens.remaining));
-        headers.insert(RESET_TOKENS, number(tokens.reset_secs));
+        headers.insert(
+            RESET_TOKENS,
+            steady(Steady::ResetTokens, tokens.reset_secs.into(), |n| {
+                number(n as i64)
+            }),
+        );
     }
     headers.insert(LIMIT_TYPE, HeaderValue::from_static(values.scope.as_str()));
     if refused {
         let wait = (values.reset_requests - Utc::now().timestamp()).max(1);
         headers.insert(RETRY_AFTER, number(wait));
     }
+}
+
+/// The rate-limit headers whose numbers stay the same from one response
+/// to the next (a tier's limits; a window's reset, for a second at least).
+#[derive(Clone, Copy)]
+enum Steady {
+    LimitRequests,
+    ResetRequests,
+    LimitTokens,
+    ResetTokens,
+}
+
+thread_local! {
+    /// This thread's last value of each [`Steady`] header, with its number:
+    /// shared (a reference count) while the number stays, instead of a
+    /// number formatted into a new allocation for every response.
+    static STEADY: std::cell::RefCell<[(i128, Option<HeaderValue>); 4]> =
+        const { std::cell::RefCell::new([const { (0, None) }; 4]) };
+}
+
+/// The value of `slot`'s header for `number` (any `u64` or `i64`), made by
+/// `made` when it is not this thread's last.
+fn steady(slot: Steady, number: i128, made: impl FnOnce(i128) -> HeaderValue) -> HeaderValue {
+    STEADY.with(|cache| {
+        let mut cache = cache.borrow_mut();
+        let (last, value) = &mut cache[slot as usize];
+        match value {
+            Some(value) if *last == number => value.clone(),
+            _ => {
+                let fresh = made(number);
+                *last = number;
+                *value = Some(fresh.clone());
+                fresh
+            }
+        }
+    })
 }
 
 /// What the abuse guard says before a request runs.
@@ -383,6 +439,60 @@ pub(crate) async fn hits_json(gateway: &Gateway, account_id: &str) -> Result<Vec
 #[cfg(test)]
 mod tests {
     use super::forwarded_address;
+
+    /// A header's number read back, response after response: a number kept
+    /// from the last response only while it is the same.
+    #[test]
+    fn rate_headers_say_each_response_s_own_numbers() {
+        use actix_web::http::header::HeaderMap;
+        use rialto_limiter::{RateHeaders, TokenHeaders};
+        let written = |values: &RateHeaders| {
+            let mut headers = HeaderMap::new();
+            super::write_headers(&mut headers, values, false);
+            let read = |name: &str| headers.get(name).map(|v| v.to_str().unwrap().to_owned());
+            [
+                "x-ratelimit-limit-requests",
+                "x-ratelimit-remaining-requests",
+                "x-ratelimit-reset-requests",
+                "x-ratelimit-limit-tokens",
+                "x-ratelimit-remaining-tokens",
+                "x-ratelimit-reset-tokens",
+            ]
+            .map(read)
+        };
+        let mut values = RateHeaders {
+            scope: rialto_limiter::Scope::User,
+            limit_requests: 500,
+            remaining_requests: 499,
+            reset_requests: 1_800_000_060,
+            tokens: Some(TokenHeaders {
+                limit: u64::MAX,
+                remaining: 1_000,
+                reset_secs: 60,
+            }),
+        };
+        let say = |numbers: [&str; 6]| numbers.map(|n| Some(n.to_owned()));
+        let max = u64::MAX.to_string();
+        let expected = say(["500", "499", "1800000060", &max, "1000", "60"]);
+        assert_eq!(written(&values), expected);
+        assert_eq!(written(&values), expected);
+        values.limit_requests = 20;
+        values.remaining_requests = 19;
+        values.reset_requests = -1;
+        values.tokens = Some(TokenHeaders {
+            limit: 7,
+            remaining: 0,
+            reset_secs: 59,
+        });
+        assert_eq!(written(&values), say(["20", "19", "-1", "7", "0", "59"]));
+        values.tokens = None;
+        let [limit, remaining, reset, tokens @ ..] = written(&values);
+        assert_eq!(
+            [limit, remaining, reset],
+            ["20", "19", "-1"].map(|n| Some(n.to_owned()))
+        );
+        assert_eq!(tokens, [None, None, None]);
+    }
 
     #[test]
     fn only_the_address_the_proxy_appended_counts() {

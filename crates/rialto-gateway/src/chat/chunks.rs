@@ -79,6 +79,9 @@ pub(super) fn read_chunk(
 ) -> Option<Chunk> {
     // Checked as UTF-8 once here: read from bytes, each member's raw text
     // and each name would be checked again as it is borrowed.
+    if beyond_raw_reading(json) {
+        return None;
+    }
     let text = std::str::from_utf8(json).ok()?;
     let Members(read): Members<ChunkValue> = serde_json::from_str(text).ok()?;
     if repeats_a_name(&read) {
@@ -150,6 +153,34 @@ pub(super) fn write_member(out: &mut Vec<u8>, name: &str, raw: &str) {
     out.extend_from_slice(name.as_bytes());
     out.extend_from_slice(b"\":");
     out.extend_from_slice(raw.as_bytes());
+}
+
+/// Whether `json` may be one that raw members would pass on where a tree
+/// refuses it (an invalid answer): a raw member is checked for its syntax
+/// but neither decoded nor bounded in depth. So a chunk or an answer that escapes a
+/// UTF-16 surrogate (`\uD800`-`\uDFFF`, refused when lone) or opens more
+/// than 100 arrays and objects in all (serde_json refuses nesting deeper
+/// than 128) is left to the tree; these are rare, and the check is one
+/// pass over the bytes.
+pub(super) fn beyond_raw_reading(json: &[u8]) -> bool {
+    // memchr's searches, a vector at a time, from bracket to bracket and
+    // from backslash to backslash: a chunk has a few of each or none. (A
+    // count of the bytes that are brackets cost ~7 instructions a byte,
+    // ~1,200 a chunk; a loop matching each byte ~13.)
+    if memchr::memchr2_iter(b'[', b'{', json).nth(100).is_some() {
+        return true;
+    }
+    let mut rest = json;
+    while let Some(at) = memchr::memchr(b'\\', rest) {
+        if rest.get(at + 1) == Some(&b'u') && rest.get(at + 2).is_some_and(|hex| hex | 0x20 == b'd')
+        {
+            return true;
+        }
+        // Past the escaped byte, so `\\u` (a backslash, then `u`) is not
+        // taken for an escape.
+        rest = rest.get(at + 2..).unwrap_or_default();
+    }
+    false
 }
 
 /// A chunk's member as [`read_chunk`] reads it: raw, or, its `choices`,
@@ -354,7 +385,7 @@ impl<'de> serde::Deserialize<'de> for ChoicesMember {
                 mut seq: A,
             ) -> Result<Self::Value, A::Error> {
                 let mut choices = ChoicesText { count: 0, chars: 0 };
-                while let Some(choice) = seq.next_element::<ChoiceText>()? {
+                while let Some(Object(choice)) = seq.next_element::<Object<ChoiceText>>()? {
                     choices.count += 1;
                     choices.chars += choice.chars();
                 }
@@ -395,7 +426,7 @@ impl<'de> serde::Deserialize<'de> for ChoicesMember {
 #[derive(serde::Deserialize)]
 struct ChoiceText {
     #[serde(default)]
-    delta: Option<DeltaText>,
+    delta: Option<Object<DeltaText>>,
 }
 
 #[derive(serde::Deserialize)]
@@ -408,8 +439,31 @@ impl ChoiceText {
     fn chars(&self) -> usize {
         self.delta
             .as_ref()
-            .and_then(|delta| delta.content.as_ref())
+            .and_then(|Object(delta)| delta.content.as_ref())
             .map_or(0, |text| text.0)
+    }
+}
+
+/// `T` read from a JSON object only: a derived struct also reads an array
+/// (its elements as the fields, in order), where a tree finds no members.
+struct Object<T>(T);
+
+impl<'de, T: serde::Deserialize<'de>> serde::Deserialize<'de> for Object<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Visit<T>(std::marker::PhantomData<T>);
+        impl<'de, T: serde::Deserialize<'de>> serde::de::Visitor<'de> for Visit<T> {
+            type Value = Object<T>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("an object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                map: A,
+            ) -> Result<Object<T>, A::Error> {
+                T::deserialize(serde::de::value::MapAccessDeserializer::new(map)).map(Object)
+            }
+        }
+        deserializer.deserialize_map(Visit(std::marker::PhantomData))
     }
 }
 
@@ -576,6 +630,14 @@ mod tests {
             b"not json",
             // Not UTF-8 (the tree reader skips it).
             b"{\"choices\":[{\"delta\":{\"content\":\"\xff\"}}]}",
+            // A choice or a delta that is an array (a derived struct reads
+            // its elements as the fields; a tree finds no text).
+            br#"{"choices":[[{"content":"ab"}]]}"#,
+            br#"{"choices":[{"delta":["ab"]}]}"#,
+            // What raw members pass on and a tree refuses: an escaped
+            // surrogate, or more than a hundred arrays and objects.
+            br#"{"choices":[{"delta":{"content":"a"}}],"x":"\ud800"}"#,
+            br#"{"error":{"message":"\udc00"}}"#,
         ] {
             let (mut head, mut usage) = (ChunkHead::new("c", "m"), None);
             assert!(
@@ -584,6 +646,13 @@ mod tests {
                 String::from_utf8_lossy(json)
             );
         }
+        let deep = format!(
+            r#"{{"choices":[{{"delta":{{"content":"a"}}}}],"x":{}1{}}}"#,
+            "[".repeat(130),
+            "]".repeat(130)
+        );
+        let (mut head, mut usage) = (ChunkHead::new("c", "m"), None);
+        assert!(read_chunk(deep.as_bytes(), &mut head, &mut usage).is_none());
     }
 
     #[test]
@@ -616,8 +685,18 @@ mod tests {
                 Just(Value::Null),
                 Just(json!({"0": {"delta": {"content": "a"}}})),
                 Just(json!("choices")),
-                Just(json!(12.5)),
                 Just(json!(true)),
+                // Numbers of every kind serde_json reads (`arbitrary_precision`
+                // hands the visitor any of them as a map).
+                prop_oneof![
+                    Just("12.5"),
+                    Just("-1"),
+                    Just("1"),
+                    Just("1e400"),
+                    Just("-0"),
+                    Just("18446744073709551616"),
+                ]
+                .prop_map(|n| serde_json::from_str::<Value>(n).unwrap()),
             ]
             .prop_map(|c| ("choices".to_owned(), c)),
             (0u64..1000).prop_map(|n| ("usage".to_owned(), json!({"completion_tokens": n}))),
@@ -670,11 +749,11 @@ mod tests {
         /// serde_json captures raw, whatever the whitespace around it.
         #[test]
         fn a_value_found_by_its_place_is_the_raw_value(
-            members in proptest::collection::vec(
-                ("[a-z_]{1,8}", any_json(), spaces()), 1..8),
+            members in proptest::collection::vec((name(), any_json(), spaces()), 1..8),
+            first in space(),
             last in space(),
         ) {
-            let mut object = String::from("{");
+            let mut object = format!("{first}{{");
             for (i, (name, value, [a, b, c, d])) in members.iter().enumerate() {
                 if i > 0 {
                     object.push(',');
@@ -688,6 +767,20 @@ mod tests {
                 prop_assert_eq!(value_text(&object, &read, i), Some(raw.get()));
             }
         }
+    }
+
+    /// A name serde_json lends (one with no escapes): any text but `"`,
+    /// `\` and control characters, the empty name and others not ASCII
+    /// among them.
+    fn name() -> impl Strategy<Value = String> {
+        prop_oneof![
+            Just(String::new()),
+            "[a-z_]{1,8}",
+            any::<String>().prop_map(|name| name
+                .chars()
+                .filter(|c| !matches!(c, '"' | '\\') && !c.is_control())
+                .collect()),
+        ]
     }
 
     /// JSON's whitespace, as it may stand around a name or a value.

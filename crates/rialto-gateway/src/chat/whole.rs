@@ -9,7 +9,9 @@
 use serde_json::value::RawValue;
 use serde_json::{Map, Value, json};
 
-use super::chunks::{MemberValue, Members, TextLen, repeats_a_name, text_chars, write_member};
+use super::chunks::{
+    MemberValue, Members, TextLen, beyond_raw_reading, repeats_a_name, text_chars, write_member,
+};
 use super::echo::Echo;
 use super::metering::{
     Cost, Counts, Usage, UsageJson, usage_counted, usage_is_told, usage_or_estimate,
@@ -163,34 +165,6 @@ fn read_raw(json: &[u8]) -> Option<Answer<'_>> {
             len: json.len(),
         },
     })
-}
-
-/// Whether `json` may be one that raw members would pass on where a tree
-/// refuses it (an invalid answer): a raw member is checked for its syntax
-/// but neither decoded nor bounded in depth. So an answer that escapes a
-/// UTF-16 surrogate (`\uD800`-`\uDFFF`, refused when lone) or opens more
-/// than 100 arrays and objects in all (serde_json refuses nesting deeper
-/// than 128) is left to the tree; these are rare, and the check is one
-/// pass over the bytes.
-fn beyond_raw_reading(json: &[u8]) -> bool {
-    // Plain loops, not one that matches each byte (that cost ~13
-    // instructions a byte): the count vectorizes, and the search goes from
-    // backslash to backslash.
-    let opened = json.iter().filter(|&&byte| byte == b'[' || byte == b'{');
-    if opened.count() > 100 {
-        return true;
-    }
-    let mut rest = json;
-    while let Some(at) = rest.iter().position(|&byte| byte == b'\\') {
-        if rest.get(at + 1) == Some(&b'u') && rest.get(at + 2).is_some_and(|hex| hex | 0x20 == b'd')
-        {
-            return true;
-        }
-        // Past the escaped byte, so `\\u` (a backslash, then `u`) is not
-        // taken for an escape.
-        rest = rest.get(at + 2..).unwrap_or_default();
-    }
-    false
 }
 
 /// An answer's members are read in one pass: `choices` to each choice's
