@@ -34,30 +34,22 @@ pub fn write_headers(headers: &mut HeaderMap, values: &RateHeaders, refused: boo
     let count = |n: u64| HeaderValue::from(n);
     headers.insert(
         LIMIT_REQUESTS,
-        steady(Steady::LimitRequests, values.limit_requests.into(), |n| {
-            count(n as u64)
-        }),
+        steady(Steady::LimitRequests, values.limit_requests.into()),
     );
     headers.insert(REMAINING_REQUESTS, count(values.remaining_requests));
     headers.insert(
         RESET_REQUESTS,
-        steady(Steady::ResetRequests, values.reset_requests.into(), |n| {
-            number(n as i64)
-        }),
+        steady(Steady::ResetRequests, values.reset_requests.into()),
     );
     if let Some(tokens) = &values.tokens {
         headers.insert(
             LIMIT_TOKENS,
-            steady(Steady::LimitTokens, tokens.limit.into(), |n| {
-                count(n as u64)
-            }),
+            steady(Steady::LimitTokens, tokens.limit.into()),
         );
         headers.insert(REMAINING_TOKENS, count(tokens.remaining));
         headers.insert(
             RESET_TOKENS,
-            steady(Steady::ResetTokens, tokens.reset_secs.into(), |n| {
-                number(n as i64)
-            }),
+            steady(Steady::ResetTokens, tokens.reset_secs.into()),
         );
     }
     headers.insert(LIMIT_TYPE, HeaderValue::from_static(values.scope.as_str()));
@@ -85,16 +77,18 @@ thread_local! {
         const { std::cell::RefCell::new([const { (0, None) }; 4]) };
 }
 
-/// The value of `slot`'s header for `number` (any `u64` or `i64`), made by
-/// `made` when it is not this thread's last.
-fn steady(slot: Steady, number: i128, made: impl FnOnce(i128) -> HeaderValue) -> HeaderValue {
+/// The value of `slot`'s header for `number` (any `u64` or `i64`), made
+/// when it is not this thread's last.
+fn steady(slot: Steady, number: i128) -> HeaderValue {
     STEADY.with(|cache| {
         let mut cache = cache.borrow_mut();
         let (last, value) = &mut cache[slot as usize];
         match value {
             Some(value) if *last == number => value.clone(),
             _ => {
-                let fresh = made(number);
+                // Not an `i64`: a `u64` past `i64::MAX`.
+                let fresh = i64::try_from(number)
+                    .map_or_else(|_| HeaderValue::from(number as u64), HeaderValue::from);
                 *last = number;
                 *value = Some(fresh.clone());
                 fresh

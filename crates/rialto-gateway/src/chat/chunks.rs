@@ -77,11 +77,11 @@ pub(super) fn read_chunk(
     head: &mut ChunkHead,
     usage: &mut Option<Value>,
 ) -> Option<Chunk> {
-    // Checked as UTF-8 once here: read from bytes, each member's raw text
-    // and each name would be checked again as it is borrowed.
     if beyond_raw_reading(json) {
         return None;
     }
+    // Checked as UTF-8 once here: read from bytes, each member's raw text
+    // and each name would be checked again as it is borrowed.
     let text = std::str::from_utf8(json).ok()?;
     let Members(read): Members<ChunkValue> = serde_json::from_str(text).ok()?;
     if repeats_a_name(&read) {
@@ -205,7 +205,8 @@ impl<'de> MemberValue<'de> for ChunkValue<'de> {
 /// object `text` with their names borrowed from it. Between a name and its
 /// value stand only whitespace and `:`, and between a value and the next
 /// name (or the object's `}`) only whitespace and `,`, so the value is what
-/// lies between them, trimmed. A borrowed name had no escapes, so its
+/// lies between them, trimmed (of ASCII whitespace, which adds only the
+/// form feed to JSON's, and JSON holds none there). A borrowed name had no escapes, so its
 /// text in `text` is the name itself, in quotes. `None` (never for an
 /// object serde_json read) when the bytes around are not so.
 fn value_text<'a, V>(text: &'a str, members: &[(&'a str, V)], i: usize) -> Option<&'a str> {
@@ -213,35 +214,16 @@ fn value_text<'a, V>(text: &'a str, members: &[(&'a str, V)], i: usize) -> Optio
     let (name, _) = members.get(i)?;
     let start = at(name)? + name.len();
     let rest = text.get(start..)?.strip_prefix('"')?;
-    let rest = trim_space_start(rest).strip_prefix(':')?;
+    let rest = rest.trim_ascii_start().strip_prefix(':')?;
     let value_start = text.len() - rest.len();
     let value_end = match members.get(i + 1) {
         Some((next, _)) => {
             let before = text.get(..at(next)?)?.strip_suffix('"')?;
-            trim_space_end(before).strip_suffix(',')?.len()
+            before.trim_ascii_end().strip_suffix(',')?.len()
         }
-        None => trim_space_end(text).strip_suffix('}')?.len(),
+        None => text.trim_ascii_end().strip_suffix('}')?.len(),
     };
-    Some(trim_space_end(trim_space_start(
-        text.get(value_start..value_end)?,
-    )))
-}
-
-/// JSON's whitespace (a `char` pattern's trim costs ~60 instructions a
-/// call even with none to trim).
-fn is_space(byte: &u8) -> bool {
-    matches!(byte, b' ' | b'\t' | b'\n' | b'\r')
-}
-
-fn trim_space_start(text: &str) -> &str {
-    let spaces = text.bytes().take_while(is_space).count();
-    // Whitespace is ASCII: what follows it starts a character.
-    text.get(spaces..).unwrap_or(text)
-}
-
-fn trim_space_end(text: &str) -> &str {
-    let spaces = text.bytes().rev().take_while(is_space).count();
-    text.get(..text.len() - spaces).unwrap_or(text)
+    Some(text.get(value_start..value_end)?.trim_ascii())
 }
 
 /// Reads one upstream chunk as a tree: any chunk [`read_chunk`] leaves, and
