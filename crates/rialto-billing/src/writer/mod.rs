@@ -818,44 +818,85 @@ fn key_sums(jobs: &[WriteJob], written: &[Written]) -> Vec<(KeyRef, [i64; 4])> {
     keys.into_iter().filter(|(_, s)| *s != [0; 4]).collect()
 }
 
-/// 4. Durable holds: the applied opens (inserted) ...
-fn opened<'a>(jobs: &'a [WriteJob], written: &[Written]) -> Vec<&'a Record> {
-    jobs.iter()
-        .zip(written)
-        .filter(|(job, outcome)| {
-            job.record.kind == RecordKind::Open && **outcome == Written::Applied
-        })
-        .map(|(job, _)| &job.record)
-        .collect()
+/// 4. Durable holds: the applied opens, inserted as the batch leaves them,
+///    and the updates of holds opened in earlier batches, in the batch's
+///    order.
+#[derive(Default)]
+struct HoldWrites<'a> {
+    inserts: Vec<NewHold<'a>>,
+    updates: Vec<HoldUpdate<'a>>,
 }
 
-/// ... and the updates of open ones, in the batch's order.
+/// A hold the batch opens. A stream that checkpoints or ends in the batch
+/// that opened it (any stream shorter than a batch's gathering) is
+/// inserted with its last checkpoint and its state: one row written once,
+/// instead of an insert into the open holds' indexes and an update that
+/// takes it out of them again in the same transaction.
+struct NewHold<'a> {
+    open: &'a Record,
+    /// Its last checkpoint in the batch.
+    checkpoint: Option<&'a Record>,
+    /// `open`, `settled` or `expired`.
+    state: &'static str,
+}
+
+impl NewHold<'_> {
+    /// (checkpoint nano-units, prompt tokens, completion tokens, end of
+    /// its lease).
+    fn checkpointed(&self) -> (i64, i64, i64, i64) {
+        match self.checkpoint {
+            Some(at) => (at.checkpoint, at.tokens.0, at.tokens.1, at.expires_at_ms),
+            None => (0, 0, 0, self.open.expires_at_ms),
+        }
+    }
+}
+
+/// An update of a hold opened in an earlier batch.
 enum HoldUpdate<'a> {
     Checkpoint(&'a Record),
     /// Closed: `settled` or `expired`.
     Close(&'a Record, &'static str),
 }
 
-fn hold_updates<'a>(jobs: &'a [WriteJob], written: &[Written]) -> Vec<HoldUpdate<'a>> {
-    let mut updates = Vec::new();
+const OPEN: &str = "open";
+
+fn hold_writes<'a>(jobs: &'a [WriteJob], written: &[Written]) -> HoldWrites<'a> {
+    let mut writes = HoldWrites::default();
+    // The batch's own holds, by request id.
+    let mut new: HashMap<&str, usize> = HashMap::default();
     for (job, outcome) in jobs.iter().zip(written) {
         let record = &job.record;
-        match record.kind {
-            RecordKind::Checkpoint => updates.push(HoldUpdate::Checkpoint(record)),
-            RecordKind::Settle | RecordKind::Expire
-                if record.durable && *outcome == Written::Applied =>
-            {
-                let state = if record.kind == RecordKind::Expire {
-                    "expired"
-                } else {
-                    "settled"
-                };
-                updates.push(HoldUpdate::Close(record, state));
+        let applied = *outcome == Written::Applied;
+        let closed = match record.kind {
+            RecordKind::Open if applied => {
+                new.insert(&record.request_id, writes.inserts.len());
+                writes.inserts.push(NewHold {
+                    open: record,
+                    checkpoint: None,
+                    state: OPEN,
+                });
+                continue;
             }
-            _ => {}
+            RecordKind::Checkpoint => None,
+            RecordKind::Settle if record.durable && applied => Some("settled"),
+            RecordKind::Expire if record.durable && applied => Some("expired"),
+            _ => continue,
+        };
+        match new.get(&*record.request_id) {
+            // As the update's `WHERE state = 'open'`: a closed hold stays
+            // as it closed.
+            Some(&i) if writes.inserts[i].state != OPEN => {}
+            Some(&i) => match closed {
+                None => writes.inserts[i].checkpoint = Some(record),
+                Some(state) => writes.inserts[i].state = state,
+            },
+            None => writes.updates.push(match closed {
+                None => HoldUpdate::Checkpoint(record),
+                Some(state) => HoldUpdate::Close(record, state),
+            }),
         }
     }
-    updates
+    writes
 }
 
 /// 5. The owners whose balances are read back as the batch leaves them.
@@ -866,4 +907,250 @@ fn refresh_owners(jobs: &[WriteJob]) -> Vec<&Arc<str>> {
         .collect::<HashSet<_>>()
         .into_iter()
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use sqlx::Row;
+
+    use super::*;
+    use crate::book::{OpenHold, SettleOrder};
+
+    /// A stream's records: its hold opened, two checkpoints, its
+    /// settlement.
+    fn stream(owner: &Arc<Owner>, request_id: &str) -> Vec<Record> {
+        let mut hold = OpenHold {
+            usd: 40,
+            diem: 0,
+            expires_at_ms: 1_000,
+            key: None,
+            durable: true,
+            checkpoint: 0,
+            checkpoint_tokens: (0, 0),
+            model_id: "m".into(),
+        };
+        let open = Record::open(owner.clone(), 1, request_id, &hold);
+        let mut checkpoint = |nanos, tokens, expires_at_ms| {
+            hold.checkpoint = nanos;
+            hold.checkpoint_tokens = tokens;
+            hold.expires_at_ms = expires_at_ms;
+            Record::checkpoint(owner.clone(), 1, request_id, &hold)
+        };
+        let first = checkpoint(7, (3, 4), 2_000);
+        let second = checkpoint(9, (3, 6), 3_000);
+        let order = SettleOrder {
+            spent_by: "",
+            request_id,
+            cost: 12,
+            model_id: "m",
+            prompt_tokens: 3,
+            completion_tokens: 8,
+            key: None,
+            cap: None,
+            rest: false,
+        };
+        let settle = Record::close(
+            owner.clone(),
+            1,
+            RecordKind::Settle,
+            &order,
+            [12, 0, 0],
+            Some(&hold),
+        );
+        vec![open, first, second, settle]
+    }
+
+    fn jobs(records: impl IntoIterator<Item = Record>) -> Vec<WriteJob> {
+        records
+            .into_iter()
+            .map(|record| WriteJob { record, done: None })
+            .collect()
+    }
+
+    /// Panics with what failed unless the batch was written.
+    fn written(result: BatchResult) {
+        match result {
+            Ok(_) => {}
+            Err(BatchError::Database(error)) => panic!("{error:?}"),
+            Err(BatchError::Fenced(owners)) => panic!("fenced: {owners:?}"),
+        }
+    }
+
+    fn owner() -> Arc<Owner> {
+        Arc::new(Owner::detached("account:t"))
+    }
+
+    /// What each planned write says: (request, state or update, checkpoint
+    /// nano-units).
+    fn plan(jobs: &[WriteJob], written: &[Written]) -> Vec<(String, &'static str, i64)> {
+        let writes = hold_writes(jobs, written);
+        let inserts = writes.inserts.iter().map(|hold| {
+            let request = hold.open.request_id.to_string();
+            (request, hold.state, hold.checkpointed().0)
+        });
+        let updates = writes.updates.iter().map(|update| match update {
+            HoldUpdate::Checkpoint(at) => (at.request_id.to_string(), "checkpoint", at.checkpoint),
+            HoldUpdate::Close(at, state) => (at.request_id.to_string(), *state, 0),
+        });
+        inserts.chain(updates).collect()
+    }
+
+    #[test]
+    fn a_stream_that_ends_in_the_batch_that_opened_it_is_inserted_closed() {
+        let owner = owner();
+        let mut records = stream(&owner, "a");
+        // After its close, a checkpoint changes nothing (as `state = 'open'`
+        // in the update).
+        records.push(stream(&owner, "a").remove(1));
+        records.extend(stream(&owner, "b").into_iter().take(2));
+        let jobs = jobs(records);
+        let written = vec![Written::Applied; jobs.len()];
+        assert_eq!(
+            plan(&jobs, &written),
+            [("a".into(), "settled", 9), ("b".into(), "open", 7)]
+        );
+        let (checkpoint, prompt, completion, lease) =
+            hold_writes(&jobs, &written).inserts[0].checkpointed();
+        assert_eq!((checkpoint, prompt, completion, lease), (9, 3, 6, 3_000));
+        let open = hold_writes(&jobs[..1], &written[..1]).inserts[0].checkpointed();
+        assert_eq!(open, (0, 0, 0, 1_000));
+    }
+
+    #[test]
+    fn holds_opened_earlier_or_not_here_are_updated() {
+        let owner = owner();
+        // Opened in an earlier batch.
+        let jobs = jobs(stream(&owner, "a").into_iter().skip(1));
+        let written = vec![Written::Applied; jobs.len()];
+        assert_eq!(
+            plan(&jobs, &written),
+            [
+                ("a".into(), "checkpoint", 7),
+                ("a".into(), "checkpoint", 9),
+                ("a".into(), "settled", 0)
+            ]
+        );
+        // Its open a replay of one the database has: the row is not this
+        // batch's.
+        let jobs = super::tests::jobs(stream(&owner, "a"));
+        let mut written = vec![Written::Applied; jobs.len()];
+        written[0] = Written::Duplicate;
+        assert_eq!(plan(&jobs, &written)[0], ("a".into(), "checkpoint", 7));
+        assert_eq!(plan(&jobs, &written).len(), 3);
+        // A settlement the database had already closes nothing.
+        written[3] = Written::Duplicate;
+        assert_eq!(plan(&jobs, &written).len(), 2);
+    }
+
+    /// The hold rows a stream leaves, written in the given batches.
+    const HOLD_ROW: &str = "SELECT owner, usd_nanos, diem_nanos, state, expires_at_ms, key_id, \
+        key_period, model_id, checkpoint_nanos, checkpoint_prompt_tokens, \
+        checkpoint_completion_tokens FROM holds WHERE request_id = $1";
+
+    type HoldColumns = (
+        String,
+        i64,
+        i64,
+        String,
+        i64,
+        Option<String>,
+        Option<String>,
+        String,
+        [i64; 3],
+    );
+
+    async fn hold_row(db: &Database, request_id: &str) -> HoldColumns {
+        let row = sqlx::query(HOLD_ROW)
+            .bind(request_id)
+            .fetch_one(db.pool())
+            .await
+            .unwrap();
+        (
+            row.get(0),
+            row.get(1),
+            row.get(2),
+            row.get(3),
+            row.get(4),
+            row.get(5),
+            row.get(6),
+            row.get(7),
+            [row.get(8), row.get(9), row.get(10)],
+        )
+    }
+
+    /// Writes each of `splits` (where a stream's four records are cut into
+    /// batches) with `write`, and checks every way leaves the same row and
+    /// the same balance.
+    async fn every_split_leaves_one_row<W, F>(db: &Database, mut write: W)
+    where
+        W: FnMut(Vec<WriteJob>) -> F,
+        F: std::future::Future<Output = ()>,
+    {
+        sqlx::query(
+            "INSERT INTO ledgers (owner, usd_nanos, updated_at_ms, fence) \
+             VALUES ('account:t', 1000, 0, 1)",
+        )
+        .execute(db.pool())
+        .await
+        .unwrap();
+        let owner = owner();
+        let splits: [&[usize]; 4] = [&[4], &[1, 1, 1, 1], &[1, 3], &[3, 1]];
+        let mut rows = Vec::new();
+        for (i, split) in splits.iter().enumerate() {
+            let request_id = format!("s{i}");
+            let mut records = stream(&owner, &request_id).into_iter();
+            for &batch in *split {
+                write(jobs(records.by_ref().take(batch))).await;
+            }
+            rows.push(hold_row(db, &request_id).await);
+        }
+        let want = (
+            "account:t".to_string(),
+            40,
+            0,
+            "settled".to_string(),
+            3_000,
+            None,
+            None,
+            "m".to_string(),
+            [9, 3, 6],
+        );
+        assert!(rows.iter().all(|row| *row == want), "{rows:?}");
+        let balance = sqlx::query("SELECT usd_nanos, usd_held_nanos FROM ledgers")
+            .fetch_one(db.pool())
+            .await
+            .unwrap();
+        let charged = 12 * splits.len() as i64;
+        assert_eq!((balance.get(0), balance.get(1)), (1000 - charged, 0));
+    }
+
+    #[tokio::test]
+    async fn a_stream_leaves_one_row_however_it_is_batched_on_sqlite() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("writer.db");
+        let db = Database::connect(&format!("sqlite://{}", file.display()), 2)
+            .await
+            .unwrap();
+        let mut conn = sqlite::open(&file).unwrap();
+        every_split_leaves_one_row(&db, |jobs| {
+            written(sqlite::write_batch(&mut conn, &jobs));
+            std::future::ready(())
+        })
+        .await;
+    }
+
+    #[tokio::test]
+    async fn a_stream_leaves_one_row_however_it_is_batched_on_postgres() {
+        let (db, drop) = crate::book::tests::postgres().await;
+        let pool = db.pool().clone();
+        every_split_leaves_one_row(&db, |jobs| {
+            let pool = pool.clone();
+            async move {
+                let mut conn = pool.acquire().await.unwrap();
+                written(pooled::write_batch(&mut conn, &jobs).await);
+            }
+        })
+        .await;
+        drop.await;
+    }
 }

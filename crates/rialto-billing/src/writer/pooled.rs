@@ -12,9 +12,8 @@ use tokio::sync::mpsc;
 
 use super::{
     ATTEMPTS, BatchError, BatchResult, HOLD_COLUMNS, HoldUpdate, Job, Loaded, MAX_BATCH, Next,
-    Refreshed, Sorted, Stats, WriteJob, Written, after_attempt, backoff, give_up, hold_updates,
-    journal_rows, journal_values, key_sums, loaded_hold, observe, opened, owner_sums,
-    refresh_owners,
+    Refreshed, Sorted, Stats, WriteJob, Written, after_attempt, backoff, give_up, hold_writes,
+    journal_rows, journal_values, key_sums, loaded_hold, observe, owner_sums, refresh_owners,
 };
 use crate::ledger::Balance;
 
@@ -134,7 +133,7 @@ fn values(rows: usize, columns: usize) -> String {
     sql
 }
 
-async fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
+pub(super) async fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
     let now = now_ms();
     let mut tx = sqlx::Connection::begin(&mut **conn).await?;
 
@@ -249,30 +248,38 @@ async fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
         query.execute(&mut *tx).await?;
     }
 
-    // 4. Durable holds: opened, checkpointed, closed.
-    for chunk in opened(jobs, &written).chunks(ROWS_PER_STATEMENT) {
+    // 4. Durable holds: opened (a stream that ended in this batch already
+    // closed), checkpointed, closed.
+    let holds = hold_writes(jobs, &written);
+    for chunk in holds.inserts.chunks(ROWS_PER_STATEMENT) {
         let sql = format!(
             "INSERT INTO holds (request_id, owner, usd_nanos, diem_nanos, state, \
-             created_at_ms, expires_at_ms, key_id, key_period, model_id) VALUES {}",
-            values(chunk.len(), 10)
+             created_at_ms, expires_at_ms, key_id, key_period, model_id, checkpoint_nanos, \
+             checkpoint_prompt_tokens, checkpoint_completion_tokens) VALUES {}",
+            values(chunk.len(), 13)
         );
         let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
-        for record in chunk {
+        for hold in chunk {
+            let record = hold.open;
+            let (checkpoint, prompt, completion, expires_at_ms) = hold.checkpointed();
             query = query
                 .bind(&*record.request_id)
                 .bind(&*record.owner.name)
                 .bind(record.held.0)
                 .bind(record.held.1)
-                .bind("open")
+                .bind(hold.state)
                 .bind(now)
-                .bind(record.expires_at_ms)
+                .bind(expires_at_ms)
                 .bind(record.key.as_ref().map(|k| k.0.as_str()))
                 .bind(record.key.as_ref().map(|k| k.1.as_str()))
-                .bind(&*record.model_id);
+                .bind(&*record.model_id)
+                .bind(checkpoint)
+                .bind(prompt)
+                .bind(completion);
         }
         query.execute(&mut *tx).await?;
     }
-    for update in hold_updates(jobs, &written) {
+    for update in holds.updates {
         match update {
             HoldUpdate::Checkpoint(record) => {
                 sqlx::query(

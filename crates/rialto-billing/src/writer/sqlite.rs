@@ -33,7 +33,7 @@ use super::log::Opened;
 use super::{
     ATTEMPTS, BatchError, BatchResult, HOLD_COLUMNS, HoldUpdate, Job, Loaded, MAX_BATCH, Next,
     Nudge, Record, Refreshed, Sorted, Stats, WriteJob, Written, after_attempt, backoff, give_up,
-    hold_updates, journal_rows, journal_values, key_sums, loaded_hold, observe, opened, owner_sums,
+    hold_writes, journal_rows, journal_values, key_sums, loaded_hold, observe, owner_sums,
     refresh_owners,
 };
 use crate::ledger::Balance;
@@ -386,7 +386,7 @@ fn connect<'c>(file: &Path, connection: &'c mut Option<Connection>) -> Result<&'
 
 /// The pool's settings (`Database::connect`): WAL, a writer that waits
 /// for a busy database, no checkpoint in a commit.
-fn open(file: &Path) -> rusqlite::Result<Connection> {
+pub(super) fn open(file: &Path) -> rusqlite::Result<Connection> {
     let conn = Connection::open_with_flags(
         file,
         OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
@@ -463,7 +463,7 @@ fn commit(
     }
 }
 
-fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
+pub(super) fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
     let now = now_ms();
     // IMMEDIATE: the write lock first (a deferred transaction that another
     // connection's write overtakes fails instead of waiting).
@@ -546,28 +546,37 @@ fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResult {
         }
     }
 
-    // 4. Durable holds: opened, checkpointed, closed.
-    {
+    // 4. Durable holds: opened (a stream that ended in this batch already
+    // closed), checkpointed, closed.
+    let holds = hold_writes(jobs, &written);
+    if !holds.inserts.is_empty() {
         let mut insert = tx.prepare_cached(
             "INSERT INTO holds (request_id, owner, usd_nanos, diem_nanos, state, \
-             created_at_ms, expires_at_ms, key_id, key_period, model_id) \
-             VALUES (?1, ?2, ?3, ?4, 'open', ?5, ?6, ?7, ?8, ?9)",
+             created_at_ms, expires_at_ms, key_id, key_period, model_id, checkpoint_nanos, \
+             checkpoint_prompt_tokens, checkpoint_completion_tokens) \
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
         )?;
-        for record in opened(jobs, &written) {
+        for hold in &holds.inserts {
+            let record = hold.open;
+            let (checkpoint, prompt, completion, expires_at_ms) = hold.checkpointed();
             insert.execute(params![
                 &*record.request_id,
                 &*record.owner.name,
                 record.held.0,
                 record.held.1,
+                hold.state,
                 now,
-                record.expires_at_ms,
+                expires_at_ms,
                 record.key.as_ref().map(|k| k.0.as_str()),
                 record.key.as_ref().map(|k| k.1.as_str()),
-                &*record.model_id
+                &*record.model_id,
+                checkpoint,
+                prompt,
+                completion
             ])?;
         }
     }
-    for update in hold_updates(jobs, &written) {
+    for update in holds.updates {
         match update {
             HoldUpdate::Checkpoint(record) => {
                 tx.prepare_cached(
