@@ -819,8 +819,7 @@ fn key_sums(jobs: &[WriteJob], written: &[Written]) -> Vec<(KeyRef, [i64; 4])> {
 }
 
 /// 4. Durable holds: the applied opens, inserted as the batch leaves them,
-///    and the updates of holds opened in earlier batches, in the batch's
-///    order.
+///    and the updates of every other hold, in the batch's order.
 #[derive(Default)]
 struct HoldWrites<'a> {
     inserts: Vec<NewHold<'a>>,
@@ -836,8 +835,7 @@ struct NewHold<'a> {
     open: &'a Record,
     /// Its last checkpoint in the batch.
     checkpoint: Option<&'a Record>,
-    /// `open`, `settled` or `expired`.
-    state: &'static str,
+    state: HoldState,
 }
 
 impl NewHold<'_> {
@@ -851,14 +849,33 @@ impl NewHold<'_> {
     }
 }
 
-/// An update of a hold opened in an earlier batch.
-enum HoldUpdate<'a> {
-    Checkpoint(&'a Record),
-    /// Closed: `settled` or `expired`.
-    Close(&'a Record, &'static str),
+/// A durable hold's `state` column.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum HoldState {
+    Open,
+    Settled,
+    Expired,
 }
 
-const OPEN: &str = "open";
+impl HoldState {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::Open => "open",
+            Self::Settled => "settled",
+            Self::Expired => "expired",
+        }
+    }
+}
+
+/// An update of a hold the batch did not open: opened in an earlier batch
+/// (or its open here a replay of one the database has). Every record of a
+/// hold comes after its open, in the log's order and so in the batch's:
+/// no update here is meant for a hold inserted after it.
+enum HoldUpdate<'a> {
+    Checkpoint(&'a Record),
+    /// Closed: settled or expired.
+    Close(&'a Record, HoldState),
+}
 
 fn hold_writes<'a>(jobs: &'a [WriteJob], written: &[Written]) -> HoldWrites<'a> {
     let mut writes = HoldWrites::default();
@@ -873,22 +890,25 @@ fn hold_writes<'a>(jobs: &'a [WriteJob], written: &[Written]) -> HoldWrites<'a> 
                 writes.inserts.push(NewHold {
                     open: record,
                     checkpoint: None,
-                    state: OPEN,
+                    state: HoldState::Open,
                 });
                 continue;
             }
             RecordKind::Checkpoint => None,
-            RecordKind::Settle if record.durable && applied => Some("settled"),
-            RecordKind::Expire if record.durable && applied => Some("expired"),
+            RecordKind::Settle if record.durable && applied => Some(HoldState::Settled),
+            RecordKind::Expire if record.durable && applied => Some(HoldState::Expired),
             _ => continue,
         };
-        match new.get(&*record.request_id) {
+        match new
+            .get(&*record.request_id)
+            .map(|&i| &mut writes.inserts[i])
+        {
             // As the update's `WHERE state = 'open'`: a closed hold stays
             // as it closed.
-            Some(&i) if writes.inserts[i].state != OPEN => {}
-            Some(&i) => match closed {
-                None => writes.inserts[i].checkpoint = Some(record),
-                Some(state) => writes.inserts[i].state = state,
+            Some(hold) if hold.state != HoldState::Open => {}
+            Some(hold) => match closed {
+                None => hold.checkpoint = Some(record),
+                Some(state) => hold.state = state,
             },
             None => writes.updates.push(match closed {
                 None => HoldUpdate::Checkpoint(record),
@@ -916,9 +936,9 @@ mod tests {
     use super::*;
     use crate::book::{OpenHold, SettleOrder};
 
-    /// A stream's records: its hold opened, two checkpoints, its
-    /// settlement.
-    fn stream(owner: &Arc<Owner>, request_id: &str) -> Vec<Record> {
+    /// A stream's records: its hold opened, two checkpoints, and its end,
+    /// settled or expired.
+    fn stream(owner: &Arc<Owner>, request_id: &str, end: RecordKind) -> Vec<Record> {
         let mut hold = OpenHold {
             usd: 40,
             diem: 0,
@@ -949,15 +969,14 @@ mod tests {
             cap: None,
             rest: false,
         };
-        let settle = Record::close(
-            owner.clone(),
-            1,
-            RecordKind::Settle,
-            &order,
-            [12, 0, 0],
-            Some(&hold),
-        );
-        vec![open, first, second, settle]
+        // An expiry charges the last checkpoint; a settlement the cost.
+        let charged = if end == RecordKind::Expire { 9 } else { 12 };
+        let close = Record::close(owner.clone(), 1, end, &order, [charged, 0, 0], Some(&hold));
+        vec![open, first, second, close]
+    }
+
+    fn settled(owner: &Arc<Owner>, request_id: &str) -> Vec<Record> {
+        stream(owner, request_id, RecordKind::Settle)
     }
 
     fn jobs(records: impl IntoIterator<Item = Record>) -> Vec<WriteJob> {
@@ -967,30 +986,21 @@ mod tests {
             .collect()
     }
 
-    /// Panics with what failed unless the batch was written.
-    fn written(result: BatchResult) {
-        match result {
-            Ok(_) => {}
-            Err(BatchError::Database(error)) => panic!("{error:?}"),
-            Err(BatchError::Fenced(owners)) => panic!("fenced: {owners:?}"),
-        }
-    }
-
     fn owner() -> Arc<Owner> {
         Arc::new(Owner::detached("account:t"))
     }
 
-    /// What each planned write says: (request, state or update, checkpoint
-    /// nano-units).
+    /// What each planned write says: (request, state or "checkpoint",
+    /// checkpoint nano-units).
     fn plan(jobs: &[WriteJob], written: &[Written]) -> Vec<(String, &'static str, i64)> {
         let writes = hold_writes(jobs, written);
         let inserts = writes.inserts.iter().map(|hold| {
             let request = hold.open.request_id.to_string();
-            (request, hold.state, hold.checkpointed().0)
+            (request, hold.state.as_str(), hold.checkpointed().0)
         });
         let updates = writes.updates.iter().map(|update| match update {
             HoldUpdate::Checkpoint(at) => (at.request_id.to_string(), "checkpoint", at.checkpoint),
-            HoldUpdate::Close(at, state) => (at.request_id.to_string(), *state, 0),
+            HoldUpdate::Close(at, state) => (at.request_id.to_string(), state.as_str(), 0),
         });
         inserts.chain(updates).collect()
     }
@@ -998,32 +1008,36 @@ mod tests {
     #[test]
     fn a_stream_that_ends_in_the_batch_that_opened_it_is_inserted_closed() {
         let owner = owner();
-        let mut records = stream(&owner, "a");
+        let mut records = settled(&owner, "a");
         // After its close, a checkpoint changes nothing (as `state = 'open'`
         // in the update).
-        records.push(stream(&owner, "a").remove(1));
-        records.extend(stream(&owner, "b").into_iter().take(2));
+        records.push(settled(&owner, "a").remove(1));
+        records.extend(settled(&owner, "b").into_iter().take(2));
+        records.extend(stream(&owner, "c", RecordKind::Expire));
         let jobs = jobs(records);
         let written = vec![Written::Applied; jobs.len()];
         assert_eq!(
             plan(&jobs, &written),
-            [("a".into(), "settled", 9), ("b".into(), "open", 7)]
+            [
+                ("a".into(), "settled", 9),
+                ("b".into(), "open", 7),
+                ("c".into(), "expired", 9)
+            ]
         );
-        let (checkpoint, prompt, completion, lease) =
-            hold_writes(&jobs, &written).inserts[0].checkpointed();
-        assert_eq!((checkpoint, prompt, completion, lease), (9, 3, 6, 3_000));
+        let writes = hold_writes(&jobs, &written);
+        assert_eq!(writes.inserts[0].checkpointed(), (9, 3, 6, 3_000));
         let open = hold_writes(&jobs[..1], &written[..1]).inserts[0].checkpointed();
         assert_eq!(open, (0, 0, 0, 1_000));
     }
 
     #[test]
-    fn holds_opened_earlier_or_not_here_are_updated() {
+    fn holds_the_batch_did_not_open_are_updated() {
         let owner = owner();
         // Opened in an earlier batch.
-        let jobs = jobs(stream(&owner, "a").into_iter().skip(1));
-        let written = vec![Written::Applied; jobs.len()];
+        let earlier = jobs(settled(&owner, "a").into_iter().skip(1));
+        let written = vec![Written::Applied; earlier.len()];
         assert_eq!(
-            plan(&jobs, &written),
+            plan(&earlier, &written),
             [
                 ("a".into(), "checkpoint", 7),
                 ("a".into(), "checkpoint", 9),
@@ -1032,21 +1046,18 @@ mod tests {
         );
         // Its open a replay of one the database has: the row is not this
         // batch's.
-        let jobs = super::tests::jobs(stream(&owner, "a"));
-        let mut written = vec![Written::Applied; jobs.len()];
+        let replayed = jobs(settled(&owner, "a"));
+        let mut written = vec![Written::Applied; replayed.len()];
         written[0] = Written::Duplicate;
-        assert_eq!(plan(&jobs, &written)[0], ("a".into(), "checkpoint", 7));
-        assert_eq!(plan(&jobs, &written).len(), 3);
+        let planned = plan(&replayed, &written);
+        assert_eq!(planned.len(), 3);
+        assert_eq!(planned[0], ("a".into(), "checkpoint", 7));
         // A settlement the database had already closes nothing.
         written[3] = Written::Duplicate;
-        assert_eq!(plan(&jobs, &written).len(), 2);
+        assert_eq!(plan(&replayed, &written).len(), 2);
     }
 
-    /// The hold rows a stream leaves, written in the given batches.
-    const HOLD_ROW: &str = "SELECT owner, usd_nanos, diem_nanos, state, expires_at_ms, key_id, \
-        key_period, model_id, checkpoint_nanos, checkpoint_prompt_tokens, \
-        checkpoint_completion_tokens FROM holds WHERE request_id = $1";
-
+    /// A hold's row, less its creation time.
     type HoldColumns = (
         String,
         i64,
@@ -1060,11 +1071,15 @@ mod tests {
     );
 
     async fn hold_row(db: &Database, request_id: &str) -> HoldColumns {
-        let row = sqlx::query(HOLD_ROW)
-            .bind(request_id)
-            .fetch_one(db.pool())
-            .await
-            .unwrap();
+        let row = sqlx::query(
+            "SELECT owner, usd_nanos, diem_nanos, state, expires_at_ms, key_id, key_period, \
+             model_id, checkpoint_nanos, checkpoint_prompt_tokens, checkpoint_completion_tokens \
+             FROM holds WHERE request_id = $1",
+        )
+        .bind(request_id)
+        .fetch_one(db.pool())
+        .await
+        .unwrap();
         (
             row.get(0),
             row.get(1),
@@ -1078,61 +1093,96 @@ mod tests {
         )
     }
 
-    /// Writes each of `splits` (where a stream's four records are cut into
-    /// batches) with `write`, and checks every way leaves the same row and
-    /// the same balance.
-    async fn every_split_leaves_one_row<W, F>(db: &Database, mut write: W)
+    /// The row a stream of [`stream`] leaves in `state`.
+    fn row(state: &str, lease: i64, checkpoint: [i64; 3]) -> HoldColumns {
+        let owner = "account:t".to_string();
+        (
+            owner,
+            40,
+            0,
+            state.into(),
+            lease,
+            None,
+            None,
+            "m".into(),
+            checkpoint,
+        )
+    }
+
+    /// Writes streams with `write`, their records cut into batches in every
+    /// way that matters, and checks each leaves the row and the balance that
+    /// one statement a record leaves.
+    async fn every_batching_leaves_the_same_rows<W, F>(db: &Database, mut write: W)
     where
         W: FnMut(Vec<WriteJob>) -> F,
         F: std::future::Future<Output = ()>,
     {
         sqlx::query(
             "INSERT INTO ledgers (owner, usd_nanos, updated_at_ms, fence) \
-             VALUES ('account:t', 1000, 0, 1)",
+             VALUES ('account:t', 100000, 0, 1)",
         )
         .execute(db.pool())
         .await
         .unwrap();
         let owner = owner();
+        let last_checkpoint = [9, 3, 6];
         let splits: [&[usize]; 4] = [&[4], &[1, 1, 1, 1], &[1, 3], &[3, 1]];
-        let mut rows = Vec::new();
         for (i, split) in splits.iter().enumerate() {
             let request_id = format!("s{i}");
-            let mut records = stream(&owner, &request_id).into_iter();
+            let mut records = settled(&owner, &request_id).into_iter();
             for &batch in *split {
                 write(jobs(records.by_ref().take(batch))).await;
+                if batch == 3 && records.len() == 1 {
+                    // Still open, as a loaded owner or the sweeper reads it.
+                    let open = row("open", 3_000, last_checkpoint);
+                    assert_eq!(hold_row(db, &request_id).await, open);
+                }
             }
-            rows.push(hold_row(db, &request_id).await);
+            let closed = row("settled", 3_000, last_checkpoint);
+            assert_eq!(hold_row(db, &request_id).await, closed, "{split:?}");
         }
-        let want = (
-            "account:t".to_string(),
-            40,
-            0,
-            "settled".to_string(),
-            3_000,
-            None,
-            None,
-            "m".to_string(),
-            [9, 3, 6],
-        );
-        assert!(rows.iter().all(|row| *row == want), "{rows:?}");
+        write(jobs(stream(&owner, "e", RecordKind::Expire))).await;
+        let expired = row("expired", 3_000, last_checkpoint);
+        assert_eq!(hold_row(db, "e").await, expired);
+        // Closed with no checkpoint: the open's lease, nothing checkpointed.
+        let mut records = settled(&owner, "n");
+        records.drain(1..3);
+        write(jobs(records)).await;
+        assert_eq!(hold_row(db, "n").await, row("settled", 1_000, [0; 3]));
+        // More holds than one of PostgreSQL's multi-row statements carries.
+        let count = 70;
+        let records = (0..count).flat_map(|i| settled(&owner, &format!("m{i}")));
+        write(jobs(records)).await;
+        for i in 0..count {
+            let closed = row("settled", 3_000, last_checkpoint);
+            assert_eq!(hold_row(db, &format!("m{i}")).await, closed);
+        }
         let balance = sqlx::query("SELECT usd_nanos, usd_held_nanos FROM ledgers")
             .fetch_one(db.pool())
             .await
             .unwrap();
-        let charged = 12 * splits.len() as i64;
-        assert_eq!((balance.get(0), balance.get(1)), (1000 - charged, 0));
+        let charged = 12 * (splits.len() + 1 + count) as i64 + 9;
+        assert_eq!((balance.get(0), balance.get(1)), (100_000 - charged, 0));
+    }
+
+    /// Panics with what failed unless the batch was written.
+    fn written(result: BatchResult) {
+        match result {
+            Ok(_) => {}
+            Err(BatchError::Database(error)) => panic!("{error:?}"),
+            Err(BatchError::Fenced(owners)) => panic!("fenced: {owners:?}"),
+        }
     }
 
     #[tokio::test]
-    async fn a_stream_leaves_one_row_however_it_is_batched_on_sqlite() {
+    async fn every_batching_of_a_stream_leaves_the_same_row_on_sqlite() {
         let dir = tempfile::tempdir().unwrap();
         let file = dir.path().join("writer.db");
         let db = Database::connect(&format!("sqlite://{}", file.display()), 2)
             .await
             .unwrap();
         let mut conn = sqlite::open(&file).unwrap();
-        every_split_leaves_one_row(&db, |jobs| {
+        every_batching_leaves_the_same_rows(&db, |jobs| {
             written(sqlite::write_batch(&mut conn, &jobs));
             std::future::ready(())
         })
@@ -1140,10 +1190,10 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_stream_leaves_one_row_however_it_is_batched_on_postgres() {
+    async fn every_batching_of_a_stream_leaves_the_same_row_on_postgres() {
         let (db, drop) = crate::book::tests::postgres().await;
         let pool = db.pool().clone();
-        every_split_leaves_one_row(&db, |jobs| {
+        every_batching_leaves_the_same_rows(&db, |jobs| {
             let pool = pool.clone();
             async move {
                 let mut conn = pool.acquire().await.unwrap();

@@ -267,7 +267,7 @@ pub(super) async fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> Bat
                 .bind(&*record.owner.name)
                 .bind(record.held.0)
                 .bind(record.held.1)
-                .bind(hold.state)
+                .bind(hold.state.as_str())
                 .bind(now)
                 .bind(expires_at_ms)
                 .bind(record.key.as_ref().map(|k| k.0.as_str()))
@@ -298,7 +298,7 @@ pub(super) async fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> Bat
             HoldUpdate::Close(record, state) => {
                 sqlx::query("UPDATE holds SET state = $2 WHERE request_id = $1 AND state = 'open'")
                     .bind(&*record.request_id)
-                    .bind(state)
+                    .bind(state.as_str())
                     .execute(&mut *tx)
                     .await?;
             }

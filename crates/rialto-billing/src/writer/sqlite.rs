@@ -564,7 +564,7 @@ pub(super) fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResu
                 &*record.owner.name,
                 record.held.0,
                 record.held.1,
-                hold.state,
+                hold.state.as_str(),
                 now,
                 expires_at_ms,
                 record.key.as_ref().map(|k| k.0.as_str()),
@@ -596,7 +596,7 @@ pub(super) fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResu
                 tx.prepare_cached(
                     "UPDATE holds SET state = ?2 WHERE request_id = ?1 AND state = 'open'",
                 )?
-                .execute(params![&*record.request_id, state])?;
+                .execute(params![&*record.request_id, state.as_str()])?;
             }
         }
     }
