@@ -68,6 +68,7 @@ struct Outcome {
     /// When the gateway was chosen (before `sent`).
     chosen: Instant,
     model: &'static str,
+    stream: bool,
     reply: Reply,
 }
 
@@ -167,6 +168,7 @@ async fn worker(load: Arc<Load>) {
             gateway,
             chosen,
             model,
+            stream,
             reply,
         });
         if refused {
@@ -664,8 +666,17 @@ fn explained(load: &Load, outcomes: &[Outcome], faults: &[Fault]) -> Vec<FaultFi
                 let f = gateway_fault;
                 assert!(
                     o.gateway == 1 && o.chosen <= f.back.began && r.finished >= f.at.began,
-                    "a request failed that no fault explains (gateway-{}): {r:?}",
-                    o.gateway
+                    "a request failed that no fault explains (gateway-{}, limiter-{}, billing-{}, \
+                     {}, streamed: {}): {r:?}; faults at {:?}",
+                    o.gateway,
+                    load.limiter_of(o),
+                    load.billing_of(o),
+                    o.model,
+                    o.stream,
+                    faults
+                        .iter()
+                        .map(|f| (f.describe(), f.at.began, f.back.done))
+                        .collect::<Vec<_>>()
                 );
                 if r.status.is_none() {
                     "no answer (gateway-1 killed)"
