@@ -610,6 +610,14 @@ async fn prepare(cluster: &Cluster) -> Load {
     }
 }
 
+/// Each fault and when it began and was over, for a failure's message.
+fn timeline(faults: &[Fault]) -> Vec<(String, Instant, Instant)> {
+    faults
+        .iter()
+        .map(|f| (f.describe(), f.at.began, f.back.done))
+        .collect()
+}
+
 /// Every outcome but a whole 200 is one a fault explains: a 503 for a
 /// request sent within `DETECTION` of a fault on its replica (and the
 /// longest such gap per fault is reported), a lost or cut answer from the
@@ -648,10 +656,7 @@ fn explained(load: &Load, outcomes: &[Outcome], faults: &[Fault]) -> Vec<FaultFi
                          {r:?}; faults at {:?}",
                         load.limiter_of(o),
                         load.billing_of(o),
-                        faults
-                            .iter()
-                            .map(|f| (f.describe(), f.at.began, f.back.done))
-                            .collect::<Vec<_>>()
+                        timeline(faults)
                     );
                 };
                 let entry = &mut refused[cause];
@@ -673,10 +678,7 @@ fn explained(load: &Load, outcomes: &[Outcome], faults: &[Fault]) -> Vec<FaultFi
                     load.billing_of(o),
                     o.model,
                     o.stream,
-                    faults
-                        .iter()
-                        .map(|f| (f.describe(), f.at.began, f.back.done))
-                        .collect::<Vec<_>>()
+                    timeline(faults)
                 );
                 if r.status.is_none() {
                     "no answer (gateway-1 killed)"

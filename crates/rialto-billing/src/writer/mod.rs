@@ -1126,6 +1126,7 @@ mod tests {
         .unwrap();
         let owner = owner();
         let last_checkpoint = [9, 3, 6];
+        let closed = row("settled", 3_000, last_checkpoint);
         let splits: [&[usize]; 4] = [&[4], &[1, 1, 1, 1], &[1, 3], &[3, 1]];
         for (i, split) in splits.iter().enumerate() {
             let request_id = format!("s{i}");
@@ -1138,7 +1139,6 @@ mod tests {
                     assert_eq!(hold_row(db, &request_id).await, open);
                 }
             }
-            let closed = row("settled", 3_000, last_checkpoint);
             assert_eq!(hold_row(db, &request_id).await, closed, "{split:?}");
         }
         write(jobs(stream(&owner, "e", RecordKind::Expire))).await;
@@ -1154,7 +1154,6 @@ mod tests {
         let records = (0..count).flat_map(|i| settled(&owner, &format!("m{i}")));
         write(jobs(records)).await;
         for i in 0..count {
-            let closed = row("settled", 3_000, last_checkpoint);
             assert_eq!(hold_row(db, &format!("m{i}")).await, closed);
         }
         let balance = sqlx::query("SELECT usd_nanos, usd_held_nanos FROM ledgers")
