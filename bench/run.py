@@ -1679,7 +1679,7 @@ def limiter_report(results, floor):
 
 
 # bench-ledger's rows (since issue 15: billing's in-memory book and its writer).
-LEDGER_ROWS = ("c1_owners", "cM_owners", "cN_owners", "cN_one_owner", "cN_streams")
+LEDGER_ROWS = ("c1_owners", "cM_owners", "cN_owners", "cN_one_owner", "cN_streams", "cN_long_streams")
 # The rows of plain (non-streamed) priced requests: the settlements per second
 # the writer sustains is the best of them.
 WRITER_PRICED = ("c1_owners", "cM_owners", "cN_owners", "cN_one_owner")
@@ -1757,13 +1757,17 @@ def writer_report(ledger):
              "callers wait for their batches again, so the rate held over the measured window is what the writer "
              "commits), on PostgreSQL once the batch carrying it is committed; settlements per second are pairs per "
              "second. A *stream* pair holds durably first (its opening record durable before the hold returns, as "
-             "before a stream's first token), then settles: two records. "
+             "before a stream's first token), then settles: two records; a *long* stream lasts longer than the "
+             "writer's batches (a checkpoint halfway), as real streams do, so its rate is bounded by how long it "
+             "lasts and its figure is the *writer's CPU a pair* (on SQLite, the CPU time of the writer's thread over "
+             "the window, over the pairs). "
              f"{ledger['owners']:,} owners are credited up front; *over many owners* each task's next pair goes to "
              "the next owner, *one owner* puts every pair on the same owner (one mutex in memory, one ledger row). "
              "*Records per batch* come from the writer's counters (`Book::batches`) over the measured window: the "
              "mean is records over batches; the largest is the largest seen by sampling the counters every "
              f"{ledger.get('sample_ms', 1)} ms (exact when one batch fell in a sample, a lower bound otherwise; the "
-             "writer takes at most 512 records per batch); records include the balance refresh each owner in use "
+             "writer takes at most 512 records from its queue per batch, to which it adds the opens of streams it held back "
+             "that end in it); records include the balance refresh each owner in use "
              f"queues once a second. {ledger['seconds']} s per row after {ledger['warmup_s']} s of warm-up; the "
              f"database shares the {ledger['cores']} cores with the benchmark.", ""]
     for db in names:
@@ -1771,19 +1775,25 @@ def writer_report(ledger):
         lines.append(f"- **{names[db]}**: " + (f"skipped: {r['note']}" if r.get("skipped") else
                                                f"{r['server']}; {r.get('file') or 'a database of its own on the local server, created and dropped by the run'}."))
     lines += ["", "| database | scenario | settlements/s | hold p50 µs | settle p50 µs | settle p99 µs | "
-                  "settle p99.9 µs | batches/s | records per batch, mean | largest batch seen | errors |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "settle p99.9 µs | batches/s | records per batch, mean | largest batch seen | writer's CPU a pair, µs "
+                  "| errors |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     labels = {"c1_owners": "1 task, over many owners", "cM_owners": f"{m} tasks, over many owners",
               "cN_owners": f"{n} tasks, over many owners", "cN_one_owner": f"{n} tasks, one owner",
               "cN_streams": f"{n} tasks, streams (durable hold, then settlement), over many owners"}
     for db in measured:
         for key in LEDGER_ROWS:
+            if key not in ledger[db]:
+                continue
             r = ledger[db][key]
+            label = labels.get(key) or f"{n} tasks, {r['kind']}s (checkpointed halfway), over many owners"
+            cpu = r.get("writer_cpu_us_per_pair")
             hold, settle, batches = r["hold_us"], r["settle_us"], r["batches"]
             largest = f"{batches['max_sampled']:.0f}" + ("" if batches["max_exact"] else " (lower bound)")
-            lines.append(f"| {names[db]} | {labels[key]} | {r['per_s']:,.0f} | {hold['p50']:.1f} | "
+            lines.append(f"| {names[db]} | {label} | {r['per_s']:,.0f} | {hold['p50']:.1f} | "
                          f"{settle['p50']:.0f} | {settle['p99']:.0f} | {settle['p999']:.0f} | "
-                         f"{batches['per_s']:,.0f} | {batches['mean']} | {largest} | {r['errors'] + r['refused']} |")
+                         f"{batches['per_s']:,.0f} | {batches['mean']} | {largest} | "
+                         f"{'–' if cpu is None else f'{cpu:.1f}'} | {r['errors'] + r['refused']} |")
     summary = []
     for db in measured:
         cell, _ = writer_figure(ledger, db)

@@ -28,7 +28,11 @@
 //!   connections), over many owners;
 //! - `cN_owners`, `cN_one_owner`: `--concurrency` tasks over many owners,
 //!   and all on one owner (one ledger row, one in-memory owner);
-//! - `cN_streams`: `--concurrency` tasks of stream pairs over many owners.
+//! - `cN_streams`: `--concurrency` tasks of stream pairs over many owners;
+//! - `cN_long_streams`: the same, each stream lasting `--stream-ms` (a
+//!   checkpoint halfway) so that it outlives the writer's batches, as real
+//!   streams do: pairs per second are bounded by that, and the row's figure
+//!   is the writer's CPU a pair.
 //!
 //! For each: pairs (settlements) per second, the hold's, settlement's and
 //! pair's latency, and the writer's batches in the measured window: their
@@ -36,7 +40,10 @@
 //! each owner in use queues once a second), their mean size, and the
 //! largest seen by sampling `Book::batches` every millisecond (exact when
 //! one batch fell in a sample, a lower bound otherwise; the writer takes at
-//! most 512 records per batch). Prints one JSON object.
+//! most 512 records from its queue per batch, and adds the opens it held
+//! back of streams that end in it), and on SQLite the CPU time of the writer's
+//! thread over the window, a pair (`/proc/self/task/*/schedstat`). Prints
+//! one JSON object.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -82,6 +89,9 @@ struct Cli {
     /// Measure SQLite only.
     #[arg(long)]
     no_postgres: bool,
+    /// How long each stream of the long-streams row lasts, in milliseconds.
+    #[arg(long, default_value_t = 200)]
+    stream_ms: u64,
 }
 
 /// Nano-units (1e-9 USD) per USD.
@@ -116,6 +126,8 @@ enum Kind {
     Priced,
     /// A stream: the hold durable, then the settlement durable.
     Stream,
+    /// A stream lasting this long, checkpointed halfway.
+    LongStream(Duration),
 }
 
 struct Tally {
@@ -189,7 +201,7 @@ async fn pair(
                 amount: HOLD,
                 expires_at_ms: now_ms() + HOLD_TTL_MS,
                 cap: None,
-                durable: kind == Kind::Stream,
+                durable: kind != Kind::Priced,
                 model_id: MODEL,
             },
         )
@@ -199,6 +211,13 @@ async fn pair(
         Ok(HoldOutcome::Placed { .. }) => {}
         Ok(_) => return (started, held, held, Ok(false)),
         Err(error) => return (started, held, held, Err(error)),
+    }
+    if let Kind::LongStream(lasting) = kind {
+        tokio::time::sleep(lasting / 2).await;
+        if let Err(error) = book.checkpoint(owner, request_id, COST / 2, (10, 10)).await {
+            return (started, held, Instant::now(), Err(error));
+        }
+        tokio::time::sleep(lasting / 2).await;
     }
     let settled = book
         .settle(
@@ -229,12 +248,30 @@ struct Batches {
     largest: f64,
     /// Whether `largest` was one batch alone in its sample (exact).
     exact: bool,
+    /// CPU time of the SQLite writer's thread over the window.
+    writer_cpu: Option<Duration>,
+}
+
+/// CPU time so far of the SQLite writer's thread (`rialto-ledger-writer`,
+/// which the kernel cuts to 15 bytes), if this process has one.
+fn writer_cpu() -> Option<Duration> {
+    for task in std::fs::read_dir("/proc/self/task").ok()? {
+        let path = task.ok()?.path();
+        let name = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
+        if name.trim_end() == "rialto-ledger-w" {
+            let schedstat = std::fs::read_to_string(path.join("schedstat")).ok()?;
+            let nanos = schedstat.split_whitespace().next()?.parse().ok()?;
+            return Some(Duration::from_nanos(nanos));
+        }
+    }
+    None
 }
 
 /// Samples `book.batches()` every millisecond from `begin` to `end`.
 async fn sample_batches(book: Book, begin: Instant, end: Instant) -> Batches {
     tokio::time::sleep_until(begin.into()).await;
     let first = book.batches();
+    let cpu_before = writer_cpu();
     let mut last = first;
     let mut found = Batches::default();
     let mut tick = tokio::time::interval(SAMPLE_EVERY);
@@ -252,6 +289,9 @@ async fn sample_batches(book: Book, begin: Instant, end: Instant) -> Batches {
         }
         last = now;
     }
+    found.writer_cpu = cpu_before
+        .zip(writer_cpu())
+        .map(|(a, b)| b.saturating_sub(a));
     found.batches = last.0 - first.0;
     found.records = last.1.saturating_sub(first.1);
     found
@@ -340,8 +380,18 @@ fn row(
     timing: Timing,
 ) -> Value {
     let seconds = timing.measured.as_secs_f64();
+    let kind = match kind {
+        Kind::Priced => json!("priced"),
+        Kind::Stream => json!("stream"),
+        Kind::LongStream(lasting) => json!(format!("stream of {} ms", lasting.as_millis())),
+    };
+    let writer_us = batches
+        .writer_cpu
+        .filter(|_| tally.pairs > 0)
+        .map(|cpu| round1(cpu.as_secs_f64() * 1e6 / tally.pairs as f64));
     json!({
-        "kind": if kind == Kind::Stream { "stream" } else { "priced" },
+        "kind": kind,
+        "writer_cpu_us_per_pair": writer_us,
         "tasks": tasks,
         "owners": owners,
         "pairs": tally.pairs,
@@ -406,6 +456,8 @@ async fn measure(db: Database, cli: &Cli, timing: Timing) -> anyhow::Result<Valu
     let cn_owners = pairs(&book, Kind::Priced, &owners, n, "cno", timing).await?;
     let cn_one = pairs(&book, Kind::Priced, &hot, n, "cnh", timing).await?;
     let cn_streams = pairs(&book, Kind::Stream, &owners, n, "cns", timing).await?;
+    let long = Kind::LongStream(Duration::from_millis(cli.stream_ms));
+    let cn_long = pairs(&book, long, &owners, n, "cnl", timing).await?;
     book.flush().await?;
 
     // The books still balance, on the owner that took the most: the
@@ -432,6 +484,7 @@ async fn measure(db: Database, cli: &Cli, timing: Timing) -> anyhow::Result<Valu
         "cN_owners": row(&cn_owners, Kind::Priced, n, many, timing),
         "cN_one_owner": row(&cn_one, Kind::Priced, n, 1, timing),
         "cN_streams": row(&cn_streams, Kind::Stream, n, many, timing),
+        "cN_long_streams": row(&cn_long, long, n, many, timing),
     }))
 }
 
