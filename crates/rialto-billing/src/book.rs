@@ -1462,6 +1462,90 @@ pub(crate) mod tests {
         assert_eq!(stored.usd, 9 * NANO);
     }
 
+    /// With the ledger's log, a stream that outlives the writer's batches
+    /// has its open held back: the database has its hold only once it ends
+    /// (written once, closed) or once a reader asks. A crash before then
+    /// loses nothing: the next start applies the open from the log, and
+    /// the hold is charged its last checkpoint once its lease ends.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_stream_longer_than_a_batch_is_written_when_it_ends_or_from_the_log() {
+        let (dir, db, ledger, book) = funded("account:h", 10 * NANO, 0, 200).await;
+        for id in ["h1", "h2"] {
+            let placed = book.hold("account:h", &hold(id, 4 * NANO, true)).await;
+            assert!(matches!(placed.unwrap(), HoldOutcome::Placed { .. }));
+        }
+        assert!(
+            book.checkpoint("account:h", "h2", NANO, (5, 7))
+                .await
+                .unwrap()
+        );
+        // Batches later (the writer gathers for 50 ms), the database has
+        // neither hold.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let holds = |db: Database| async move {
+            sqlx::query_as::<_, (String, String)>(
+                "SELECT request_id, state FROM holds ORDER BY request_id",
+            )
+            .fetch_all(db.pool())
+            .await
+            .unwrap()
+        };
+        assert_eq!(holds(db.clone()).await, []);
+        assert_eq!(ledger.balance("account:h").await.unwrap().usd_held, 0);
+        // The process dies now: what it leaves on disk is copied as it is
+        // (the WAL's index and the log's lock are the living process's).
+        let crashed = tempfile::tempdir().unwrap();
+        for entry in std::fs::read_dir(dir.path()).unwrap() {
+            let path = entry.unwrap().path();
+            let name = path.file_name().unwrap().to_str().unwrap().to_owned();
+            if !name.ends_with("-shm") && !name.ends_with(".lock") {
+                std::fs::copy(&path, crashed.path().join(name)).unwrap();
+            }
+        }
+        // This process goes on: "h1" ends, and its batch writes the hold,
+        // closed, with the journal's rows of its open and its settlement.
+        book.settle("account:h", &settle("h1", 3 * NANO))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(holds(db.clone()).await, [("h1".into(), "settled".into())]);
+        let journal: Vec<String> = sqlx::query_scalar(
+            "SELECT idempotency_key FROM ledger_journal WHERE request_id = 'h1' ORDER BY 1",
+        )
+        .fetch_all(db.pool())
+        .await
+        .unwrap();
+        assert_eq!(journal, ["hold:h1", "settle:h1"]);
+        // A reader of the database gets "h2" too.
+        let stored = reconcile(&book, &ledger, "account:h").await;
+        assert_eq!((stored.usd, stored.usd_held), (7 * NANO, 4 * NANO));
+        let open = [
+            ("h1".into(), "settled".into()),
+            ("h2".into(), "open".into()),
+        ];
+        assert_eq!(holds(db.clone()).await, open);
+
+        // The crashed process's next start: both opens from the log; once
+        // their leases (200 ms) end, each is charged its last checkpoint
+        // ("h1" had none).
+        let url = format!("sqlite://{}/book.db", crashed.path().display());
+        let db = Database::connect(&url, 8).await.unwrap();
+        let (ledger, book) = (Ledger::new(db.clone()), Book::start(db.clone(), 200));
+        let loaded = book
+            .with_owner("account:h", |_, state| Ok(state.holds.len()))
+            .await
+            .unwrap();
+        assert_eq!(loaded, 2);
+        let open = [("h1".into(), "open".into()), ("h2".into(), "open".into())];
+        assert_eq!(holds(db.clone()).await, open);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(book.sweep(now_ms()), 2);
+        let stored = reconcile(&book, &ledger, "account:h").await;
+        assert_eq!((stored.usd, stored.usd_held), (9 * NANO, 0));
+        assert_eq!(ledger.charged("h1").await.unwrap(), (0, 0));
+        assert_eq!(ledger.charged("h2").await.unwrap(), (NANO, 0));
+    }
+
     /// A settlement of a hold this process never knew (billing restarted
     /// between the hold and the settlement) charges what was used, once.
     #[tokio::test]

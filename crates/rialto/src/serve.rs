@@ -456,10 +456,13 @@ async fn serve(mut config: Config, here: BTreeSet<&'static str>) -> anyhow::Resu
             })
             .collect::<anyhow::Result<Vec<_>>>()
     };
+    // This process's ledger book, flushed at shutdown.
+    let mut ledger_book = None;
     let billing = if let Some(db) = db.clone().filter(|_| here.contains("billing")) {
         let local = LocalBilling::new(&config, db).with_events(bus.clone());
         local.spawn_sweeper();
         let book = local.book().clone();
+        ledger_book = Some(book.clone());
         book.export_top_spenders(config.metrics.top_spenders);
         let billing = BillingClient::new(local);
         let consumer = if billing_names.len() > 1 && bus.is_shared() {
@@ -704,6 +707,14 @@ async fn serve(mut config: Config, here: BTreeSet<&'static str>) -> anyhow::Resu
     }
     if let Err(error) = bus.flush().await {
         tracing::warn!(%error, "events not flushed");
+    }
+    // What the ledger's log holds and the database does not yet (streams'
+    // opens the writer held back among it) is written now, rather than
+    // read and applied again at the next start.
+    if let Some(book) = &ledger_book
+        && let Err(error) = book.flush().await
+    {
+        tracing::warn!(%error, "the ledger's writer not flushed; the next start applies its log");
     }
     tracing::info!("shut down");
     Ok(())

@@ -13,8 +13,10 @@
 //! The log is a series of segment files beside the database
 //! (`<file>-ledger.<n>`), each a sequence of frames (length, CRC-32,
 //! record). Appending and queueing for the writer happen under one mutex,
-//! so the writer applies records in the log's order; once it has committed
-//! every record of a segment that is full, the segment is deleted. When a
+//! so the writer applies records in the log's order; once the database has
+//! every record of a segment that is full, the segment is deleted (a
+//! stream's opening record the writer holds back until the stream ends,
+//! [`held_back`](super::held_back), keeps its segment until then). When a
 //! process starts, the writer first applies whatever segments are left
 //! (idempotently: a record the database has already is a duplicate and
 //! changes nothing) and only then serves any job, so no owner is loaded
@@ -49,6 +51,9 @@ const SEGMENT_BYTES: u64 = 1 << 20;
 /// Records appended and not yet committed past which callers wait for
 /// their batches again.
 pub(crate) const BACKLOG: u64 = 8192;
+/// Full segments the log keeps for records the writer holds back
+/// ([`held_back`](super::held_back)): past these, the oldest are written.
+pub(crate) const KEPT_SEGMENTS: usize = 4;
 /// Largest frame read back: a longer length is a torn or foreign file.
 const MAX_FRAME: usize = 64 << 10;
 
@@ -56,8 +61,11 @@ pub(crate) struct Log {
     /// `<file>-ledger`: segments are `<base>.<n>`.
     base: PathBuf,
     inner: Mutex<Inner>,
-    /// The last sequence number the writer committed.
+    /// The last sequence number the writer is done with (committed, or
+    /// held back in its memory): what [`BACKLOG`] counts from.
     applied: AtomicU64,
+    /// Every record up to this one is in the database.
+    written: AtomicU64,
     /// A logged record could not be committed: keep every segment, so the
     /// next start applies it.
     keep: AtomicBool,
@@ -130,6 +138,7 @@ impl Log {
                 buffer: Vec::with_capacity(512),
             }),
             applied: AtomicU64::new(0),
+            written: AtomicU64::new(0),
             keep: AtomicBool::new(false),
             _lock: lock,
         });
@@ -212,10 +221,15 @@ impl Log {
         }
     }
 
-    /// The writer committed every record up to `seq`: full segments all
-    /// of whose records are committed are deleted.
-    pub(crate) fn applied(&self, seq: u64) {
+    /// The writer is done with every record up to `seq`: each is committed
+    /// or held back in its memory ([`held_back`](super::held_back)), and
+    /// every record up to `written` is in the database. Full segments all
+    /// of whose records are in the database are deleted; a held-back
+    /// record's segment stays, for the next start to apply it.
+    pub(crate) fn applied(&self, seq: u64, written: u64) {
         self.applied.fetch_max(seq, Ordering::Relaxed);
+        let written = written.min(seq);
+        self.written.fetch_max(written, Ordering::Relaxed);
         if self.keep.load(Ordering::Relaxed) {
             return;
         }
@@ -223,7 +237,7 @@ impl Log {
         {
             let mut inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
             while let Some(&(segment, last)) = inner.closed.front() {
-                if last > seq {
+                if last > written {
                     break;
                 }
                 inner.closed.pop_front();
@@ -234,6 +248,18 @@ impl Log {
             if let Err(error) = std::fs::remove_file(&path) {
                 tracing::warn!(%error, path = %path.display(), "cannot delete a ledger log segment");
             }
+        }
+    }
+
+    /// The records up to this one must reach the database now: the log
+    /// keeps more than [`KEPT_SEGMENTS`] full segments, and these are in
+    /// the oldest (0 when it does not).
+    pub(crate) fn keeps_through(&self) -> u64 {
+        let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let closed = inner.closed.len();
+        match closed.checked_sub(KEPT_SEGMENTS + 1) {
+            Some(past) => inner.closed[past].1,
+            None => 0,
         }
     }
 
@@ -261,7 +287,7 @@ impl Log {
             return;
         }
         let inner = self.inner.lock().unwrap_or_else(|e| e.into_inner());
-        if self.applied.load(Ordering::Relaxed) < inner.seq {
+        if self.written.load(Ordering::Relaxed) < inner.seq {
             return;
         }
         let segments = inner.closed.iter().map(|&(segment, _)| segment);
@@ -652,11 +678,35 @@ mod tests {
         }
         let count = || existing_segments(&log.base).unwrap().len();
         assert_eq!(count(), 2);
-        log.applied(appended - 1);
+        log.applied(appended - 1, appended - 1);
         assert_eq!(count(), 2, "a segment with a record not committed stays");
-        log.applied(appended);
+        log.applied(appended, 3);
+        assert_eq!(count(), 2, "a segment with a record held back stays");
+        assert_eq!(log.keeps_through(), 0);
+        assert_eq!(log.behind(), 0, "a record held back is not behind");
+        log.applied(appended, appended);
         assert_eq!(count(), 1);
         log.close();
         assert_eq!(count(), 0);
+    }
+
+    #[test]
+    fn past_its_kept_segments_the_oldest_records_are_due() {
+        let dir = tempfile::tempdir().unwrap();
+        let database = dir.path().join("ledger.db");
+        let Opened { log, .. } = Log::open(&database).unwrap().unwrap();
+        let (jobs, _queue) = mpsc::unbounded_channel();
+        let closed = || log.inner.lock().unwrap().closed.clone();
+        while closed().len() <= KEPT_SEGMENTS {
+            assert_eq!(log.keeps_through(), 0);
+            log.append(settlement(), None, &jobs, &Nudge::default())
+                .unwrap();
+        }
+        let oldest = closed()[0].1;
+        assert_eq!(log.keeps_through(), oldest);
+        // Once the database has the oldest segment's records, it goes.
+        log.applied(oldest + 1, oldest);
+        assert_eq!(closed().len(), KEPT_SEGMENTS);
+        assert_eq!(log.keeps_through(), 0);
     }
 }

@@ -13,7 +13,8 @@
 //! settlement alone writes four pages (the balance, the journal, its key
 //! and its owner index). A caller waits for the batch that carries its own record
 //! and nothing else; on SQLite, where the ledger's [`log`] makes a record
-//! durable once appended, it usually waits for nothing. Loads of owners go
+//! durable once appended, it usually waits for nothing, and a stream's open
+//! is held back until the stream ends ([`held_back`]). Loads of owners go
 //! through the same queue, so an owner is read after every write queued
 //! before it.
 //!
@@ -39,6 +40,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::book::{KeyRef, OpenHold, Owner, SettleOrder};
 use crate::ledger::Balance;
 
+mod held_back;
 pub(crate) mod log;
 mod pooled;
 mod sqlite;

@@ -29,7 +29,8 @@ use rialto_core::{Error, ErrorCode, Result};
 use rusqlite::{Connection, OpenFlags, OptionalExtension, TransactionBehavior, params};
 use tokio::sync::mpsc;
 
-use super::log::Opened;
+use super::held_back::{HeldBack, Release, owner_names};
+use super::log::{Log, Opened};
 use super::{
     ATTEMPTS, BatchError, BatchResult, HOLD_COLUMNS, HoldUpdate, Job, Loaded, MAX_BATCH, Next,
     Nudge, Record, Refreshed, Sorted, Stats, WriteJob, Written, after_attempt, backoff, give_up,
@@ -112,6 +113,11 @@ fn run(file: &Path, mut queue: mpsc::UnboundedReceiver<Job>, stats: &Stats, log:
         LogState::Unlogged => None,
         LogState::Refused(error) => return refuse(queue, &error),
     };
+    // Streams' opens kept from the database until they end: only where
+    // the log made them durable.
+    let mut held = log.as_ref().map(|_| HeldBack::default());
+    // The last record of the log the writer was given.
+    let mut seen = 0;
     let mut jobs = Vec::with_capacity(MAX_BATCH);
     while let Some(first) = queue.blocking_recv() {
         let since = Instant::now();
@@ -126,19 +132,32 @@ fn run(file: &Path, mut queue: mpsc::UnboundedReceiver<Job>, stats: &Stats, log:
             flushes,
             checkpoint: tail,
         } = Sorted::new(jobs.drain(..));
-        if !writes.is_empty() {
-            let logged = writes.iter().map(|job| job.record.log_seq).max();
-            let written = observe(stats, writes.len());
-            let all = commit(file, &mut connection, writes, log.is_some());
-            written();
-            if let (Some(log), Some(seq)) = (&log, logged.filter(|&seq| seq > 0)) {
-                if all {
-                    log.applied(seq);
-                } else {
-                    log.keep();
-                }
+        let logged = writes.iter().map(|job| job.record.log_seq).max();
+        seen = seen.max(logged.unwrap_or(0));
+        let writes = match (held.as_mut(), &log) {
+            (Some(held), Some(log)) if flushes.is_empty() => {
+                let owners = owner_names(&loads);
+                let through = log.keeps_through();
+                let now = Instant::now();
+                let due = Release::Due {
+                    owners: &owners,
+                    through,
+                    now,
+                };
+                held.plan(writes, due)
             }
-        }
+            (Some(held), _) => held.plan(writes, Release::All),
+            _ => writes,
+        };
+        write(
+            file,
+            &mut connection,
+            stats,
+            writes,
+            log.as_deref(),
+            held.as_ref(),
+            seen,
+        );
         // After the writes: a load sees every write queued before it.
         for (owner, done) in loads {
             let loaded = connect(file, &mut connection).and_then(|conn| load(conn, &owner));
@@ -158,7 +177,46 @@ fn run(file: &Path, mut queue: mpsc::UnboundedReceiver<Job>, stats: &Stats, log:
         }
     }
     if let Some(log) = log {
+        if let Some(mut held) = held.filter(|held| !held.is_empty()) {
+            let writes = held.plan(Vec::new(), Release::All);
+            write(
+                file,
+                &mut connection,
+                stats,
+                writes,
+                Some(&log),
+                Some(&held),
+                seen,
+            );
+        }
         log.close();
+    }
+}
+
+/// Commits a batch's `writes`, if any, and tells the log how far the
+/// database has it (`seen`: the last record the writer was given; `held`:
+/// the opens held back from it).
+fn write(
+    file: &Path,
+    connection: &mut Option<Connection>,
+    stats: &Stats,
+    writes: Vec<WriteJob>,
+    log: Option<&Log>,
+    held: Option<&HeldBack>,
+    seen: u64,
+) {
+    let mut all = true;
+    if !writes.is_empty() {
+        let written = observe(stats, writes.len());
+        all = commit(file, connection, writes, log.is_some());
+        written();
+    }
+    if let Some(log) = log.filter(|_| seen > 0) {
+        if all {
+            log.applied(seen, held.map_or(seen, |held| held.written_through(seen)));
+        } else {
+            log.keep();
+        }
     }
 }
 
