@@ -268,6 +268,9 @@ const UNARY_TIMEOUT: Option<Duration> = Some(Duration::from_secs(30));
 /// successor took over after `failover.dead_after_ms`) must not hold the
 /// requests that reached it before for long.
 const REPLICA_TIMEOUT: Option<Duration> = Some(Duration::from_secs(5));
+/// How long a shutdown waits for the ledger's writer to write what its
+/// log holds.
+const LEDGER_FLUSH_AT_SHUTDOWN: Duration = Duration::from_secs(5);
 
 /// The entries of a comma-separated `remote.<service>` list.
 fn listed(addresses: &str) -> Vec<String> {
@@ -710,11 +713,16 @@ async fn serve(mut config: Config, here: BTreeSet<&'static str>) -> anyhow::Resu
     }
     // What the ledger's log holds and the database does not yet (streams'
     // opens the writer held back among it) is written now, rather than
-    // read and applied again at the next start.
-    if let Some(book) = &ledger_book
-        && let Err(error) = book.flush().await
-    {
-        tracing::warn!(%error, "the ledger's writer not flushed; the next start applies its log");
+    // read and applied again at the next start. Not for ever: a database
+    // that refuses writes has the writer retrying while its log keeps
+    // every record, and the next start applies them.
+    if let Some(book) = &ledger_book {
+        let unflushed = "the ledger's writer not flushed; the next start applies its log";
+        match tokio::time::timeout(LEDGER_FLUSH_AT_SHUTDOWN, book.flush()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => tracing::warn!(%error, "{unflushed}"),
+            Err(_) => tracing::warn!(waited = ?LEDGER_FLUSH_AT_SHUTDOWN, "{unflushed}"),
+        }
     }
     tracing::info!("shut down");
     Ok(())

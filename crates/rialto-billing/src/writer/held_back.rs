@@ -157,12 +157,17 @@ impl HeldBack {
     }
 
     /// Which of `writes` are opens to hold back: a durable (stream) hold
-    /// logged, nobody waiting for it, whose stream does not end in this
-    /// batch and whose owner is not loaded in it.
+    /// logged, whose stream does not end in this batch, nobody waiting for
+    /// it or for a later record of it in the batch (that record would
+    /// otherwise reach the database before it), and whose owner is not
+    /// loaded in the batch.
     fn holds(&self, writes: &[WriteJob], all: bool, loaded: &HashSet<&str>) -> Vec<bool> {
-        let ending: HashSet<&str> = writes
+        let written_now: HashSet<&str> = writes
             .iter()
-            .filter(|job| matches!(job.record.kind, RecordKind::Settle | RecordKind::Expire))
+            .filter(|job| {
+                matches!(job.record.kind, RecordKind::Settle | RecordKind::Expire)
+                    || job.done.is_some()
+            })
             .map(|job| &*job.record.request_id)
             .collect();
         writes
@@ -172,8 +177,7 @@ impl HeldBack {
                 !all && record.kind == RecordKind::Open
                     && record.durable
                     && record.log_seq > 0
-                    && job.done.is_none()
-                    && !ending.contains(&*record.request_id)
+                    && !written_now.contains(&*record.request_id)
                     && !loaded.contains(&*record.owner.name)
             })
             .collect()
@@ -390,6 +394,19 @@ mod tests {
         let (done, _answer) = tokio::sync::oneshot::channel();
         waited.done = Some(done);
         assert_eq!(held.plan(vec![waited], due(&none, 0, at)).len(), 1);
+        // Someone waits for a later record of it in the same batch.
+        let open = streams.open("account:a", "x");
+        let mut checkpoint = streams.checkpoint("account:a", "x", 7);
+        let (done, _answer) = tokio::sync::oneshot::channel();
+        checkpoint.done = Some(done);
+        let planned = held.plan(vec![open, checkpoint], due(&none, 0, at));
+        assert_eq!(
+            written(&planned),
+            [
+                ("x".into(), RecordKind::Open, 0),
+                ("x".into(), RecordKind::Checkpoint, 7)
+            ]
+        );
         // Not in the log (a process without it): only the database has it.
         let mut unlogged = streams.open("account:a", "u");
         unlogged.record.log_seq = 0;
