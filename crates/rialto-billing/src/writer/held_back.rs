@@ -213,8 +213,9 @@ pub(super) fn owner_names<T>(loads: &[(Arc<str>, T)]) -> HashSet<&str> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::book::{OpenHold, Owner, SettleOrder};
+    use crate::book::{OpenHold, Owner};
     use crate::writer::Record;
+    use crate::writer::tests::{settle_order, stream_hold};
 
     /// Records of streams, logged in the order made: `seq` numbers them.
     struct Streams {
@@ -226,16 +227,7 @@ mod tests {
         fn new() -> Self {
             Self {
                 seq: 0,
-                hold: OpenHold {
-                    usd: 40,
-                    diem: 0,
-                    expires_at_ms: 1_000,
-                    key: None,
-                    durable: true,
-                    checkpoint: 0,
-                    checkpoint_tokens: (0, 0),
-                    model_id: "m".into(),
-                },
+                hold: stream_hold(),
             }
         }
 
@@ -259,17 +251,7 @@ mod tests {
         }
 
         fn settle(&mut self, owner: &str, request_id: &str) -> WriteJob {
-            let order = SettleOrder {
-                spent_by: "",
-                request_id,
-                cost: 12,
-                model_id: "m",
-                prompt_tokens: 3,
-                completion_tokens: 8,
-                key: None,
-                cap: None,
-                rest: false,
-            };
+            let order = settle_order(request_id);
             let owner = Arc::new(Owner::detached(owner));
             let kind = RecordKind::Settle;
             let record = Record::close(owner, 1, kind, &order, [12, 0, 0], Some(&self.hold));

@@ -938,10 +938,9 @@ mod tests {
     use super::*;
     use crate::book::{OpenHold, SettleOrder};
 
-    /// A stream's records: its hold opened, two checkpoints, and its end,
-    /// settled or expired.
-    fn stream(owner: &Arc<Owner>, request_id: &str, end: RecordKind) -> Vec<Record> {
-        let mut hold = OpenHold {
+    /// A stream's durable hold of 40 nano-USD, before any checkpoint.
+    pub(super) fn stream_hold() -> OpenHold {
+        OpenHold {
             usd: 40,
             diem: 0,
             expires_at_ms: 1_000,
@@ -950,17 +949,12 @@ mod tests {
             checkpoint: 0,
             checkpoint_tokens: (0, 0),
             model_id: "m".into(),
-        };
-        let open = Record::open(owner.clone(), 1, request_id, &hold);
-        let mut checkpoint = |nanos, tokens, expires_at_ms| {
-            hold.checkpoint = nanos;
-            hold.checkpoint_tokens = tokens;
-            hold.expires_at_ms = expires_at_ms;
-            Record::checkpoint(owner.clone(), 1, request_id, &hold)
-        };
-        let first = checkpoint(7, (3, 4), 2_000);
-        let second = checkpoint(9, (3, 6), 3_000);
-        let order = SettleOrder {
+        }
+    }
+
+    /// The settlement of `request_id` at a cost of 12 nano-USD.
+    pub(super) fn settle_order(request_id: &str) -> SettleOrder<'_> {
+        SettleOrder {
             spent_by: "",
             request_id,
             cost: 12,
@@ -970,7 +964,23 @@ mod tests {
             key: None,
             cap: None,
             rest: false,
+        }
+    }
+
+    /// A stream's records: its hold opened, two checkpoints, and its end,
+    /// settled or expired.
+    fn stream(owner: &Arc<Owner>, request_id: &str, end: RecordKind) -> Vec<Record> {
+        let mut hold = stream_hold();
+        let open = Record::open(owner.clone(), 1, request_id, &hold);
+        let mut checkpoint = |nanos, tokens, expires_at_ms| {
+            hold.checkpoint = nanos;
+            hold.checkpoint_tokens = tokens;
+            hold.expires_at_ms = expires_at_ms;
+            Record::checkpoint(owner.clone(), 1, request_id, &hold)
         };
+        let first = checkpoint(7, (3, 4), 2_000);
+        let second = checkpoint(9, (3, 6), 3_000);
+        let order = settle_order(request_id);
         // An expiry charges the last checkpoint; a settlement the cost.
         let charged = if end == RecordKind::Expire { 9 } else { 12 };
         let close = Record::close(owner.clone(), 1, end, &order, [charged, 0, 0], Some(&hold));
