@@ -711,19 +711,37 @@ impl Book {
         .await
     }
 
-    /// Waits until every record queued so far is committed.
+    /// Waits until every record queued so far is committed, with every
+    /// stream's open the writer holds back.
     pub async fn flush(&self) -> Result<()> {
+        self.flush_for(None).await
+    }
+
+    /// Waits until every record queued so far is committed, with the
+    /// opens held back for `owner` (every owner's: `None`).
+    async fn flush_for(&self, owner: Option<Arc<str>>) -> Result<()> {
         let (done, flushed) = oneshot::channel();
-        self.shared.writer.send(Job::Flush { done })?;
+        self.shared.writer.send(Job::Flush { owner, done })?;
         flushed.await.map_err(|_| writer::stopped())
     }
 
     /// Waits until the database has every record decided so far, if any
-    /// may be durable only in the ledger's log: for readers of the
-    /// database (usage history, balances of owners not in memory).
+    /// may be durable only in the ledger's log: for readers of every
+    /// owner's rows (usage across owners, key spend).
     pub async fn caught_up(&self) -> Result<()> {
         if self.shared.writer.logs() {
             self.flush().await?;
+        }
+        Ok(())
+    }
+
+    /// [`caught_up`](Self::caught_up) for a reader of one owner's rows
+    /// (its balance, transactions, usage): the streams' opens the writer
+    /// holds back for other owners stay held, so a reader polling one
+    /// account does not have every stream's hold written twice.
+    pub async fn caught_up_with(&self, owner: &str) -> Result<()> {
+        if self.shared.writer.logs() {
+            self.flush_for(Some(owner.into())).await?;
         }
         Ok(())
     }
@@ -1544,6 +1562,43 @@ pub(crate) mod tests {
         assert_eq!((stored.usd, stored.usd_held), (9 * NANO, 0));
         assert_eq!(ledger.charged("h1").await.unwrap(), (0, 0));
         assert_eq!(ledger.charged("h2").await.unwrap(), (NANO, 0));
+    }
+
+    /// A reader of one owner's rows has that owner's held-back opens
+    /// written, and only those: other owners' streams stay held until
+    /// they end (or a reader of every owner comes).
+    #[tokio::test]
+    async fn a_reader_of_one_owner_writes_only_its_held_opens() {
+        let (_dir, db, ledger, book) = funded("account:a", 10 * NANO, 0, 30_000).await;
+        ledger
+            .credit("account:b", 10 * NANO, 0, "seed")
+            .await
+            .unwrap();
+        for (owner, id) in [("account:a", "a1"), ("account:b", "b1")] {
+            let placed = book.hold(owner, &hold(id, 4 * NANO, true)).await;
+            assert!(matches!(placed.unwrap(), HoldOutcome::Placed { .. }));
+        }
+        let holds = || async {
+            sqlx::query_scalar::<_, String>("SELECT request_id FROM holds ORDER BY request_id")
+                .fetch_all(db.pool())
+                .await
+                .unwrap()
+        };
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert!(holds().await.is_empty());
+        book.caught_up_with("account:a").await.unwrap();
+        assert_eq!(holds().await, ["a1"]);
+        assert_eq!(
+            ledger.balance("account:a").await.unwrap().usd_held,
+            4 * NANO
+        );
+        assert_eq!(ledger.balance("account:b").await.unwrap().usd_held, 0);
+        book.caught_up().await.unwrap();
+        assert_eq!(holds().await, ["a1", "b1"]);
+        assert_eq!(
+            ledger.balance("account:b").await.unwrap().usd_held,
+            4 * NANO
+        );
     }
 
     /// A settlement of a hold this process never knew (billing restarted

@@ -642,7 +642,7 @@ impl BillingService for LocalBilling {
             // Settled before (a retry), or nothing was held (free model):
             // report what was charged, if anything.
             ledger::SettleOutcome::NotOpen => {
-                self.book.caught_up().await?;
+                self.book.caught_up_with(&request.owner).await?;
                 let mut settled = self.ledger.settled(&request.request_id).await?;
                 let short = order.cost - settled.usd - settled.diem;
                 if settled.expired && short > 0 {
@@ -657,7 +657,7 @@ impl BillingService for LocalBilling {
                         ..order
                     };
                     self.book.settle(&request.owner, &rest).await?;
-                    self.book.caught_up().await?;
+                    self.book.caught_up_with(&request.owner).await?;
                     settled = self.ledger.settled(&request.request_id).await?;
                 }
                 Ok(pb::Cost {
@@ -669,17 +669,17 @@ impl BillingService for LocalBilling {
     }
 
     async fn charge(&self, request: pb::ChargeRequest) -> Result<pb::ChargeResponse> {
-        let request_id = request
+        let (request_id, owner) = request
             .hold
             .as_ref()
-            .map(|hold| hold.request_id.clone())
+            .map(|hold| (hold.request_id.clone(), hold.owner.clone()))
             .unwrap_or_default();
         let mut charged = hold_then_settle(self, request).await?;
         if charged.cost.is_none() {
             // A charge asked again (the replica that made it died before
             // it answered, and the next one is asked) finds the balance it
             // paid from spent: it was charged, not refused.
-            self.book.caught_up().await?;
+            self.book.caught_up_with(&owner).await?;
             let settled = self.ledger.settled(&request_id).await?;
             if settled.usd > 0 || settled.diem > 0 {
                 let hold = charged.hold.get_or_insert_default();
@@ -730,7 +730,7 @@ impl BillingService for LocalBilling {
         let balance = match self.book.current_snapshot(&request.owner).await? {
             Some(snapshot) => snapshot.balance,
             None => {
-                self.book.caught_up().await?;
+                self.book.caught_up_with(&request.owner).await?;
                 self.ledger.balance(&request.owner).await?
             }
         };
@@ -744,7 +744,7 @@ impl BillingService for LocalBilling {
         let snapshot = match self.book.current_snapshot(&request.owner).await? {
             Some(snapshot) => snapshot,
             None => {
-                self.book.caught_up().await?;
+                self.book.caught_up_with(&request.owner).await?;
                 self.ledger.snapshot(&request.owner).await?
             }
         };
@@ -807,7 +807,7 @@ impl BillingService for LocalBilling {
     ) -> Result<pb::TransactionsResponse> {
         let limit = i64::from(request.limit.clamp(1, 100));
         let offset = i64::from(request.offset);
-        self.book.caught_up().await?;
+        self.book.caught_up_with(&request.owner).await?;
         let (movements, has_more) = self
             .ledger
             .usd_movements(&request.owner, limit, offset)
@@ -862,7 +862,7 @@ impl BillingService for LocalBilling {
 
     async fn key_spend(&self, request: pb::KeySpendRequest) -> Result<pb::KeySpendResponse> {
         let now = rialto_core::db::now_ms();
-        self.book.caught_up().await?;
+        self.book.caught_up_with(&request.owner).await?;
         let mut keys = Vec::with_capacity(request.keys.len());
         for limit in &request.keys {
             let cap = key_cap(limit, now)?;
@@ -883,7 +883,7 @@ impl BillingService for LocalBilling {
         let most = if request.walk { 1000 } else { 500 };
         let limit = i64::from(request.limit.clamp(1, most));
         let page = i64::from(request.page.max(1));
-        self.book.caught_up().await?;
+        self.book.caught_up_with(&request.owner).await?;
         let query = ledger::HistoryQuery {
             owner: &request.owner,
             currency: Some(request.currency.as_str()).filter(|c| !c.is_empty()),
@@ -958,8 +958,11 @@ impl BillingService for LocalBilling {
         &self,
         request: pb::UsageAnalyticsRequest,
     ) -> Result<pb::UsageAnalyticsResponse> {
-        self.book.caught_up().await?;
         let owner = (!request.all_owners).then_some(request.owner.as_str());
+        match owner {
+            Some(owner) => self.book.caught_up_with(owner).await?,
+            None => self.book.caught_up().await?,
+        }
         let groups = self
             .ledger
             .usage_groups(owner, request.start_ms, request.end_ms)

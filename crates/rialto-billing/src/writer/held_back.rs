@@ -20,8 +20,11 @@
 //! gets the opens first:
 //! - an owner loaded in a batch has its opens written in that batch, before
 //!   the load reads it;
-//! - a flush (the readers of the database wait for one,
-//!   [`Book::caught_up`](crate::book::Book::caught_up)) writes all of them;
+//! - a flush (the readers of the database wait for one) writes the opens
+//!   of the owner its reader reads
+//!   ([`Book::caught_up_with`](crate::book::Book::caught_up_with)), or all
+//!   of them for a reader of every owner
+//!   ([`Book::caught_up`](crate::book::Book::caught_up));
 //! - an open held for [`HOLD_BACK`], or one that would keep more than
 //!   [`KEPT_SEGMENTS`](super::log::KEPT_SEGMENTS) full segments of the log,
 //!   is written as it is: the log a long stream keeps, and what a restart
@@ -58,9 +61,9 @@ pub(super) enum Release<'a> {
     /// Every one: the batch flushes (a reader of the database waits), or
     /// the writer stops.
     All,
-    /// Those of these owners, loaded in the batch; those up to `through`
-    /// in the log (their segments are the oldest the log keeps); those
-    /// held for [`HOLD_BACK`] by `now`.
+    /// Those of these owners, loaded in the batch or read by its flushes;
+    /// those up to `through` in the log (their segments are the oldest the
+    /// log keeps); those held for [`HOLD_BACK`] by `now`.
     Due {
         owners: &'a HashSet<&'a str>,
         through: u64,

@@ -338,7 +338,11 @@ pub(crate) enum Job {
         owner: Arc<str>,
         done: oneshot::Sender<Result<Loaded>>,
     },
+    /// Answers once every job queued before it is done and, with the
+    /// ledger's log, the database has the opens held back for `owner`
+    /// (every owner's when `None`): readers of the database wait for it.
     Flush {
+        owner: Option<Arc<str>>,
         done: oneshot::Sender<()>,
     },
     /// The WAL's checkpointer copied all but the last few frames: the
@@ -530,7 +534,34 @@ struct Sorted {
     writes: Vec<WriteJob>,
     loads: Vec<(Arc<str>, oneshot::Sender<Result<Loaded>>)>,
     flushes: Vec<oneshot::Sender<()>>,
+    /// The owners the batch's flushes read (their held opens are
+    /// written), unless one reads every owner.
+    flushed: Flushed,
     checkpoint: bool,
+}
+
+/// Whose held-back opens a batch's flushes need in the database.
+enum Flushed {
+    /// These owners' (none: no flush, or no owner read).
+    Owners(Vec<Arc<str>>),
+    /// Every owner's.
+    All,
+}
+
+impl Default for Flushed {
+    fn default() -> Self {
+        Flushed::Owners(Vec::new())
+    }
+}
+
+impl Flushed {
+    /// A flush reading `owner` (every owner: `None`).
+    fn add(&mut self, owner: Option<Arc<str>>) {
+        match (self, owner) {
+            (Flushed::Owners(owners), Some(owner)) => owners.push(owner),
+            (flushed, _) => *flushed = Flushed::All,
+        }
+    }
 }
 
 impl Sorted {
@@ -540,7 +571,10 @@ impl Sorted {
             match job {
                 Job::Write { record, done } => sorted.writes.push(WriteJob { record, done }),
                 Job::Load { owner, done } => sorted.loads.push((owner, done)),
-                Job::Flush { done } => sorted.flushes.push(done),
+                Job::Flush { owner, done } => {
+                    sorted.flushes.push(done);
+                    sorted.flushed.add(owner);
+                }
                 Job::Checkpoint => sorted.checkpoint = true,
             }
         }

@@ -39,6 +39,8 @@ pub(super) async fn run(db: Database, mut queue: mpsc::UnboundedReceiver<Job>, s
             writes,
             loads,
             flushes,
+            // PostgreSQL has no log: nothing is held back.
+            flushed: _,
             checkpoint: _,
         } = Sorted::new(jobs.drain(..));
         if !writes.is_empty() {

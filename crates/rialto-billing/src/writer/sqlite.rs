@@ -32,9 +32,9 @@ use tokio::sync::mpsc;
 use super::held_back::{HeldBack, Release, owner_names};
 use super::log::{Log, Opened};
 use super::{
-    ATTEMPTS, BatchError, BatchResult, HOLD_COLUMNS, HoldUpdate, Job, Loaded, MAX_BATCH, Next,
-    Nudge, Record, Refreshed, Sorted, Stats, WriteJob, Written, after_attempt, backoff, give_up,
-    hold_writes, journal_rows, journal_values, key_sums, loaded_hold, observe, owner_sums,
+    ATTEMPTS, BatchError, BatchResult, Flushed, HOLD_COLUMNS, HoldUpdate, Job, Loaded, MAX_BATCH,
+    Next, Nudge, Record, Refreshed, Sorted, Stats, WriteJob, Written, after_attempt, backoff,
+    give_up, hold_writes, journal_rows, journal_values, key_sums, loaded_hold, observe, owner_sums,
     refresh_owners,
 };
 use crate::ledger::Balance;
@@ -130,13 +130,16 @@ fn run(file: &Path, mut queue: mpsc::UnboundedReceiver<Job>, stats: &Stats, log:
             writes,
             loads,
             flushes,
+            flushed,
             checkpoint: tail,
         } = Sorted::new(jobs.drain(..));
         let logged = writes.iter().map(|job| job.record.log_seq).max();
         seen = seen.max(logged.unwrap_or(0));
-        let writes = match (held.as_mut(), &log) {
-            (Some(held), Some(log)) if flushes.is_empty() => {
-                let owners = owner_names(&loads);
+        let writes = match (held.as_mut(), &log, &flushed) {
+            (Some(held), Some(log), Flushed::Owners(read)) => {
+                // The owners the batch loads or a flush reads.
+                let mut owners = owner_names(&loads);
+                owners.extend(read.iter().map(|owner| &**owner));
                 let through = log.keeps_through();
                 let now = Instant::now();
                 let due = Release::Due {
@@ -146,7 +149,7 @@ fn run(file: &Path, mut queue: mpsc::UnboundedReceiver<Job>, stats: &Stats, log:
                 };
                 held.plan(writes, due)
             }
-            (Some(held), _) => held.plan(writes, Release::All),
+            (Some(held), ..) => held.plan(writes, Release::All),
             _ => writes,
         };
         write(
@@ -238,7 +241,7 @@ fn refuse(mut queue: mpsc::UnboundedReceiver<Job>, error: &str) {
             Job::Load { done, .. } => {
                 let _ = done.send(Err(refused()));
             }
-            Job::Flush { done } => {
+            Job::Flush { done, .. } => {
                 let _ = done.send(());
             }
             Job::Checkpoint => {}
