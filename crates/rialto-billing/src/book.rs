@@ -727,7 +727,7 @@ impl Book {
 
     /// Waits until the database has every record decided so far, if any
     /// may be durable only in the ledger's log: for readers of every
-    /// owner's rows (usage across owners, key spend).
+    /// owner's rows (the operator's usage across owners).
     pub async fn caught_up(&self) -> Result<()> {
         if self.shared.writer.logs() {
             self.flush().await?;

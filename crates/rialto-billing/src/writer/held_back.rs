@@ -58,8 +58,8 @@ struct Held {
 
 /// Which opens a batch must write rather than hold back.
 pub(super) enum Release<'a> {
-    /// Every one: the batch flushes (a reader of the database waits), or
-    /// the writer stops.
+    /// Every one: the batch carries a flush for every owner (a reader of
+    /// all of them waits), or the writer stops.
     All,
     /// Those of these owners, loaded in the batch or read by its flushes;
     /// those up to `through` in the log (their segments are the oldest the
