@@ -1599,6 +1599,14 @@ pub(crate) mod tests {
             ledger.balance("account:b").await.unwrap().usd_held,
             4 * NANO
         );
+        // Opens queued just before the reader's flush (in its batch, or
+        // held back by one before it) are in the database when it answers.
+        for (owner, id) in [("account:b", "b2"), ("account:a", "a2")] {
+            let placed = book.hold(owner, &hold(id, NANO, true)).await;
+            assert!(matches!(placed.unwrap(), HoldOutcome::Placed { .. }));
+        }
+        book.caught_up_with("account:a").await.unwrap();
+        assert_eq!(holds().await, ["a1", "a2", "b1"]);
     }
 
     /// A settlement of a hold this process never knew (billing restarted
