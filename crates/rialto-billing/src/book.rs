@@ -729,10 +729,7 @@ impl Book {
     /// may be durable only in the ledger's log: for readers of every
     /// owner's rows (the operator's usage across owners).
     pub async fn caught_up(&self) -> Result<()> {
-        if self.shared.writer.logs() {
-            self.flush().await?;
-        }
-        Ok(())
+        self.caught_up_for(None).await
     }
 
     /// [`caught_up`](Self::caught_up) for a reader of one owner's rows
@@ -740,8 +737,14 @@ impl Book {
     /// holds back for other owners stay held, so a reader polling one
     /// account does not have every stream's hold written twice.
     pub async fn caught_up_with(&self, owner: &str) -> Result<()> {
+        self.caught_up_for(Some(owner)).await
+    }
+
+    /// [`caught_up_with`](Self::caught_up_with) `owner`, or
+    /// [`caught_up`](Self::caught_up) for every owner (`None`).
+    pub(crate) async fn caught_up_for(&self, owner: Option<&str>) -> Result<()> {
         if self.shared.writer.logs() {
-            self.flush_for(Some(owner.into())).await?;
+            self.flush_for(owner.map(Arc::from)).await?;
         }
         Ok(())
     }

@@ -959,10 +959,7 @@ impl BillingService for LocalBilling {
         request: pb::UsageAnalyticsRequest,
     ) -> Result<pb::UsageAnalyticsResponse> {
         let owner = (!request.all_owners).then_some(request.owner.as_str());
-        match owner {
-            Some(owner) => self.book.caught_up_with(owner).await?,
-            None => self.book.caught_up().await?,
-        }
+        self.book.caught_up_for(owner).await?;
         let groups = self
             .ledger
             .usage_groups(owner, request.start_ms, request.end_ms)
