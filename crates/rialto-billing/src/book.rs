@@ -90,6 +90,10 @@ pub(crate) struct OpenHold {
     pub usd: i64,
     pub diem: i64,
     pub expires_at_ms: i64,
+    /// When a durable hold was placed (its row's `created_at_ms`, its
+    /// journal row's `at_ms`, however late the writer writes them); 0 when
+    /// not known here (not durable, or loaded from the database).
+    pub opened_at_ms: i64,
     pub key: Option<KeyRef>,
     /// Written to `holds` (a stream's): its close is written too.
     pub durable: bool,
@@ -890,11 +894,12 @@ fn decide_hold(state: &mut State, order: &HoldOrder<'_>, lease_ms: i64) -> HoldD
         spend.usd_held += usd;
         spend.diem_held += diem;
     }
-    let expires_at_ms = if order.durable {
+    let (opened_at_ms, expires_at_ms) = if order.durable {
         // A stream's hold lives on its lease, renewed by its checkpoints.
-        now_ms().saturating_add(lease_ms).min(order.expires_at_ms)
+        let now = now_ms();
+        (now, now.saturating_add(lease_ms).min(order.expires_at_ms))
     } else {
-        order.expires_at_ms
+        (0, order.expires_at_ms)
     };
     state.holds.insert(
         order.request_id.into(),
@@ -902,6 +907,7 @@ fn decide_hold(state: &mut State, order: &HoldOrder<'_>, lease_ms: i64) -> HoldD
             usd,
             diem,
             expires_at_ms,
+            opened_at_ms,
             key: key.map(|(k, _, _)| k),
             durable: order.durable,
             checkpoint: 0,
@@ -999,6 +1005,7 @@ pub(crate) fn decide_settle(
         usd: 0,
         diem: 0,
         expires_at_ms: 0,
+        opened_at_ms: 0,
         key,
         durable: false,
         checkpoint: 0,
@@ -1495,6 +1502,18 @@ pub(crate) mod tests {
             let placed = book.hold("account:h", &hold(id, 4 * NANO, true)).await;
             assert!(matches!(placed.unwrap(), HoldOutcome::Placed { .. }));
         }
+        let placed_by = now_ms();
+        // When each hold's rows say it opened, and when its settlement was.
+        let opened_at = |db: Database| async move {
+            sqlx::query_as::<_, (String, i64, i64)>(
+                "SELECT h.request_id, h.created_at_ms, j.at_ms FROM holds h \
+                 JOIN ledger_journal j ON j.idempotency_key = 'hold:' || h.request_id \
+                 ORDER BY 1",
+            )
+            .fetch_all(db.pool())
+            .await
+            .unwrap()
+        };
         assert!(
             book.checkpoint("account:h", "h2", NANO, (5, 7))
                 .await
@@ -1537,6 +1556,21 @@ pub(crate) mod tests {
         .await
         .unwrap();
         assert_eq!(journal, ["hold:h1", "settle:h1"]);
+        // Written at the stream's end, its rows keep when it opened.
+        let [(_, created, at)] = opened_at(db.clone()).await[..] else {
+            panic!("h1's hold and its journal row")
+        };
+        assert!(
+            created <= placed_by && at == created,
+            "{created} {at} {placed_by}"
+        );
+        let settled_at: i64 = sqlx::query_scalar(
+            "SELECT at_ms FROM ledger_journal WHERE idempotency_key = 'settle:h1'",
+        )
+        .fetch_one(db.pool())
+        .await
+        .unwrap();
+        assert!(settled_at >= placed_by + 300, "{settled_at} {placed_by}");
         // A reader of the database gets "h2" too.
         let stored = reconcile(&book, &ledger, "account:h").await;
         assert_eq!((stored.usd, stored.usd_held), (7 * NANO, 4 * NANO));
@@ -1559,6 +1593,13 @@ pub(crate) mod tests {
         assert_eq!(loaded, 2);
         let open = [("h1".into(), "open".into()), ("h2".into(), "open".into())];
         assert_eq!(holds(db.clone()).await, open);
+        // The log kept when each opened.
+        for (id, created, at) in opened_at(db.clone()).await {
+            assert!(
+                created <= placed_by && at == created,
+                "{id}: {created} {at}"
+            );
+        }
         tokio::time::sleep(Duration::from_millis(300)).await;
         assert_eq!(book.sweep(now_ms()), 2);
         let stored = reconcile(&book, &ledger, "account:h").await;
@@ -1754,6 +1795,7 @@ pub(crate) mod tests {
                 usd: 2 * NANO,
                 diem: 0,
                 expires_at_ms: 0,
+                opened_at_ms: 0,
                 key: None,
                 durable: false,
                 checkpoint: 0,

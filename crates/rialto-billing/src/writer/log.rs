@@ -365,8 +365,8 @@ fn read_segment(path: &Path, records: &mut Vec<Record>) -> io::Result<()> {
 }
 
 // A frame: length (u32), CRC-32 of the payload (u32), payload; little
-// endian. The payload: kind, flags, ten i64 and the strings, each a u32
-// length and its bytes.
+// endian. The payload: kind, flags, eleven i64 and the strings, each a u32
+// length and its bytes, then `at_ms` (an i64) when flagged `TIMED`.
 
 const DURABLE: u8 = 1;
 const LATE: u8 = 2;
@@ -375,6 +375,9 @@ const REST: u8 = 8;
 /// The record names the API key that made the request (a log written
 /// before this flag existed has none).
 const ATTRIBUTED: u8 = 16;
+/// The record carries when it was decided (`at_ms`, 8 bytes after the
+/// strings; a log written before this flag existed has none).
+const TIMED: u8 = 32;
 
 fn encode(record: &Record, out: &mut Vec<u8>) {
     out.extend_from_slice(&[0; 8]);
@@ -394,6 +397,9 @@ fn encode(record: &Record, out: &mut Vec<u8>) {
     }
     if !record.spent_by.is_empty() {
         flags |= ATTRIBUTED;
+    }
+    if record.at_ms != 0 {
+        flags |= TIMED;
     }
     out.push(flags);
     for number in [
@@ -420,6 +426,9 @@ fn encode(record: &Record, out: &mut Vec<u8>) {
     }
     if !record.spent_by.is_empty() {
         put_str(out, &record.spent_by);
+    }
+    if record.at_ms != 0 {
+        out.extend_from_slice(&record.at_ms.to_le_bytes());
     }
     let payload = &out[8..];
     let length = payload.len() as u32;
@@ -507,6 +516,11 @@ fn decode(payload: &[u8]) -> Option<Record> {
     } else {
         ""
     };
+    let at_ms = if flags & TIMED != 0 {
+        i64::from_le_bytes(reader.take(8)?.try_into().ok()?)
+    } else {
+        0
+    };
     if !reader.0.is_empty() {
         return None;
     }
@@ -527,6 +541,7 @@ fn decode(payload: &[u8]) -> Option<Record> {
         spent_by: spent_by.into(),
         tokens: (prompt, completion),
         expires_at_ms,
+        at_ms,
         checkpoint,
         day,
         log_seq: 0,
@@ -594,6 +609,7 @@ mod tests {
             &a.spent_by,
             a.tokens,
             a.fence,
+            a.at_ms,
         ) == (
             b.durable,
             b.late,
@@ -603,6 +619,7 @@ mod tests {
             &b.spent_by,
             b.tokens,
             b.fence,
+            b.at_ms,
         ) && a.owner.name == b.owner.name
     }
 
@@ -614,6 +631,25 @@ mod tests {
         let (read, used) = decode_frame(&bytes).unwrap();
         assert_eq!(used, bytes.len());
         assert!(same(&record, &read));
+    }
+
+    #[test]
+    fn a_record_keeps_when_it_was_decided_and_an_older_frame_reads_without_it() {
+        let mut opened = settlement();
+        opened.kind = RecordKind::Open;
+        opened.at_ms = 1_800_000_000_123;
+        let mut bytes = Vec::new();
+        encode(&opened, &mut bytes);
+        let (read, _) = decode_frame(&bytes).unwrap();
+        assert_eq!(read.at_ms, 1_800_000_000_123);
+        assert!(same(&opened, &read));
+        // A frame from before the flag: no `TIMED`, nothing after the
+        // strings; it reads as "when written" (0).
+        let untimed = settlement();
+        let mut bytes = Vec::new();
+        encode(&untimed, &mut bytes);
+        assert_eq!(bytes[9] & TIMED, 0);
+        assert_eq!(decode_frame(&bytes).unwrap().0.at_ms, 0);
     }
 
     #[test]

@@ -93,6 +93,10 @@ pub(crate) struct Record {
     spent_by: Arc<str>,
     tokens: (i64, i64),
     expires_at_ms: i64,
+    /// When it was decided, where the writer may write it much later (a
+    /// stream's open, held back until the stream ends): its journal row's
+    /// `at_ms` and its hold's `created_at_ms`. 0: when it is written.
+    at_ms: i64,
     checkpoint: i64,
     day: i64,
     /// Its place in the ledger's log (SQLite), 0 when not logged.
@@ -118,6 +122,7 @@ impl Record {
             spent_by: Arc::from(""),
             tokens: (0, 0),
             expires_at_ms: 0,
+            at_ms: 0,
             checkpoint: 0,
             day: 0,
             log_seq: 0,
@@ -136,6 +141,7 @@ impl Record {
             key: hold.key.clone(),
             model_id: hold.model_id.clone(),
             expires_at_ms: hold.expires_at_ms,
+            at_ms: hold.opened_at_ms,
             ..Self::new(owner, fence, RecordKind::Open)
         }
     }
@@ -250,6 +256,12 @@ impl Record {
         }
     }
 
+    /// When it happened, for its rows: when it was decided, if known, else
+    /// `now` (the batch's time).
+    fn at_ms(&self, now: i64) -> i64 {
+        if self.at_ms > 0 { self.at_ms } else { now }
+    }
+
     /// Signed effects on (usd, diem, usd_held, diem_held, owed).
     fn effects(&self) -> [i64; 5] {
         match self.kind {
@@ -319,6 +331,7 @@ fn loaded_hold(
             usd,
             diem,
             expires_at_ms,
+            opened_at_ms: 0,
             key: None,
             durable: true,
             checkpoint,
@@ -978,6 +991,7 @@ mod tests {
             usd: 40,
             diem: 0,
             expires_at_ms: 1_000,
+            opened_at_ms: 0,
             key: None,
             durable: true,
             checkpoint: 0,

@@ -170,7 +170,7 @@ pub(super) async fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> Bat
                 .bind(row.model_id)
                 .bind(row.tokens.0)
                 .bind(row.tokens.1)
-                .bind(now)
+                .bind(record.at_ms(now))
                 .bind(row.key_id);
         }
         for row in query.fetch_all(&mut *tx).await? {
@@ -270,7 +270,7 @@ pub(super) async fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> Bat
                 .bind(record.held.0)
                 .bind(record.held.1)
                 .bind(hold.state.as_str())
-                .bind(now)
+                .bind(record.at_ms(now))
                 .bind(expires_at_ms)
                 .bind(record.key.as_ref().map(|k| k.0.as_str()))
                 .bind(record.key.as_ref().map(|k| k.1.as_str()))

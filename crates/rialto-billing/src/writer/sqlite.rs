@@ -558,7 +558,7 @@ pub(super) fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResu
                 row.model_id,
                 row.tokens.0,
                 row.tokens.1,
-                now,
+                record.at_ms(now),
                 row.key_id
             ])?;
             if inserted == 0 {
@@ -626,7 +626,7 @@ pub(super) fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> BatchResu
                 record.held.0,
                 record.held.1,
                 hold.state.as_str(),
-                now,
+                record.at_ms(now),
                 expires_at_ms,
                 record.key.as_ref().map(|k| k.0.as_str()),
                 record.key.as_ref().map(|k| k.1.as_str()),
