@@ -398,7 +398,7 @@ fn encode(record: &Record, out: &mut Vec<u8>) {
     if !record.spent_by.is_empty() {
         flags |= ATTRIBUTED;
     }
-    if record.at_ms != 0 {
+    if record.timed() {
         flags |= TIMED;
     }
     out.push(flags);
@@ -427,7 +427,7 @@ fn encode(record: &Record, out: &mut Vec<u8>) {
     if !record.spent_by.is_empty() {
         put_str(out, &record.spent_by);
     }
-    if record.at_ms != 0 {
+    if record.timed() {
         out.extend_from_slice(&record.at_ms.to_le_bytes());
     }
     let payload = &out[8..];
@@ -485,7 +485,7 @@ fn decode(payload: &[u8]) -> Option<Record> {
     let flags = reader.byte()?;
     let mut numbers = [0i64; 11];
     for number in &mut numbers {
-        *number = i64::from_le_bytes(reader.take(8)?.try_into().ok()?);
+        *number = reader.i64()?;
     }
     let [
         fence,
@@ -516,11 +516,7 @@ fn decode(payload: &[u8]) -> Option<Record> {
     } else {
         ""
     };
-    let at_ms = if flags & TIMED != 0 {
-        i64::from_le_bytes(reader.take(8)?.try_into().ok()?)
-    } else {
-        0
-    };
+    let at_ms = if flags & TIMED != 0 { reader.i64()? } else { 0 };
     if !reader.0.is_empty() {
         return None;
     }
@@ -562,6 +558,10 @@ impl<'a> Reader<'a> {
 
     fn byte(&mut self) -> Option<u8> {
         Some(self.take(1)?[0])
+    }
+
+    fn i64(&mut self) -> Option<i64> {
+        Some(i64::from_le_bytes(self.take(8)?.try_into().ok()?))
     }
 
     fn str(&mut self) -> Option<&'a str> {
@@ -654,15 +654,19 @@ mod tests {
 
     #[test]
     fn a_torn_or_damaged_frame_reads_as_nothing() {
-        let mut bytes = Vec::new();
-        encode(&settlement(), &mut bytes);
-        for cut in 0..bytes.len() {
-            assert!(decode_frame(&bytes[..cut]).is_none(), "cut at {cut}");
-        }
-        for i in 0..bytes.len() {
-            let mut damaged = bytes.clone();
-            damaged[i] ^= 0x40;
-            assert!(decode_frame(&damaged).is_none(), "byte {i} damaged");
+        let mut timed = settlement();
+        timed.at_ms = 1_800_000_000_123;
+        for record in [settlement(), timed] {
+            let mut bytes = Vec::new();
+            encode(&record, &mut bytes);
+            for cut in 0..bytes.len() {
+                assert!(decode_frame(&bytes[..cut]).is_none(), "cut at {cut}");
+            }
+            for i in 0..bytes.len() {
+                let mut damaged = bytes.clone();
+                damaged[i] ^= 0x40;
+                assert!(decode_frame(&damaged).is_none(), "byte {i} damaged");
+            }
         }
     }
 

@@ -259,7 +259,12 @@ impl Record {
     /// When it happened, for its rows: when it was decided, if known, else
     /// `now` (the batch's time).
     fn at_ms(&self, now: i64) -> i64 {
-        if self.at_ms > 0 { self.at_ms } else { now }
+        if self.timed() { self.at_ms } else { now }
+    }
+
+    /// Whether it carries when it was decided.
+    pub(crate) fn timed(&self) -> bool {
+        self.at_ms > 0
     }
 
     /// Signed effects on (usd, diem, usd_held, diem_held, owed).
@@ -985,13 +990,16 @@ mod tests {
     use super::*;
     use crate::book::{OpenHold, SettleOrder};
 
+    /// When [`stream_hold`] was placed: long before any batch writes it.
+    const OPENED_AT_MS: i64 = 500;
+
     /// A stream's durable hold of 40 nano-USD, before any checkpoint.
     pub(super) fn stream_hold() -> OpenHold {
         OpenHold {
             usd: 40,
             diem: 0,
             expires_at_ms: 1_000,
-            opened_at_ms: 0,
+            opened_at_ms: OPENED_AT_MS,
             key: None,
             durable: true,
             checkpoint: 0,
@@ -1117,7 +1125,8 @@ mod tests {
         assert_eq!(plan(&replayed, &written).len(), 2);
     }
 
-    /// A hold's row, less its creation time.
+    /// A hold's row, with its `created_at_ms` and its open's journal
+    /// `at_ms` last.
     type HoldColumns = (
         String,
         i64,
@@ -1128,12 +1137,15 @@ mod tests {
         Option<String>,
         String,
         [i64; 3],
+        [i64; 2],
     );
 
     async fn hold_row(db: &Database, request_id: &str) -> HoldColumns {
         let row = sqlx::query(
             "SELECT owner, usd_nanos, diem_nanos, state, expires_at_ms, key_id, key_period, \
-             model_id, checkpoint_nanos, checkpoint_prompt_tokens, checkpoint_completion_tokens \
+             model_id, checkpoint_nanos, checkpoint_prompt_tokens, checkpoint_completion_tokens, \
+             created_at_ms, (SELECT at_ms FROM ledger_journal \
+             WHERE idempotency_key = 'hold:' || holds.request_id) \
              FROM holds WHERE request_id = $1",
         )
         .bind(request_id)
@@ -1150,10 +1162,12 @@ mod tests {
             row.get(6),
             row.get(7),
             [row.get(8), row.get(9), row.get(10)],
+            [row.get(11), row.get(12)],
         )
     }
 
-    /// The row a stream of [`stream`] leaves in `state`.
+    /// The row a stream of [`stream`] leaves in `state`: opened when its
+    /// hold was placed, whichever batch wrote it.
     fn row(state: &str, lease: i64, checkpoint: [i64; 3]) -> HoldColumns {
         let owner = "account:t".to_string();
         (
@@ -1166,6 +1180,7 @@ mod tests {
             None,
             "m".into(),
             checkpoint,
+            [OPENED_AT_MS; 2],
         )
     }
 
