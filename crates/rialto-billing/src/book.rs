@@ -1099,32 +1099,81 @@ pub(crate) mod tests {
         (dir, db, ledger, book)
     }
 
-    /// A fresh PostgreSQL database, dropped by the returned guard's future.
-    pub(crate) async fn postgres() -> (Database, impl std::future::Future<Output = ()>) {
+    /// A fresh PostgreSQL database on the shared server, and the guard that
+    /// drops it: awaited at the test's end, or on its own when the test
+    /// panics before that (a failed test leaves the server clean too).
+    pub(crate) async fn postgres() -> (Database, ScratchDatabase) {
         let server = std::env::var("E2E_POSTGRES_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into());
         let name = format!("rialto_book_{}", rialto_core::ids::row_id());
-        let admin = move |sql: String, server: String| async move {
-            use sqlx::Connection;
-            let mut conn = sqlx::postgres::PgConnection::connect(&format!("{server}/postgres"))
-                .await
-                .unwrap();
-            sqlx::raw_sql(sqlx::AssertSqlSafe(sql))
-                .execute(&mut conn)
-                .await
-                .unwrap();
-            conn.close().await.unwrap();
-        };
-        admin(format!("CREATE DATABASE {name}"), server.clone()).await;
+        postgres_admin(&server, &format!("CREATE DATABASE {name}")).await;
         let db = Database::connect(&format!("{server}/{name}"), 8)
             .await
             .unwrap();
-        let pool = db.pool().clone();
-        let drop = async move {
-            pool.close().await;
-            admin(format!("DROP DATABASE {name} WITH (FORCE)"), server).await;
+        let scratch = ScratchDatabase {
+            server,
+            name: Some(name),
+            pool: db.pool().clone(),
         };
-        (db, drop)
+        (db, scratch)
+    }
+
+    async fn postgres_admin(server: &str, sql: &str) {
+        use sqlx::Connection;
+        let mut conn = sqlx::postgres::PgConnection::connect(&format!("{server}/postgres"))
+            .await
+            .unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(sql.to_owned()))
+            .execute(&mut conn)
+            .await
+            .unwrap();
+        conn.close().await.unwrap();
+    }
+
+    /// A test's own PostgreSQL database ([`postgres`]).
+    pub(crate) struct ScratchDatabase {
+        server: String,
+        /// `None` once dropped.
+        name: Option<String>,
+        pool: sqlx::AnyPool,
+    }
+
+    impl std::future::IntoFuture for ScratchDatabase {
+        type Output = ();
+        type IntoFuture = futures_util::future::BoxFuture<'static, ()>;
+
+        /// Closes the test's pool, then drops the database.
+        fn into_future(mut self) -> Self::IntoFuture {
+            let name = self.name.take();
+            let (server, pool) = (self.server.clone(), self.pool.clone());
+            Box::pin(async move {
+                pool.close().await;
+                if let Some(name) = name {
+                    postgres_admin(&server, &format!("DROP DATABASE {name} WITH (FORCE)")).await;
+                }
+            })
+        }
+    }
+
+    impl Drop for ScratchDatabase {
+        fn drop(&mut self) {
+            let Some(name) = self.name.take() else {
+                return;
+            };
+            // Not awaited (the test panicked): a runtime of its own, on a
+            // thread of its own, since this may run inside the test's.
+            let server = self.server.clone();
+            let _ = std::thread::spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build();
+                if let Ok(runtime) = runtime {
+                    let sql = format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)");
+                    runtime.block_on(postgres_admin(&server, &sql));
+                }
+            })
+            .join();
+        }
     }
 
     fn hold(request_id: &str, amount: i64, durable: bool) -> HoldOrder<'_> {
