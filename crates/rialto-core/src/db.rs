@@ -415,6 +415,7 @@ mod tests {
 
     #[tokio::test]
     async fn usage_moves_into_the_journal_on_postgres() {
+        use futures_util::FutureExt;
         use sqlx::Connection;
         let server = std::env::var("E2E_POSTGRES_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into());
@@ -436,8 +437,16 @@ mod tests {
             }
         };
         admin(format!("CREATE DATABASE {name}")).await;
-        usage_moves_into_the_journal(&format!("{server}/{name}")).await;
+        // Dropped whether the test passes or fails, then its failure
+        // raised again: the shared server is left clean either way.
+        let ran =
+            std::panic::AssertUnwindSafe(usage_moves_into_the_journal(&format!("{server}/{name}")))
+                .catch_unwind()
+                .await;
         admin(format!("DROP DATABASE {name} WITH (FORCE)")).await;
+        if let Err(failure) = ran {
+            std::panic::resume_unwind(failure);
+        }
     }
 
     #[tokio::test]
