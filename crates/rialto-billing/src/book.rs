@@ -729,23 +729,18 @@ impl Book {
         flushed.await.map_err(|_| writer::stopped())
     }
 
-    /// Waits until the database has every record decided so far, if any
-    /// may be durable only in the ledger's log: for readers of every
-    /// owner's rows (the operator's usage across owners).
-    pub async fn caught_up(&self) -> Result<()> {
-        self.caught_up_for(None).await
-    }
-
-    /// [`caught_up`](Self::caught_up) for a reader of one owner's rows
-    /// (its balance, transactions, usage): the streams' opens the writer
+    /// `caught_up_for(Some(owner))`, for a reader of one owner's rows (its
+    /// balance, transactions, usage): the streams' opens the writer
     /// holds back for other owners stay held, so a reader polling one
     /// account does not have every stream's hold written twice.
     pub async fn caught_up_with(&self, owner: &str) -> Result<()> {
         self.caught_up_for(Some(owner)).await
     }
 
-    /// [`caught_up_with`](Self::caught_up_with) `owner`, or
-    /// [`caught_up`](Self::caught_up) for every owner (`None`).
+    /// Waits until the database has every record decided so far, if any
+    /// may be durable only in the ledger's log, with the opens held back
+    /// for `owner`, or for every owner (`None`: a reader of every owner's
+    /// rows, the operator's usage across owners).
     pub(crate) async fn caught_up_for(&self, owner: Option<&str>) -> Result<()> {
         if self.shared.writer.logs() {
             self.flush_for(owner.map(Arc::from)).await?;
@@ -1100,8 +1095,8 @@ pub(crate) mod tests {
     }
 
     /// A fresh PostgreSQL database on the shared server, and the guard that
-    /// drops it: awaited at the test's end, or on its own when the test
-    /// panics before that (a failed test leaves the server clean too).
+    /// drops it: at the test's end, or as the test panics (a failed test
+    /// leaves the server clean too).
     pub(crate) async fn postgres() -> (Database, ScratchDatabase) {
         let server = std::env::var("E2E_POSTGRES_URL")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432".into());
@@ -1110,12 +1105,7 @@ pub(crate) mod tests {
         let db = Database::connect(&format!("{server}/{name}"), 8)
             .await
             .unwrap();
-        let scratch = ScratchDatabase {
-            server,
-            name: Some(name),
-            pool: db.pool().clone(),
-        };
-        (db, scratch)
+        (db, ScratchDatabase { server, name })
     }
 
     async fn postgres_admin(server: &str, sql: &str) {
@@ -1130,45 +1120,25 @@ pub(crate) mod tests {
         conn.close().await.unwrap();
     }
 
-    /// A test's own PostgreSQL database ([`postgres`]).
+    /// A test's own PostgreSQL database ([`postgres`]), dropped with this
+    /// guard (its pool's connections too: `WITH (FORCE)`).
     pub(crate) struct ScratchDatabase {
         server: String,
-        /// `None` once dropped.
-        name: Option<String>,
-        pool: sqlx::AnyPool,
-    }
-
-    impl std::future::IntoFuture for ScratchDatabase {
-        type Output = ();
-        type IntoFuture = futures_util::future::BoxFuture<'static, ()>;
-
-        /// Closes the test's pool, then drops the database.
-        fn into_future(mut self) -> Self::IntoFuture {
-            let name = self.name.take();
-            let (server, pool) = (self.server.clone(), self.pool.clone());
-            Box::pin(async move {
-                pool.close().await;
-                if let Some(name) = name {
-                    postgres_admin(&server, &format!("DROP DATABASE {name} WITH (FORCE)")).await;
-                }
-            })
-        }
+        name: String,
     }
 
     impl Drop for ScratchDatabase {
         fn drop(&mut self) {
-            let Some(name) = self.name.take() else {
-                return;
-            };
-            // Not awaited (the test panicked): a runtime of its own, on a
-            // thread of its own, since this may run inside the test's.
-            let server = self.server.clone();
+            // Drop may run inside the test's runtime: a thread with its own.
+            // (rialto-test-kit's sandbox does the same; it depends on this
+            // crate, so its helper cannot be called from here.)
+            let sql = format!("DROP DATABASE IF EXISTS {} WITH (FORCE)", self.name);
+            let server = std::mem::take(&mut self.server);
             let _ = std::thread::spawn(move || {
                 let runtime = tokio::runtime::Builder::new_current_thread()
                     .enable_all()
                     .build();
                 if let Ok(runtime) = runtime {
-                    let sql = format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)");
                     runtime.block_on(postgres_admin(&server, &sql));
                 }
             })
@@ -1403,9 +1373,9 @@ pub(crate) mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn ten_of_a_thousand_on_postgres() {
-        let (db, drop) = postgres().await;
+        let (db, scratch) = postgres().await;
         ten_of_a_thousand(db).await;
-        drop.await;
+        drop(scratch);
     }
 
     /// A closed hold is deleted a month after its stream began, a thousand
@@ -1422,7 +1392,7 @@ pub(crate) mod tests {
         // A real stream: held durably, settled, its hold closed.
         let placed = book.hold("account:f", &hold("f1", NANO, true)).await;
         assert!(matches!(placed.unwrap(), HoldOutcome::Placed { .. }));
-        book.caught_up().await.unwrap();
+        book.caught_up_for(None).await.unwrap();
         let settled = book.settle("account:f", &settle("f1", NANO)).await;
         assert_eq!(settled.unwrap(), charged(NANO, 0, 0));
         book.flush().await.unwrap();
@@ -1494,9 +1464,9 @@ pub(crate) mod tests {
 
     #[tokio::test]
     async fn closed_holds_are_forgotten_after_a_month_on_postgres() {
-        let (db, drop) = postgres().await;
+        let (db, scratch) = postgres().await;
         closed_holds_are_forgotten_after_a_month(db).await;
-        drop.await;
+        drop(scratch);
     }
 
     /// A stream's hold is durable; the process dies; after a restart its
@@ -1509,7 +1479,7 @@ pub(crate) mod tests {
         assert!(matches!(placed.unwrap(), HoldOutcome::Placed { usd, .. } if usd == 4 * NANO));
         // Durable before the first token (in the ledger's log); the
         // database has the hold once the writer caught up.
-        book.caught_up().await.unwrap();
+        book.caught_up_for(None).await.unwrap();
         assert_eq!(
             ledger.balance("account:s").await.unwrap().usd_held,
             4 * NANO
@@ -1684,7 +1654,7 @@ pub(crate) mod tests {
             4 * NANO
         );
         assert_eq!(ledger.balance("account:b").await.unwrap().usd_held, 0);
-        book.caught_up().await.unwrap();
+        book.caught_up_for(None).await.unwrap();
         assert_eq!(holds().await, ["a1", "b1"]);
         assert_eq!(
             ledger.balance("account:b").await.unwrap().usd_held,
@@ -1882,7 +1852,7 @@ pub(crate) mod tests {
             .await
             .unwrap();
         book.settle("account:l", &settle("l4", NANO)).await.unwrap();
-        book.caught_up().await.unwrap();
+        book.caught_up_for(None).await.unwrap();
         assert_eq!(ledger.charged("l4").await.unwrap(), (NANO, 0));
         drop(book);
         // Once its writer stops, the next process takes the log: empty.
@@ -1983,7 +1953,7 @@ pub(crate) mod tests {
     /// last holds the fence, and the other can no longer write for it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_replica_that_lost_an_owner_cannot_write_for_it() {
-        let (db, drop_db) = postgres().await;
+        let (db, scratch) = postgres().await;
         let ledger = Ledger::new(db.clone());
         ledger
             .credit("account:f", 10 * NANO, 0, "seed")
@@ -2038,7 +2008,7 @@ pub(crate) mod tests {
         assert_eq!(stored.usd, 9 * NANO - charged);
         // The writers give their connections back when their books go.
         drop((first, second));
-        drop_db.await;
+        drop(scratch);
     }
 
     /// A replica whose views differed from the gateways' for a moment
@@ -2047,7 +2017,7 @@ pub(crate) mod tests {
     /// reads the fence, lets the owner go and reads the database.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_replica_that_lost_an_owner_reads_its_balance_afresh() {
-        let (db, drop_db) = postgres().await;
+        let (db, scratch) = postgres().await;
         let ledger = Ledger::new(db.clone());
         ledger
             .credit("account:r", 10 * NANO, 0, "seed")
@@ -2082,7 +2052,7 @@ pub(crate) mod tests {
         let read = second.current_snapshot("account:r").await.unwrap();
         assert_eq!(read.unwrap().balance.usd, 8 * NANO);
         drop((first, second));
-        drop_db.await;
+        drop(scratch);
     }
 
     /// A staking owner's DIEM is allocated once per day, from memory.

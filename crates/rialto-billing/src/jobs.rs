@@ -559,9 +559,9 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn two_workers_never_hold_one_job_on_postgres() {
-        let (db, dropped) = crate::book::tests::postgres().await;
+        let (db, scratch) = crate::book::tests::postgres().await;
         claims_race(JobStore::new(db, 24)).await;
-        dropped.await;
+        drop(scratch);
     }
 
     async fn claims_race(jobs: JobStore) {

@@ -312,7 +312,7 @@ mod tests {
     /// not refused, and charged once.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_call_fenced_out_at_a_hand_back_is_asked_again() {
-        let (db, drop_db) = crate::book::tests::postgres().await;
+        let (db, scratch) = crate::book::tests::postgres().await;
         let config = rialto_core::Config::from_toml(
             "[[models]]\nid = \"m\"\ninput_usd_per_mtok = 1.0\noutput_usd_per_mtok = 1.0\n",
         )
@@ -372,6 +372,6 @@ mod tests {
         let ledger = crate::ledger::Ledger::new(db.clone());
         assert_eq!(ledger.charged("h1").await.unwrap(), (200_000, 0));
         drop((billing, first, second));
-        drop_db.await;
+        drop(scratch);
     }
 }

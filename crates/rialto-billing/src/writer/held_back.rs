@@ -24,7 +24,7 @@
 //!   of the owner its reader reads
 //!   ([`Book::caught_up_with`](crate::book::Book::caught_up_with)), or all
 //!   of them for a reader of every owner
-//!   ([`Book::caught_up`](crate::book::Book::caught_up));
+//!   ([`Book::caught_up_for`](crate::book::Book::caught_up_for));
 //! - an open held for [`HOLD_BACK`], or one that would keep more than
 //!   [`KEPT_SEGMENTS`](super::log::KEPT_SEGMENTS) full segments of the log,
 //!   is written as it is: the log a long stream keeps, and what a restart

@@ -263,7 +263,7 @@ impl Record {
     }
 
     /// Whether it carries when it was decided.
-    pub(crate) fn timed(&self) -> bool {
+    fn timed(&self) -> bool {
         self.at_ms > 0
     }
 
@@ -1265,7 +1265,7 @@ mod tests {
 
     #[tokio::test]
     async fn every_batching_of_a_stream_leaves_the_same_row_on_postgres() {
-        let (db, drop) = crate::book::tests::postgres().await;
+        let (db, scratch) = crate::book::tests::postgres().await;
         let pool = db.pool().clone();
         every_batching_leaves_the_same_rows(&db, |jobs| {
             let pool = pool.clone();
@@ -1275,6 +1275,6 @@ mod tests {
             }
         })
         .await;
-        drop.await;
+        drop(scratch);
     }
 }
