@@ -388,6 +388,8 @@ struct RelayBody {
     /// that leaves meanwhile does not cut the settlement short), with the
     /// lines it ends with.
     finishing: Option<tokio::task::JoinHandle<Vec<Bytes>>>,
+    /// The upstream's lines leave in bursts.
+    turn: Turn,
     /// The stream's watch: ended with the body, so a stream that ended
     /// leaves neither a task nor a timer behind it.
     watch: tokio::task::AbortHandle,
@@ -437,6 +439,7 @@ impl RelayBody {
             relaying,
             queued: queued.into_iter(),
             finishing,
+            turn: Turn::default(),
             watch,
         }
     }
@@ -487,6 +490,10 @@ impl futures_util::Stream for RelayBody {
     ) -> std::task::Poll<Option<Self::Item>> {
         use std::task::Poll;
         let this = self.get_mut();
+        if let Some(line) = this.turn.ready() {
+            lock(&this.relaying).handed = Some(std::time::Instant::now());
+            return Poll::Ready(Some(Ok(line)));
+        }
         loop {
             if let Some(line) = this.queued.next() {
                 return Poll::Ready(Some(Ok(line)));
@@ -506,9 +513,15 @@ impl futures_util::Stream for RelayBody {
             let Some(relay) = relay.as_mut() else {
                 return Poll::Ready(None);
             };
-            let event = std::task::ready!(events.poll_next_unpin(cx));
+            let Poll::Ready(event) = events.poll_next_unpin(cx) else {
+                this.turn.idle();
+                return Poll::Pending;
+            };
             match relay.read(event) {
                 Read::Line(line) => {
+                    let Some(line) = this.turn.read(line, cx) else {
+                        return Poll::Pending;
+                    };
                     relaying.handed = Some(std::time::Instant::now());
                     return Poll::Ready(Some(Ok(line)));
                 }
@@ -518,6 +531,50 @@ impl futures_util::Stream for RelayBody {
                 }
             }
         }
+    }
+}
+
+/// A burst of the upstream's lines leaves after one turn of the worker's
+/// queue. The body reads its upstream inline (no task between them), so a
+/// worker woken by a burst of chunks (the upstreams of many streams) would
+/// read one, write it to its client, read the next: writes ~15 µs apart,
+/// between which the client's reader goes back to sleep, so most writes
+/// wake it (often on the other core: an interrupt, and a switch for
+/// both). Holding a burst's first line for one turn lets the worker read
+/// every stream that is ready before it writes them back to back, as a
+/// pass-through whose upstream connections are tasks of their own does.
+/// Lines that follow at once leave without another turn, so a stream's
+/// last chunk, its `cost` chunk and `[DONE]` still leave in one write.
+#[derive(Default)]
+struct Turn {
+    /// The burst's first line, waiting for its turn.
+    waiting: Option<Bytes>,
+    /// Lines read now are of a burst whose first line has left.
+    in_burst: bool,
+}
+
+impl Turn {
+    /// The line that waited its turn; lines read after it are of its burst.
+    fn ready(&mut self) -> Option<Bytes> {
+        let line = self.waiting.take()?;
+        self.in_burst = true;
+        Some(line)
+    }
+
+    /// A line just read: out at once within a burst; else held, and the
+    /// task woken to come back for it after the others ready.
+    fn read(&mut self, line: Bytes, cx: &std::task::Context<'_>) -> Option<Bytes> {
+        if self.in_burst {
+            return Some(line);
+        }
+        self.waiting = Some(line);
+        cx.waker().wake_by_ref();
+        None
+    }
+
+    /// The upstream has nothing ready: the burst is over.
+    fn idle(&mut self) {
+        self.in_burst = false;
     }
 }
 
@@ -582,7 +639,43 @@ fn checkpoint_clock(every: std::time::Duration) -> tokio::time::Interval {
 mod tests {
     use serde_json::json;
 
-    use super::{Cost, LastChunk, UsageJson};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use bytes::Bytes;
+
+    use super::{Cost, LastChunk, Turn, UsageJson};
+
+    /// A burst's first line waits one turn (its task woken to come back),
+    /// the lines read after it leave at once, and the next burst waits
+    /// again.
+    #[test]
+    fn a_burst_of_lines_leaves_after_one_turn() {
+        struct Wakes(AtomicUsize);
+        impl std::task::Wake for Wakes {
+            fn wake(self: Arc<Self>) {
+                self.0.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        let wakes = Arc::new(Wakes(AtomicUsize::new(0)));
+        let waker = std::task::Waker::from(wakes.clone());
+        let cx = std::task::Context::from_waker(&waker);
+        let woken = || wakes.0.load(Ordering::Relaxed);
+        let line = Bytes::from_static;
+        let mut turn = Turn::default();
+        assert_eq!(turn.ready(), None);
+        assert_eq!(turn.read(line(b"a"), &cx), None);
+        assert_eq!(woken(), 1);
+        assert_eq!(turn.ready(), Some(line(b"a")));
+        assert_eq!(turn.ready(), None);
+        assert_eq!(turn.read(line(b"b"), &cx), Some(line(b"b")));
+        assert_eq!(turn.read(line(b"c"), &cx), Some(line(b"c")));
+        assert_eq!(woken(), 1);
+        turn.idle();
+        assert_eq!(turn.read(line(b"d"), &cx), None);
+        assert_eq!(woken(), 2);
+        assert_eq!(turn.ready(), Some(line(b"d")));
+    }
 
     /// The last chunk written from the relay's parts is, byte for byte,
     /// the line a `json!` tree of the same members wrote.
