@@ -372,10 +372,10 @@ struct LastChunk<'a> {
 }
 
 /// The rest of a stream, as its response body. Actix's dispatcher polls it
-/// when the client's connection has room, and it reads the upstream then:
-/// a chunk takes one turn of the worker from the upstream's connection to
-/// the client's (a relay task between them took a turn of its own, and a
-/// channel). A slow client slows the reading of the upstream, as a proxy
+/// when the client's connection has room, and it reads the upstream then,
+/// with no relay task or channel between the upstream's connection and the
+/// client's; a burst's first line waits one turn of the worker's queue
+/// ([`Turn`]), the lines read right after it none. A slow client slows the reading of the upstream, as a proxy
 /// would. What must happen whether the client reads or not (checkpoints,
 /// and the end of a reader too slow to take its chunks) is done by the
 /// stream's [`watch`] task on the checkpoint clock, which shares the relay.
@@ -388,7 +388,7 @@ struct RelayBody {
     /// that leaves meanwhile does not cut the settlement short), with the
     /// lines it ends with.
     finishing: Option<tokio::task::JoinHandle<Vec<Bytes>>>,
-    /// The upstream's lines leave in bursts.
+    /// Holds a burst's first line for one turn of the worker's queue.
     turn: Turn,
     /// The stream's watch: ended with the body, so a stream that ended
     /// leaves neither a task nor a timer behind it.
@@ -543,8 +543,10 @@ impl futures_util::Stream for RelayBody {
 /// both). Holding a burst's first line for one turn lets the worker read
 /// every stream that is ready before it writes them back to back, as a
 /// pass-through whose upstream connections are tasks of their own does.
-/// Lines that follow at once leave without another turn, so a stream's
-/// last chunk, its `cost` chunk and `[DONE]` still leave in one write.
+/// Lines that follow at once leave without another turn, so a stream
+/// whose end comes with its last chunk still ends in one write (the last
+/// chunk, the `cost` chunk and `[DONE]`); the end and failure lines never
+/// wait a turn themselves.
 #[derive(Default)]
 struct Turn {
     /// The burst's first line, waiting for its turn.
@@ -567,6 +569,8 @@ impl Turn {
         if self.in_burst {
             return Some(line);
         }
+        // The body takes a waiting line before it reads again.
+        debug_assert!(self.waiting.is_none(), "a line waited twice");
         self.waiting = Some(line);
         cx.waker().wake_by_ref();
         None
