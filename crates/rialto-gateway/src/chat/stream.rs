@@ -372,10 +372,10 @@ struct LastChunk<'a> {
 }
 
 /// The rest of a stream, as its response body. Actix's dispatcher polls it
-/// when the client's connection has room, and it reads the upstream then,
-/// with no relay task or channel between the upstream's connection and the
-/// client's; a burst's first line waits one turn of the worker's queue
-/// ([`Turn`]), the lines read right after it none. A slow client slows the reading of the upstream, as a proxy
+/// when the client's connection has room, and it reads the upstream then:
+/// a chunk takes one turn of the worker from the upstream's connection to
+/// the client's (a relay task between them took a turn of its own, and a
+/// channel). A slow client slows the reading of the upstream, as a proxy
 /// would. What must happen whether the client reads or not (checkpoints,
 /// and the end of a reader too slow to take its chunks) is done by the
 /// stream's [`watch`] task on the checkpoint clock, which shares the relay.
@@ -388,8 +388,6 @@ struct RelayBody {
     /// that leaves meanwhile does not cut the settlement short), with the
     /// lines it ends with.
     finishing: Option<tokio::task::JoinHandle<Vec<Bytes>>>,
-    /// Holds a burst's first line for one turn of the worker's queue.
-    turn: Turn,
     /// The stream's watch: ended with the body, so a stream that ended
     /// leaves neither a task nor a timer behind it.
     watch: tokio::task::AbortHandle,
@@ -439,7 +437,6 @@ impl RelayBody {
             relaying,
             queued: queued.into_iter(),
             finishing,
-            turn: Turn::default(),
             watch,
         }
     }
@@ -490,10 +487,6 @@ impl futures_util::Stream for RelayBody {
     ) -> std::task::Poll<Option<Self::Item>> {
         use std::task::Poll;
         let this = self.get_mut();
-        if let Some(line) = this.turn.ready() {
-            lock(&this.relaying).handed = Some(std::time::Instant::now());
-            return Poll::Ready(Some(Ok(line)));
-        }
         loop {
             if let Some(line) = this.queued.next() {
                 return Poll::Ready(Some(Ok(line)));
@@ -513,15 +506,9 @@ impl futures_util::Stream for RelayBody {
             let Some(relay) = relay.as_mut() else {
                 return Poll::Ready(None);
             };
-            let Poll::Ready(event) = events.poll_next_unpin(cx) else {
-                this.turn.idle();
-                return Poll::Pending;
-            };
+            let event = std::task::ready!(events.poll_next_unpin(cx));
             match relay.read(event) {
                 Read::Line(line) => {
-                    let Some(line) = this.turn.read(line, cx) else {
-                        return Poll::Pending;
-                    };
                     relaying.handed = Some(std::time::Instant::now());
                     return Poll::Ready(Some(Ok(line)));
                 }
@@ -531,54 +518,6 @@ impl futures_util::Stream for RelayBody {
                 }
             }
         }
-    }
-}
-
-/// A burst of the upstream's lines leaves after one turn of the worker's
-/// queue. The body reads its upstream inline (no task between them), so a
-/// worker woken by a burst of chunks (the upstreams of many streams) would
-/// read one, write it to its client, read the next: writes ~15 µs apart,
-/// between which the client's reader goes back to sleep, so most writes
-/// wake it (often on the other core: an interrupt, and a switch for
-/// both). Holding a burst's first line for one turn lets the worker read
-/// every stream that is ready before it writes them back to back, as a
-/// pass-through whose upstream connections are tasks of their own does.
-/// Lines that follow at once leave without another turn, so a stream
-/// whose end comes with its last chunk still ends in one write (the last
-/// chunk, the `cost` chunk and `[DONE]`); the end and failure lines never
-/// wait a turn themselves.
-#[derive(Default)]
-struct Turn {
-    /// The burst's first line, waiting for its turn.
-    waiting: Option<Bytes>,
-    /// Lines read now are of a burst whose first line has left.
-    in_burst: bool,
-}
-
-impl Turn {
-    /// The line that waited its turn; lines read after it are of its burst.
-    fn ready(&mut self) -> Option<Bytes> {
-        let line = self.waiting.take()?;
-        self.in_burst = true;
-        Some(line)
-    }
-
-    /// A line just read: out at once within a burst; else held, and the
-    /// task woken to come back for it after the others ready.
-    fn read(&mut self, line: Bytes, cx: &std::task::Context<'_>) -> Option<Bytes> {
-        if self.in_burst {
-            return Some(line);
-        }
-        // The body takes a waiting line before it reads again.
-        debug_assert!(self.waiting.is_none(), "a line waited twice");
-        self.waiting = Some(line);
-        cx.waker().wake_by_ref();
-        None
-    }
-
-    /// The upstream has nothing ready: the burst is over.
-    fn idle(&mut self) {
-        self.in_burst = false;
     }
 }
 
@@ -643,43 +582,7 @@ fn checkpoint_clock(every: std::time::Duration) -> tokio::time::Interval {
 mod tests {
     use serde_json::json;
 
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-
-    use bytes::Bytes;
-
-    use super::{Cost, LastChunk, Turn, UsageJson};
-
-    /// A burst's first line waits one turn (its task woken to come back),
-    /// the lines read after it leave at once, and the next burst waits
-    /// again.
-    #[test]
-    fn a_burst_of_lines_leaves_after_one_turn() {
-        struct Wakes(AtomicUsize);
-        impl std::task::Wake for Wakes {
-            fn wake(self: Arc<Self>) {
-                self.0.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        let wakes = Arc::new(Wakes(AtomicUsize::new(0)));
-        let waker = std::task::Waker::from(wakes.clone());
-        let cx = std::task::Context::from_waker(&waker);
-        let woken = || wakes.0.load(Ordering::Relaxed);
-        let line = Bytes::from_static;
-        let mut turn = Turn::default();
-        assert_eq!(turn.ready(), None);
-        assert_eq!(turn.read(line(b"a"), &cx), None);
-        assert_eq!(woken(), 1);
-        assert_eq!(turn.ready(), Some(line(b"a")));
-        assert_eq!(turn.ready(), None);
-        assert_eq!(turn.read(line(b"b"), &cx), Some(line(b"b")));
-        assert_eq!(turn.read(line(b"c"), &cx), Some(line(b"c")));
-        assert_eq!(woken(), 1);
-        turn.idle();
-        assert_eq!(turn.read(line(b"d"), &cx), None);
-        assert_eq!(woken(), 2);
-        assert_eq!(turn.ready(), Some(line(b"d")));
-    }
+    use super::{Cost, LastChunk, UsageJson};
 
     /// The last chunk written from the relay's parts is, byte for byte,
     /// the line a `json!` tree of the same members wrote.
