@@ -16,6 +16,26 @@
 //! The first two speak HTTP/1.1 over hyper with keep-alive connections; all
 //! print their results as JSON.
 
+/// A listener on `address` whose queue of connections not yet accepted
+/// holds [`LISTEN_BACKLOG`] (the kernel's `somaxconn` caps it). Tokio's
+/// `TcpListener::bind` asks for less (128 by `ss -ltn`), and a full queue
+/// drops a connection's SYN, which the client sends again only after a
+/// second: 512 streams opening together overflowed it, and a stream whose
+/// server opened an upstream connection then read a first token 1 s late.
+pub fn listen(address: std::net::SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = if address.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(address)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
+/// The instruments' listen backlog, as large as the load they take.
+pub const LISTEN_BACKLOG: u32 = 4096;
+
 /// Whether a JSON request body asks for a stream: `"stream"` followed by
 /// optional white space, `:`, optional white space and `true`. Enough for
 /// the bodies Rialto and LiteLLM send, without parsing them.

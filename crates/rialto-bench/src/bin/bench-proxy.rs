@@ -24,7 +24,7 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Request, Response};
 use hyper_util::rt::TokioIo;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 use tokio::sync::Mutex;
 
 #[derive(Parser, Clone)]
@@ -63,7 +63,7 @@ fn main() -> anyhow::Result<()> {
 }
 
 async fn serve(args: Args) -> anyhow::Result<()> {
-    let listener = TcpListener::bind(args.listen).await?;
+    let listener = rialto_bench::listen(args.listen)?;
     println!("bench-proxy listening on {}", listener.local_addr()?);
     loop {
         let (stream, _) = listener.accept().await?;

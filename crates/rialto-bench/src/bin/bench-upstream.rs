@@ -224,7 +224,7 @@ fn main() -> anyhow::Result<()> {
         .enable_all()
         .build()?;
     runtime.block_on(async move {
-        let listener = tokio::net::TcpListener::bind(args.listen).await?;
+        let listener = rialto_bench::listen(args.listen)?;
         println!(
             "bench-upstream listening on http://{}/v1",
             listener.local_addr()?
