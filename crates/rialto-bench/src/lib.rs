@@ -17,20 +17,15 @@
 //! print their results as JSON.
 
 /// A listener on `address` whose queue of connections not yet accepted
-/// holds [`LISTEN_BACKLOG`] (the kernel's `somaxconn` caps it). Tokio's
-/// `TcpListener::bind` asks for less (128 by `ss -ltn`), and a full queue
-/// drops a connection's SYN, which the client sends again only after a
-/// second: 512 streams opening together overflowed it, and a stream whose
-/// server opened an upstream connection then read a first token 1 s late.
+/// holds [`LISTEN_BACKLOG`], as Rialto's gateway's does
+/// ([`rialto_core::net::listen`]): with Tokio's 128, 512 streams opening
+/// together overflowed it, and a stream whose server opened an upstream
+/// connection then read its first token a second late (the SYN's retry).
+/// Call it inside a Tokio runtime.
 pub fn listen(address: std::net::SocketAddr) -> std::io::Result<tokio::net::TcpListener> {
-    let socket = if address.is_ipv4() {
-        tokio::net::TcpSocket::new_v4()?
-    } else {
-        tokio::net::TcpSocket::new_v6()?
-    };
-    socket.set_reuseaddr(true)?;
-    socket.bind(address)?;
-    socket.listen(LISTEN_BACKLOG)
+    let listener = rialto_core::net::listen(address, LISTEN_BACKLOG)?;
+    listener.set_nonblocking(true)?;
+    tokio::net::TcpListener::from_std(listener)
 }
 
 /// The instruments' listen backlog, as large as the load they take.

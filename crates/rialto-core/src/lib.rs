@@ -27,6 +27,7 @@ pub mod ids;
 pub mod log_writer;
 pub mod membership;
 pub mod metrics;
+pub mod net;
 pub mod per_thread;
 pub mod placement;
 pub mod secrets;

@@ -635,12 +635,13 @@ async fn serve(mut config: Config, here: BTreeSet<&'static str>) -> anyhow::Resu
 
     if here.contains("gateway") {
         let listener =
-            listen(config.gateway.listen, config.gateway.listen_backlog).with_context(|| {
-                format!(
-                    "cannot listen on gateway.listen = {}",
-                    config.gateway.listen
-                )
-            })?;
+            rialto_core::net::listen(config.gateway.listen, config.gateway.listen_backlog)
+                .with_context(|| {
+                    format!(
+                        "cannot listen on gateway.listen = {}",
+                        config.gateway.listen
+                    )
+                })?;
         let addr = listener.local_addr()?;
         // Documents are read by this binary in a bounded child process.
         let program = std::env::current_exe().context("cannot find this binary's path")?;
@@ -785,19 +786,6 @@ fn capitalized(name: &str) -> String {
         .next()
         .map(|first| first.to_ascii_uppercase().to_string() + chars.as_str())
         .unwrap_or_default()
-}
-
-/// A listening TCP socket with `backlog` queued connections (std's
-/// `TcpListener::bind` allows 128: a burst of connections, such as 10,000
-/// idle ones being opened again, overflows it and every client caught in
-/// the burst, valid ones too, waits a second or more for its SYN retry).
-fn listen(addr: std::net::SocketAddr, backlog: u32) -> std::io::Result<std::net::TcpListener> {
-    use socket2::{Domain, Protocol, Socket, Type};
-    let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
-    socket.set_reuse_address(true)?;
-    socket.bind(&addr.into())?;
-    socket.listen(i32::try_from(backlog).unwrap_or(i32::MAX))?;
-    Ok(socket.into())
 }
 
 #[cfg(test)]
