@@ -134,14 +134,14 @@ def quantiles(xs):
 
 
 def sockets(path):
-    """(pid, fd) -> (process, local address, peer address)."""
+    """(pid, fd) -> (local address, peer address)."""
     found = {}
     for line in open(path):
         parts = line.split()
         if len(parts) < 5:
             continue
-        for proc, pid, fd in re.findall(r'\("([^"]+)",pid=(\d+),fd=(\d+)\)', line):
-            found[(int(pid), int(fd))] = (proc, parts[2], parts[3])
+        for pid, fd in re.findall(r'\("[^"]+",pid=(\d+),fd=(\d+)\)', line):
+            found[(int(pid), int(fd))] = (parts[2], parts[3])
     return found
 
 
@@ -188,12 +188,12 @@ def trace(args, out):
 def analyse(out, load, server):
     """The legs, from what `trace` recorded in `out`."""
     socks = sockets(f"{out}/ss.txt")
-    port = next((peer for (pid, _), (_, _, peer) in socks.items() if pid == load), ":").rsplit(":", 1)[1]
+    port = next((peer for (pid, _), (_, peer) in socks.items() if pid == load), ":").rsplit(":", 1)[1]
     if not port:
         sys.exit("the load generator had no connection open")
-    by_address = {(local, peer): key for key, (_, local, peer) in socks.items()}
-    peer_of = {key: by_address.get((peer, local)) for key, (_, local, peer) in socks.items()}
-    upstream_fds = {fd for (pid, fd), (_, local, _) in socks.items() if pid == server and not local.endswith(":" + port)}
+    by_address = {(local, peer): key for key, (local, peer) in socks.items()}
+    peer_of = {key: by_address.get((peer, local)) for key, (local, peer) in socks.items()}
+    upstream_fds = {fd for (pid, fd), (local, _) in socks.items() if pid == server and not local.endswith(":" + port)}
     upstreams = {peer_of[(server, fd)][0] for fd in upstream_fds if peer_of.get((server, fd))}
     calls = calls_of(f"{out}/script.txt", {load, server, *upstreams})
     moved = collections.defaultdict(list)
