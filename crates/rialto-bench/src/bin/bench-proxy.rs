@@ -15,6 +15,12 @@
 //! less a request). Its difference from the hyper proxy is about what that
 //! server costs before any of Rialto's work (`make bench`'s `actix-proxy`
 //! scenario; `bench/ab.py --proxy --proxy-server actix`).
+//!
+//! `--server hyper-pinned` is the hyper proxy on `--threads` single-threaded
+//! runtimes, each keeping the connections it accepted, as actix-web's
+//! workers do: whether a connection pinned to a busy worker is what a
+//! stream's first token waits for (`bench/ab.py --proxy --proxy-server
+//! hyper-pinned`; session 72 in bench/NOTES.md: it is not).
 
 use std::net::SocketAddr;
 
@@ -47,13 +53,19 @@ struct Args {
 #[derive(clap::ValueEnum, Clone, Copy)]
 enum Server {
     Hyper,
+    /// hyper on `--threads` single-threaded runtimes, each accepting and
+    /// keeping its own connections (as actix-web's workers do): the same
+    /// proxy without work stealing.
+    HyperPinned,
     Actix,
 }
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    if let Server::Actix = args.server {
-        return actix::serve(args);
+    match args.server {
+        Server::Actix => return actix::serve(args),
+        Server::HyperPinned => return pinned(args),
+        Server::Hyper => {}
     }
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(args.threads.max(1))
@@ -75,6 +87,45 @@ async fn serve(args: Args) -> anyhow::Result<()> {
             }
         });
     }
+}
+
+/// `--server hyper-pinned`: one listener, and a thread per worker, each a
+/// single-threaded runtime that accepts from it and serves what it
+/// accepted.
+fn pinned(args: Args) -> anyhow::Result<()> {
+    let listener = rialto_core::net::listen(args.listen, 4096)?;
+    listener.set_nonblocking(true)?;
+    println!("bench-proxy listening on {}", listener.local_addr()?);
+    let workers = (0..args.threads.max(1))
+        .map(|_| {
+            let listener = listener.try_clone()?;
+            let upstream = args.upstream;
+            Ok(std::thread::spawn(move || -> anyhow::Result<()> {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()?;
+                let local = tokio::task::LocalSet::new();
+                local.block_on(&runtime, async move {
+                    let listener = tokio::net::TcpListener::from_std(listener)?;
+                    loop {
+                        let (stream, _) = listener.accept().await?;
+                        stream.set_nodelay(true)?;
+                        tokio::task::spawn_local(async move {
+                            if let Err(error) = connection(stream, upstream).await {
+                                eprintln!("connection: {error}");
+                            }
+                        });
+                    }
+                })
+            }))
+        })
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    for worker in workers {
+        worker
+            .join()
+            .map_err(|_| anyhow::anyhow!("a worker panicked"))??;
+    }
+    Ok(())
 }
 
 /// One downstream connection and its upstream connection: requests on a
