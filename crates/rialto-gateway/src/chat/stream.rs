@@ -163,7 +163,8 @@ enum Ending {
 
 /// A stream's relay: what the upstream has sent so far, and the exchange
 /// it is billed by. The first chunk is read by the handler (so it leaves
-/// with the head), the rest by [`RelayBody`] as the client takes them.
+/// with the head), the rest by the stream's [`watch`] for its
+/// [`RelayBody`].
 struct Relay {
     exchange: Box<Exchange>,
     /// `<brand>_parameters` and `include_<brand>_system_prompt`, when the
@@ -371,18 +372,23 @@ struct LastChunk<'a> {
     usage: &'a UsageJson,
 }
 
-/// The rest of a stream, as its response body. Actix's dispatcher polls it
-/// when the client's connection has room, and it reads the upstream then:
-/// a chunk takes one turn of the worker from the upstream's connection to
-/// the client's (a relay task between them took a turn of its own, and a
-/// channel). A slow client slows the reading of the upstream, as a proxy
-/// would. What must happen whether the client reads or not (checkpoints,
-/// and the end of a reader too slow to take its chunks) is done by the
-/// stream's [`watch`] task on the checkpoint clock, which shares the relay.
+/// The rest of a stream, as its response body. The stream's [`watch`]
+/// task reads the upstream and rewrites its chunks into lines, at most
+/// [`READ_AHEAD`] ahead of the client; actix's dispatcher polls the body
+/// when the client's connection has room, and the body hands it the next
+/// line. So the chunks that arrive together on a worker (a backend's
+/// tokens come in bursts) are all read, then all written, one write after
+/// another, as a proxy whose upstream connections are tasks of their own
+/// does: read and written in one turn each, a write came every read's
+/// length apart, and woke the client's reader for nearly every one (on
+/// the 512-stream bench, the load generator on the same two cores).
+/// A slow client slows the reading of the upstream, as a proxy would.
+/// The watch also does what must happen whether the client reads or not:
+/// checkpoints, and the end of a reader too slow to take its chunks.
 struct RelayBody {
     relaying: Arc<std::sync::Mutex<Relaying>>,
-    /// Lines to leave before the upstream is read again: the first chunk,
-    /// or the lines that end the stream.
+    /// Lines to leave before the watch's: the first chunk, or the lines
+    /// that end the stream.
     queued: std::vec::IntoIter<Bytes>,
     /// The stream's end being billed by a task of its own (so a client
     /// that leaves meanwhile does not cut the settlement short), with the
@@ -409,7 +415,21 @@ struct Relaying {
     /// When the body last handed the client a chunk, while the client has
     /// not come back for the next.
     handed: Option<std::time::Instant>,
+    /// Lines the watch read ahead of the client, at most [`READ_AHEAD`].
+    lines: std::collections::VecDeque<Bytes>,
+    /// The end the watch met, left for the body once `lines` are out.
+    ending: Option<Ending>,
+    /// The body, waiting for a line.
+    body: Option<std::task::Waker>,
+    /// The watch, waiting for the body to take a line.
+    reader: Option<std::task::Waker>,
 }
+
+/// Lines the watch reads ahead of a client that has not taken them: more
+/// than one, so that the watch, having handed a line, goes on to wait on
+/// the upstream rather than on the body; few, so that a client that stops
+/// reading soon stops the reading of the upstream.
+const READ_AHEAD: usize = 4;
 
 impl RelayBody {
     /// The body after the handler's first read: `first`, the chunk to leave
@@ -426,6 +446,10 @@ impl RelayBody {
             relay: Some(relay),
             events,
             handed: None,
+            lines: std::collections::VecDeque::new(),
+            ending: None,
+            body: None,
+            reader: None,
         }));
         let watch = tokio::spawn(watch(Arc::downgrade(&relaying), checkpoints)).abort_handle();
         let mut queued: Vec<Bytes> = first.into_iter().collect();
@@ -501,63 +525,106 @@ impl futures_util::Stream for RelayBody {
             }
             let mut relaying = lock(&this.relaying);
             relaying.handed = None;
-            let Relaying { relay, events, .. } = &mut *relaying;
             // Billed already: ended by its watch, or its end met.
-            let Some(relay) = relay.as_mut() else {
+            if relaying.relay.is_none() {
                 return Poll::Ready(None);
-            };
-            let event = std::task::ready!(events.poll_next_unpin(cx));
-            match relay.read(event) {
-                Read::Line(line) => {
-                    relaying.handed = Some(std::time::Instant::now());
-                    return Poll::Ready(Some(Ok(line)));
-                }
-                Read::Skip => {}
-                Read::Ends(end) => {
-                    this.queued = body_end(&mut relaying, end, &mut this.finishing).into_iter()
-                }
             }
+            if let Some(line) = relaying.lines.pop_front() {
+                relaying.handed = Some(std::time::Instant::now());
+                if let Some(reader) = relaying.reader.take() {
+                    reader.wake();
+                }
+                return Poll::Ready(Some(Ok(line)));
+            }
+            if let Some(end) = relaying.ending.take() {
+                this.queued = body_end(&mut relaying, end, &mut this.finishing).into_iter();
+                continue;
+            }
+            relaying.body = Some(cx.waker().clone());
+            return Poll::Pending;
         }
     }
 }
 
-/// A stream's watch, one task on its checkpoint clock for as long as its
-/// body lives (the body's drop aborts it): the hold lives on a lease that
-/// each checkpoint renews, so it checkpoints whether chunks come or not (a
-/// backend silent for longer than the lease must not let the hold expire
-/// and the stream go free); and a client that has not come back for
-/// `reader_patience` after its last chunk is ended and charged what it was
-/// sent (the upstream is let go at once, not when the client's connection
-/// closes).
+/// A stream's watch, one task for as long as its body lives (the body's
+/// drop aborts it). It reads the upstream's chunks into lines for the body,
+/// at most [`READ_AHEAD`] ahead of the client (what it read is what the
+/// stream used, whether or not the client took it). On its checkpoint
+/// clock: the hold lives on a lease that each checkpoint renews, so it
+/// checkpoints whether chunks come or not (a backend silent for longer
+/// than the lease must not let the hold expire and the stream go free);
+/// and a client that has not come back for `reader_patience` after its
+/// last chunk is ended and charged what was read for it (the upstream is
+/// let go at once, not when the client's connection closes).
 async fn watch(
     relaying: std::sync::Weak<std::sync::Mutex<Relaying>>,
     mut checkpoints: tokio::time::Interval,
 ) {
-    loop {
-        checkpoints.tick().await;
+    use std::task::Poll;
+    std::future::poll_fn(|cx| {
         // Gone with its body: billed as it dropped.
         let Some(relaying) = relaying.upgrade() else {
-            return;
+            return Poll::Ready(());
         };
         let mut relaying = lock(&relaying);
-        let handed = relaying.handed;
-        let Some(relay) = relaying.relay.as_mut() else {
-            return;
-        };
-        let patience = relay.exchange.reader_patience;
-        if handed.is_some_and(|handed| handed.elapsed() >= patience) {
-            tracing::warn!(
-                request_id = relay.exchange.request_id,
-                patience_secs = patience.as_secs(),
-                "the client stopped reading the stream: ended"
-            );
-            relay.bill_later();
-            relaying.relay = None;
-            relaying.events = Box::pin(futures_util::stream::empty());
-            return;
+        while checkpoints.poll_tick(cx).is_ready() {
+            let handed = relaying.handed;
+            let Some(relay) = relaying.relay.as_mut() else {
+                return Poll::Ready(());
+            };
+            let patience = relay.exchange.reader_patience;
+            if handed.is_some_and(|handed| handed.elapsed() >= patience) {
+                tracing::warn!(
+                    request_id = relay.exchange.request_id,
+                    patience_secs = patience.as_secs(),
+                    "the client stopped reading the stream: ended"
+                );
+                relay.bill_later();
+                relaying.relay = None;
+                relaying.events = Box::pin(futures_util::stream::empty());
+                relaying.lines.clear();
+                if let Some(body) = relaying.body.take() {
+                    body.wake();
+                }
+                return Poll::Ready(());
+            }
+            relay.checkpoint();
         }
-        relay.checkpoint();
-    }
+        // Reads ahead of the client: the chunks of a burst are read by
+        // their watches first, and written by their bodies after, one
+        // write after another.
+        loop {
+            let Relaying {
+                relay,
+                events,
+                lines,
+                ending,
+                body,
+                reader,
+                ..
+            } = &mut *relaying;
+            let Some(relay) = relay.as_mut() else {
+                return Poll::Ready(());
+            };
+            if ending.is_some() {
+                return Poll::Pending;
+            }
+            if lines.len() >= READ_AHEAD {
+                *reader = Some(cx.waker().clone());
+                return Poll::Pending;
+            }
+            let event = std::task::ready!(events.poll_next_unpin(cx));
+            match relay.read(event) {
+                Read::Line(line) => lines.push_back(line),
+                Read::Skip => continue,
+                Read::Ends(end) => *ending = Some(end),
+            }
+            if let Some(body) = body.take() {
+                body.wake();
+            }
+        }
+    })
+    .await
 }
 
 /// The lock of a stream's relay, shared by its body and its watch: neither
