@@ -163,8 +163,8 @@ enum Ending {
 
 /// A stream's relay: what the upstream has sent so far, and the exchange
 /// it is billed by. The first chunk is read by the handler (so it leaves
-/// with the head), the rest by the stream's [`watch`] for its
-/// [`RelayBody`].
+/// with the head), the rest by [`RelayBody`] from the events its
+/// [`watch`] read.
 struct Relay {
     exchange: Box<Exchange>,
     /// `<brand>_parameters` and `include_<brand>_system_prompt`, when the
@@ -373,21 +373,22 @@ struct LastChunk<'a> {
 }
 
 /// The rest of a stream, as its response body. The stream's [`watch`]
-/// task reads the upstream and rewrites its chunks into lines, at most
-/// [`READ_AHEAD`] ahead of the client; actix's dispatcher polls the body
-/// when the client's connection has room, and the body hands it the next
-/// line. So the chunks that arrive together on a worker (a backend's
+/// task reads the upstream's events, at most [`READ_AHEAD`] ahead of the
+/// client; actix's dispatcher polls the body when the client's connection
+/// has room, and the body rewrites the next event into a line and hands it
+/// over. So the chunks that arrive together on a worker (a backend's
 /// tokens come in bursts) are all read, then all written, one write after
 /// another, as a proxy whose upstream connections are tasks of their own
-/// does: read and written in one turn each, a write came every read's
-/// length apart, and woke the client's reader for nearly every one (on
-/// the 512-stream bench, the load generator on the same two cores).
-/// A slow client slows the reading of the upstream, as a proxy would.
-/// The watch also does what must happen whether the client reads or not:
+/// does; read and written in one turn each, the writes came a read apart
+/// and woke the client's reader for nearly every one (on the 512-stream
+/// bench, the load generator on the same two cores), and a new stream's
+/// request waited behind them. A slow client slows the reading of the
+/// upstream, as a proxy would, and is billed what it was handed. The watch
+/// also does what must happen whether the client reads or not:
 /// checkpoints, and the end of a reader too slow to take its chunks.
 struct RelayBody {
     relaying: Arc<std::sync::Mutex<Relaying>>,
-    /// Lines to leave before the watch's: the first chunk, or the lines
+    /// Lines to leave before the next event is read: the first chunk, or the lines
     /// that end the stream.
     queued: std::vec::IntoIter<Bytes>,
     /// The stream's end being billed by a task of its own (so a client
@@ -415,19 +416,20 @@ struct Relaying {
     /// When the body last handed the client a chunk, while the client has
     /// not come back for the next.
     handed: Option<std::time::Instant>,
-    /// Lines the watch read ahead of the client, at most [`READ_AHEAD`].
-    lines: std::collections::VecDeque<Bytes>,
-    /// The end the watch met, left for the body once `lines` are out.
-    ending: Option<Ending>,
-    /// The body, waiting for a line.
+    /// The upstream's events the watch read ahead of the client, at most
+    /// [`READ_AHEAD`]: the body turns each into a line as it hands it over.
+    ahead: std::collections::VecDeque<StreamEvent>,
+    /// The watch has read the stream's last event (its end, or a failure).
+    read_all: bool,
+    /// The body, waiting for an event.
     body: Option<std::task::Waker>,
-    /// The watch, waiting for the body to take a line.
+    /// The watch, waiting for the body to take an event.
     reader: Option<std::task::Waker>,
 }
 
-/// Lines the watch reads ahead of a client that has not taken them: more
-/// than one, so that the watch, having handed a line, goes on to wait on
-/// the upstream rather than on the body; few, so that a client that stops
+/// Events the watch reads ahead of a client that has not taken them: more
+/// than one, so that the watch, having read one, goes on to wait on the
+/// upstream rather than on the body; few, so that a client that stops
 /// reading soon stops the reading of the upstream.
 const READ_AHEAD: usize = 4;
 
@@ -446,8 +448,8 @@ impl RelayBody {
             relay: Some(relay),
             events,
             handed: None,
-            lines: std::collections::VecDeque::new(),
-            ending: None,
+            ahead: std::collections::VecDeque::new(),
+            read_all: false,
             body: None,
             reader: None,
         }));
@@ -529,33 +531,39 @@ impl futures_util::Stream for RelayBody {
             if relaying.relay.is_none() {
                 return Poll::Ready(None);
             }
-            if let Some(line) = relaying.lines.pop_front() {
-                relaying.handed = Some(std::time::Instant::now());
-                if let Some(reader) = relaying.reader.take() {
-                    reader.wake();
+            let Some(event) = relaying.ahead.pop_front() else {
+                relaying.body = Some(cx.waker().clone());
+                return Poll::Pending;
+            };
+            if let Some(reader) = relaying.reader.take() {
+                reader.wake();
+            }
+            let Some(relay) = relaying.relay.as_mut() else {
+                return Poll::Ready(None);
+            };
+            match relay.read(event) {
+                Read::Line(line) => {
+                    relaying.handed = Some(std::time::Instant::now());
+                    return Poll::Ready(Some(Ok(line)));
                 }
-                return Poll::Ready(Some(Ok(line)));
+                Read::Skip => {}
+                Read::Ends(end) => {
+                    this.queued = body_end(&mut relaying, end, &mut this.finishing).into_iter()
+                }
             }
-            if let Some(end) = relaying.ending.take() {
-                this.queued = body_end(&mut relaying, end, &mut this.finishing).into_iter();
-                continue;
-            }
-            relaying.body = Some(cx.waker().clone());
-            return Poll::Pending;
         }
     }
 }
 
 /// A stream's watch, one task for as long as its body lives (the body's
-/// drop aborts it). It reads the upstream's chunks into lines for the body,
-/// at most [`READ_AHEAD`] ahead of the client (what it read is what the
-/// stream used, whether or not the client took it). On its checkpoint
-/// clock: the hold lives on a lease that each checkpoint renews, so it
-/// checkpoints whether chunks come or not (a backend silent for longer
-/// than the lease must not let the hold expire and the stream go free);
-/// and a client that has not come back for `reader_patience` after its
-/// last chunk is ended and charged what was read for it (the upstream is
-/// let go at once, not when the client's connection closes).
+/// drop aborts it). It reads the upstream's events for the body, at most
+/// [`READ_AHEAD`] ahead of the client. On its checkpoint clock: the hold
+/// lives on a lease that each checkpoint renews, so it checkpoints whether
+/// chunks come or not (a backend silent for longer than the lease must not
+/// let the hold expire and the stream go free); and a client that has not
+/// come back for `reader_patience` after its last chunk is ended and
+/// charged what it was sent (the upstream is let go at once, not when the
+/// client's connection closes).
 async fn watch(
     relaying: std::sync::Weak<std::sync::Mutex<Relaying>>,
     mut checkpoints: tokio::time::Interval,
@@ -582,7 +590,7 @@ async fn watch(
                 relay.bill_later();
                 relaying.relay = None;
                 relaying.events = Box::pin(futures_util::stream::empty());
-                relaying.lines.clear();
+                relaying.ahead.clear();
                 if let Some(body) = relaying.body.take() {
                     body.wake();
                 }
@@ -591,34 +599,31 @@ async fn watch(
             relay.checkpoint();
         }
         // Reads ahead of the client: the chunks of a burst are read by
-        // their watches first, and written by their bodies after, one
-        // write after another.
+        // their watches first, and rewritten and written by their bodies
+        // after, one write after another.
         loop {
             let Relaying {
                 relay,
                 events,
-                lines,
-                ending,
+                ahead,
+                read_all,
                 body,
                 reader,
                 ..
             } = &mut *relaying;
-            let Some(relay) = relay.as_mut() else {
+            if relay.is_none() {
                 return Poll::Ready(());
-            };
-            if ending.is_some() {
+            }
+            if *read_all {
                 return Poll::Pending;
             }
-            if lines.len() >= READ_AHEAD {
+            if ahead.len() >= READ_AHEAD {
                 *reader = Some(cx.waker().clone());
                 return Poll::Pending;
             }
             let event = std::task::ready!(events.poll_next_unpin(cx));
-            match relay.read(event) {
-                Read::Line(line) => lines.push_back(line),
-                Read::Skip => continue,
-                Read::Ends(end) => *ending = Some(end),
-            }
+            *read_all = !matches!(event, Some(Ok(_)));
+            ahead.push_back(event);
             if let Some(body) = body.take() {
                 body.wake();
             }
