@@ -375,7 +375,7 @@ def waits(args, out):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bin", required=True, help="a build folder: rialto and the bench binaries")
-    p.add_argument("--proxy-server", help="trace bench-proxy on this stack (hyper, actix) instead of Rialto")
+    p.add_argument("--proxy-server", help="trace bench-proxy on this stack (hyper, hyper-pinned, actix) instead of Rialto")
     p.add_argument("--epoll", action="store_true", help="only the server's epoll_wait calls")
     p.add_argument("--waits", action="store_true", help="no tracing: each thread's time run and waited (schedstat)")
     p.add_argument("--seconds", type=float, default=1.0)
