@@ -266,7 +266,7 @@ impl RateLimiter {
             let state = response.state.unwrap_or_default();
             if !response.admitted {
                 self.release(ticket);
-                let mut headers = headers(scope, &state);
+                let mut headers = headers(scope, &state, self.0.span_ms);
                 // On a refusal, the reset is when this request would fit.
                 headers.reset_requests = ceil_secs(response.retry_at_ms);
                 record_decision(match response.refused_by.as_str() {
@@ -301,7 +301,7 @@ impl RateLimiter {
         }
         record_decision("none");
         Ok(Admission {
-            headers: shown.map(|(scope, state)| headers(scope, &state)),
+            headers: shown.map(|(scope, state)| headers(scope, &state, self.0.span_ms)),
             refusal: None,
             ticket,
         })
@@ -350,7 +350,7 @@ impl RateLimiter {
                 shown = Some((spec.scope, state));
             }
         }
-        Ok(shown.map(|(scope, state)| headers(scope, &state)))
+        Ok(shown.map(|(scope, state)| headers(scope, &state, self.0.span_ms)))
     }
 
     /// Tells the owners what the request used. A window of this process's
@@ -547,7 +547,12 @@ fn ceil_secs(ms: i64) -> i64 {
     ms.div_euclid(1000) + i64::from(ms.rem_euclid(1000) > 0)
 }
 
-fn headers(scope: Scope, state: &pb::WindowState) -> RateHeaders {
+/// The headers of a window's `state`. Its times are on the clock of the
+/// process that owns the window, which may be another replica's: one that
+/// reads a few milliseconds ahead of this one's would show a token reset
+/// beyond the window's span (61 s of a minute), so the reset is bounded by
+/// `span_ms`, the most a sliding window can be from its reset.
+fn headers(scope: Scope, state: &pb::WindowState, span_ms: i64) -> RateHeaders {
     let now = crate::clock::now_ms();
     RateHeaders {
         scope,
@@ -557,7 +562,7 @@ fn headers(scope: Scope, state: &pb::WindowState) -> RateHeaders {
         tokens: (state.limit_tokens > 0).then(|| TokenHeaders {
             limit: state.limit_tokens,
             remaining: state.remaining_tokens,
-            reset_secs: ceil_secs((state.reset_tokens_ms - now).max(0)),
+            reset_secs: ceil_secs((state.reset_tokens_ms - now).clamp(0, span_ms)),
         }),
     }
 }
@@ -667,6 +672,20 @@ mod tests {
         assert!(counts.iter().all(|&c| c > 400), "{counts:?}");
         // Adding a replica only takes principals; none move between the others.
         assert_eq!(moved_between_survivors, 0);
+    }
+
+    /// A window owned by a replica whose clock reads ahead of this
+    /// process's shows a token reset of at most its span, not a second more.
+    #[test]
+    fn a_token_reset_from_a_clock_ahead_is_at_most_the_span() {
+        let state = pb::WindowState {
+            limit_tokens: 1_000,
+            remaining_tokens: 900,
+            reset_tokens_ms: crate::clock::now_ms() + 60_000 + 20,
+            ..Default::default()
+        };
+        let shown = headers(Scope::ApiKey, &state, 60_000);
+        assert_eq!(shown.tokens.map(|tokens| tokens.reset_secs), Some(60));
     }
 
     #[test]
