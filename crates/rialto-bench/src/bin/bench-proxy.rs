@@ -79,13 +79,18 @@ async fn serve(args: Args) -> anyhow::Result<()> {
     println!("bench-proxy listening on {}", listener.local_addr()?);
     loop {
         let (stream, _) = listener.accept().await?;
-        stream.set_nodelay(true)?;
-        let upstream = args.upstream;
-        tokio::spawn(async move {
-            if let Err(error) = connection(stream, upstream).await {
-                eprintln!("connection: {error}");
-            }
-        });
+        tokio::spawn(accepted(stream, args.upstream));
+    }
+}
+
+/// Serves one accepted connection until it ends, reporting a failure.
+async fn accepted(stream: TcpStream, upstream: SocketAddr) {
+    let served = match stream.set_nodelay(true) {
+        Ok(()) => connection(stream, upstream).await,
+        Err(error) => Err(error.into()),
+    };
+    if let Err(error) = served {
+        eprintln!("connection: {error}");
     }
 }
 
@@ -109,12 +114,7 @@ fn pinned(args: Args) -> anyhow::Result<()> {
                     let listener = tokio::net::TcpListener::from_std(listener)?;
                     loop {
                         let (stream, _) = listener.accept().await?;
-                        stream.set_nodelay(true)?;
-                        tokio::task::spawn_local(async move {
-                            if let Err(error) = connection(stream, upstream).await {
-                                eprintln!("connection: {error}");
-                            }
-                        });
+                        tokio::task::spawn_local(accepted(stream, upstream));
                     }
                 })
             }))

@@ -388,8 +388,8 @@ struct LastChunk<'a> {
 /// checkpoints, and the end of a reader too slow to take its chunks.
 struct RelayBody {
     relaying: Arc<std::sync::Mutex<Relaying>>,
-    /// Lines to leave before the next event is read: the first chunk, or the lines
-    /// that end the stream.
+    /// Lines to leave before the next event is taken: the first chunk, or
+    /// the lines that end the stream.
     queued: std::vec::IntoIter<Bytes>,
     /// The stream's end being billed by a task of its own (so a client
     /// that leaves meanwhile does not cut the settlement short), with the
@@ -448,7 +448,7 @@ impl RelayBody {
             relay: Some(relay),
             events,
             handed: None,
-            ahead: std::collections::VecDeque::new(),
+            ahead: std::collections::VecDeque::with_capacity(READ_AHEAD),
             read_all: false,
             body: None,
             reader: None,
@@ -527,20 +527,24 @@ impl futures_util::Stream for RelayBody {
             }
             let mut relaying = lock(&this.relaying);
             relaying.handed = None;
+            let Relaying {
+                relay,
+                ahead,
+                body,
+                reader,
+                ..
+            } = &mut *relaying;
             // Billed already: ended by its watch, or its end met.
-            if relaying.relay.is_none() {
+            let Some(relay) = relay.as_mut() else {
                 return Poll::Ready(None);
-            }
-            let Some(event) = relaying.ahead.pop_front() else {
-                relaying.body = Some(cx.waker().clone());
+            };
+            let Some(event) = ahead.pop_front() else {
+                *body = Some(cx.waker().clone());
                 return Poll::Pending;
             };
-            if let Some(reader) = relaying.reader.take() {
+            if let Some(reader) = reader.take() {
                 reader.wake();
             }
-            let Some(relay) = relaying.relay.as_mut() else {
-                return Poll::Ready(None);
-            };
             match relay.read(event) {
                 Read::Line(line) => {
                     relaying.handed = Some(std::time::Instant::now());
