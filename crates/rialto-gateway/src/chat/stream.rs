@@ -15,6 +15,7 @@ use serde_json::{Value, json};
 
 use super::chunks::{Chunk, ChunkHead, read_chunk, read_chunk_tree, sse};
 use super::metering::{BALANCE_REMAINING, Cost, Usage, UsageJson, usage_or_estimate};
+use super::turns::Turn;
 use super::{Exchange, in_band_error, model_headers, search_error_header};
 use crate::augment;
 use crate::{ApiError, Gateway, ModelEntry};
@@ -561,7 +562,9 @@ impl futures_util::Stream for RelayBody {
 
 /// A stream's watch, one task for as long as its body lives (the body's
 /// drop aborts it). It reads the upstream's events for the body, at most
-/// [`READ_AHEAD`] ahead of the client. On its checkpoint clock: the hold
+/// [`READ_AHEAD`] ahead of the client, each time it is woken after a
+/// [`Turn`] (a few watches a look of the worker at its sockets, so that
+/// new streams are not kept behind a burst). On its checkpoint clock: the hold
 /// lives on a lease that each checkpoint renews, so it checkpoints whether
 /// chunks come or not (a backend silent for longer than the lease must not
 /// let the hold expire and the stream go free); and a client that has not
@@ -573,7 +576,11 @@ async fn watch(
     mut checkpoints: tokio::time::Interval,
 ) {
     use std::task::Poll;
+    let mut turn = Turn::default();
     std::future::poll_fn(|cx| {
+        // Woken with something to do: after what the worker found readable
+        // meanwhile, and a few watches at a time.
+        std::task::ready!(turn.poll(cx));
         // Gone with its body: billed as it dropped.
         let Some(relaying) = relaying.upgrade() else {
             return Poll::Ready(());
