@@ -13,8 +13,8 @@
 //!   every priced endpoint uses it, not only chat;
 //! - `stream`: a streamed answer relayed as SSE, with its checkpoints and
 //!   its ending (usage, `cost`, `[DONE]`);
-//! - `turns`: a worker's stream reads, a few between two of its looks at
-//!   its sockets, so a new stream waits behind a few chunks, not a burst;
+//! - `turns`: a worker's stream reads, a few after each poll of its I/O
+//!   driver, so a new stream waits behind a few chunks, not a burst;
 //! - `chunks`: one upstream chunk read (the fast path and the tree);
 //! - `whole`: a whole answer read and written as ours (the same two ways);
 //! - `validate`: the body's checks and the prompt's estimate;

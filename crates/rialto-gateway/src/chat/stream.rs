@@ -562,9 +562,10 @@ impl futures_util::Stream for RelayBody {
 
 /// A stream's watch, one task for as long as its body lives (the body's
 /// drop aborts it). It reads the upstream's events for the body, at most
-/// [`READ_AHEAD`] ahead of the client, each time it is woken after a
-/// [`Turn`] (a few watches a look of the worker at its sockets, so that
-/// new streams are not kept behind a burst). On its checkpoint clock: the hold
+/// [`READ_AHEAD`] ahead of the client, each time it is woken once its
+/// [`Turn`] comes (its worker's waiting watches go on a few after each
+/// poll of the I/O driver, so new streams are not kept behind a burst).
+/// On its checkpoint clock: the hold
 /// lives on a lease that each checkpoint renews, so it checkpoints whether
 /// chunks come or not (a backend silent for longer than the lease must not
 /// let the hold expire and the stream go free); and a client that has not
