@@ -22,13 +22,11 @@
 //! Tokio runtime keeps the waker of a task that yields
 //! ([`tokio::task::yield_now`]) until it has polled its I/O driver, and
 //! wakes it then, before running any task. The queue yields with a waker
-//! of its own ([`DriverPolled`]), armed while watches wait. That is an
-//! implementation detail Tokio's docs do not promise (actix's workers are
-//! current-thread runtimes); a Tokio that woke a yield at once would give
-//! the turns out at once, which is how the queue behaves outside a
-//! runtime too, and nearly so on a multi-thread runtime (whose worker may
-//! wake what it kept without having polled the driver): the order is
-//! lost, nothing else.
+//! of its own ([`DriverPolled`]) while watches wait in it. That is an
+//! implementation detail Tokio's docs do not promise; a Tokio that woke a
+//! yield at once would give the turns out at once: the order would be
+//! lost, nothing else. Turns are given on a current-thread runtime only
+//! (actix's workers are): elsewhere a watch goes on at once.
 //!
 //! Only the order changes: no socket is read or written more than before;
 //! a watch is polled once more a wake, and the driver once more for every
@@ -37,7 +35,7 @@
 use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, LazyLock, Mutex, Weak};
+use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll, Wake, Waker};
 
 /// Watches given a turn after each poll of the driver. One costs CPU (a
@@ -52,8 +50,16 @@ struct Queue {
     /// In the order they asked; a watch that ended while waiting is left
     /// here and skipped.
     waiting: VecDeque<Weak<Place>>,
-    /// A [`DriverPolled`] waker is with the runtime.
-    armed: bool,
+    /// The [`DriverPolled`] waker with the runtime, if any: armed while it
+    /// lives. The runtime drops what it kept when its `block_on` ends, so
+    /// a flag could outlive the waker and leave the queue armed for good.
+    armed: Weak<DriverPolled>,
+}
+
+impl Queue {
+    fn armed(&self) -> bool {
+        self.armed.strong_count() > 0
+    }
 }
 
 thread_local! {
@@ -105,22 +111,25 @@ impl Turn {
                 Poll::Ready(())
             }
             WAITING => {
-                let mut waker = lock(&self.place.waker);
-                if !waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
-                    *waker = Some(cx.waker().clone());
+                {
+                    let mut waker = lock(&self.place.waker);
+                    if !waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                        *waker = Some(cx.waker().clone());
+                    }
                 }
+                // Whatever left the queue unarmed, a wake of a watch in it
+                // arms it again.
+                rearm();
                 Poll::Pending
             }
+            _ if !on_a_current_thread_runtime() => Poll::Ready(()),
             _ => {
                 *lock(&self.place.waker) = Some(cx.waker().clone());
                 self.place.state.store(WAITING, Ordering::Relaxed);
-                let arm = QUEUE.with_borrow_mut(|queue| {
+                QUEUE.with_borrow_mut(|queue| {
                     queue.waiting.push_back(Arc::downgrade(&self.place));
-                    !std::mem::replace(&mut queue.armed, true)
                 });
-                if arm {
-                    arm_driver_polled();
-                }
+                rearm();
                 Poll::Pending
             }
         }
@@ -133,8 +142,20 @@ fn lock(waker: &Mutex<Option<Waker>>) -> std::sync::MutexGuard<'_, Option<Waker>
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// Turns are given on a current-thread runtime only: on a multi-thread
+/// one, a watch given its turn may run on another worker than the queue
+/// it left, whose watches would be left with no one to arm it again; the
+/// watch goes on at once there (and outside a runtime).
+fn on_a_current_thread_runtime() -> bool {
+    tokio::runtime::Handle::try_current().is_ok_and(|runtime| {
+        runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread
+    })
+}
+
 /// The queue's waker with the runtime: woken once its driver was polled,
-/// on the thread that yielded (whose queue it gives turns from).
+/// on the thread that yielded (whose queue it gives turns from). One a
+/// time it is armed, so that the queue knows whether the runtime still
+/// holds it.
 struct DriverPolled;
 
 impl Wake for DriverPolled {
@@ -143,14 +164,28 @@ impl Wake for DriverPolled {
     }
 }
 
-/// Hands the runtime the queue's [`DriverPolled`] waker (the queue's
-/// `armed` already set). Never called while the runtime wakes what it
-/// kept (a `yield_now` then would find its list borrowed): only from a
-/// watch's poll.
-fn arm_driver_polled() {
-    static WAKER: LazyLock<Waker> = LazyLock::new(|| Waker::from(Arc::new(DriverPolled)));
+/// Arms the queue if watches wait in it and it is not armed: hands the
+/// runtime a [`DriverPolled`] waker as a yield's. Only from a watch's poll
+/// or drop, never while the runtime wakes what it kept (a yield then would
+/// find its list borrowed): so never from [`give_turns`].
+fn rearm() {
+    // At a thread's end the queue may be gone before a watch's drop.
+    let Ok(Some(armed)) = QUEUE.try_with(|queue| {
+        let mut queue = queue.borrow_mut();
+        if queue.waiting.is_empty() || queue.armed() {
+            return None;
+        }
+        let armed = Arc::new(DriverPolled);
+        queue.armed = Arc::downgrade(&armed);
+        Some(armed)
+    }) else {
+        return;
+    };
+    // Outside a runtime the yield wakes it at once: the turns are given
+    // now (the queue's borrow is released above).
+    let waker = Waker::from(armed);
     let yielding = std::pin::pin!(tokio::task::yield_now());
-    let _ = std::future::Future::poll(yielding, &mut Context::from_waker(&WAKER));
+    let _ = std::future::Future::poll(yielding, &mut Context::from_waker(&waker));
 }
 
 /// The driver was polled: the first [`TURNS_PER_POLL`] watches still
@@ -162,7 +197,7 @@ fn give_turns() {
     #[cfg(test)]
     GIVINGS.set(GIVINGS.get() + 1);
     let given = QUEUE.with_borrow_mut(|queue| {
-        queue.armed = false;
+        queue.armed = Weak::new();
         let mut given = Vec::with_capacity(TURNS_PER_POLL);
         while given.len() < TURNS_PER_POLL {
             let Some(place) = queue.waiting.pop_front() else {
@@ -180,16 +215,6 @@ fn give_turns() {
         if let Some(waker) = lock(&place.waker).take() {
             waker.wake();
         }
-    }
-}
-
-/// Arms the queue if watches wait and it is not armed.
-fn rearm() {
-    let arm = QUEUE.with_borrow_mut(|queue| {
-        !queue.waiting.is_empty() && !std::mem::replace(&mut queue.armed, true)
-    });
-    if arm {
-        arm_driver_polled();
     }
 }
 
@@ -300,20 +325,61 @@ mod tests {
     /// socket) keeps its place: it does not go on before its turn.
     #[test]
     fn a_wake_while_waiting_keeps_the_place() {
-        let mut cx = Context::from_waker(Waker::noop());
-        // Marked armed, the queue hands no waker to a runtime (outside one,
-        // a yield is woken at once): the turn is given by hand below.
-        QUEUE.with_borrow_mut(|queue| queue.armed = true);
+        current_thread().block_on(std::future::poll_fn(|cx| {
+            let mut turn = Turn::default();
+            assert!(turn.poll(cx).is_pending(), "asked");
+            assert!(turn.poll(cx).is_pending(), "woken again: still waiting");
+            give_turns();
+            assert!(turn.poll(cx).is_ready(), "its turn");
+            assert!(turn.poll(cx).is_pending(), "woken after: asks again");
+            Poll::Ready(())
+        }));
+    }
+
+    /// A runtime's `block_on` that ends while the queue is armed drops the
+    /// waker it kept: the next one on the thread arms the queue again.
+    #[test]
+    fn a_queue_armed_by_an_ended_block_on_is_armed_again() {
+        let runtime = current_thread();
+        runtime.block_on(std::future::poll_fn(|cx| {
+            let mut turn = Turn::default();
+            assert!(turn.poll(cx).is_pending(), "asked, then left");
+            Poll::Ready(())
+        }));
+        runtime.block_on(async {
+            let mut turn = Turn::default();
+            tokio::time::timeout(std::time::Duration::from_secs(5), take_turn(&mut turn))
+                .await
+                .expect("the next watch went on");
+        });
+    }
+
+    /// On a multi-thread runtime and outside one, a watch goes on at once.
+    #[test]
+    fn off_a_current_thread_runtime_a_watch_goes_on_at_once() {
         let mut turn = Turn::default();
-        assert!(turn.poll(&mut cx).is_pending(), "asked");
-        assert!(
-            turn.poll(&mut cx).is_pending(),
-            "woken again: still waiting"
-        );
-        give_turns();
-        assert!(turn.poll(&mut cx).is_ready(), "its turn");
-        assert!(turn.poll(&mut cx).is_pending(), "woken after: asks again");
-        give_turns();
-        assert!(turn.poll(&mut cx).is_ready());
+        let mut cx = Context::from_waker(Waker::noop());
+        assert!(turn.poll(&mut cx).is_ready(), "outside a runtime");
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("a runtime");
+        runtime.block_on(async {
+            let watches: Vec<_> = (0..10)
+                .map(|_| {
+                    tokio::spawn(async {
+                        let mut turn = Turn::default();
+                        take_turn(&mut turn).await;
+                    })
+                })
+                .collect();
+            for watch in watches {
+                tokio::time::timeout(std::time::Duration::from_secs(5), watch)
+                    .await
+                    .expect("every watch went on")
+                    .expect("none panicked");
+            }
+        });
     }
 }
