@@ -565,13 +565,12 @@ impl futures_util::Stream for RelayBody {
 /// [`READ_AHEAD`] ahead of the client, each time it is woken once its
 /// [`Turn`] comes (its worker's waiting watches go on a few after each
 /// poll of the I/O driver, so new streams are not kept behind a burst).
-/// On its checkpoint clock: the hold
-/// lives on a lease that each checkpoint renews, so it checkpoints whether
-/// chunks come or not (a backend silent for longer than the lease must not
-/// let the hold expire and the stream go free); and a client that has not
-/// come back for `reader_patience` after its last chunk is ended and
-/// charged what it was sent (the upstream is let go at once, not when the
-/// client's connection closes).
+/// On its checkpoint clock: the hold lives on a lease that each checkpoint
+/// renews, so it checkpoints whether chunks come or not (a backend silent
+/// for longer than the lease must not let the hold expire and the stream
+/// go free); and a client that has not come back for `reader_patience`
+/// after its last chunk is ended and charged what it was sent (the
+/// upstream is let go at once, not when the client's connection closes).
 async fn watch(
     relaying: std::sync::Weak<std::sync::Mutex<Relaying>>,
     mut checkpoints: tokio::time::Interval,

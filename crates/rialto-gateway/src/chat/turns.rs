@@ -35,7 +35,9 @@
 use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Weak};
+
+use futures_util::task::AtomicWaker;
 use std::task::{Context, Poll, Wake, Waker};
 
 /// Watches given a turn after each poll of the driver. One costs CPU (a
@@ -80,9 +82,8 @@ struct Place {
     /// [`IDLE`], [`WAITING`] or [`GIVEN`]; atomic to be `Sync`, read and
     /// written by the worker's thread only.
     state: AtomicU8,
-    /// The watch's waker while it waits (a mutex because a waker handed
-    /// to the queue must be `Send`; only the worker's thread takes it).
-    waker: Mutex<Option<Waker>>,
+    /// The watch's waker while it waits.
+    waker: AtomicWaker,
 }
 
 /// [`Place::state`]: not in the queue.
@@ -111,12 +112,7 @@ impl Turn {
                 Poll::Ready(())
             }
             WAITING => {
-                {
-                    let mut waker = lock(&self.place.waker);
-                    if !waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
-                        *waker = Some(cx.waker().clone());
-                    }
-                }
+                self.place.waker.register(cx.waker());
                 // Whatever left the queue unarmed, a wake of a watch in it
                 // arms it again.
                 rearm();
@@ -124,7 +120,7 @@ impl Turn {
             }
             _ if !on_a_current_thread_runtime() => Poll::Ready(()),
             _ => {
-                *lock(&self.place.waker) = Some(cx.waker().clone());
+                self.place.waker.register(cx.waker());
                 self.place.state.store(WAITING, Ordering::Relaxed);
                 QUEUE.with_borrow_mut(|queue| {
                     queue.waiting.push_back(Arc::downgrade(&self.place));
@@ -134,12 +130,6 @@ impl Turn {
             }
         }
     }
-}
-
-fn lock(waker: &Mutex<Option<Waker>>) -> std::sync::MutexGuard<'_, Option<Waker>> {
-    waker
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Turns are given on a current-thread runtime only: on a multi-thread
@@ -196,25 +186,20 @@ fn rearm() {
 fn give_turns() {
     #[cfg(test)]
     GIVINGS.set(GIVINGS.get() + 1);
-    let given = QUEUE.with_borrow_mut(|queue| {
+    // Taken out of the queue, then woken once its borrow is released.
+    let mut given: [Option<Arc<Place>>; TURNS_PER_POLL] = Default::default();
+    QUEUE.with_borrow_mut(|queue| {
         queue.armed = Weak::new();
-        let mut given = Vec::with_capacity(TURNS_PER_POLL);
-        while given.len() < TURNS_PER_POLL {
-            let Some(place) = queue.waiting.pop_front() else {
-                break;
-            };
-            // A watch that ended while it waited holds no place.
-            if let Some(place) = place.upgrade() {
-                given.push(place);
-            }
+        // A watch that ended while it waited holds no place.
+        let living =
+            std::iter::from_fn(|| queue.waiting.pop_front()).filter_map(|place| place.upgrade());
+        for (slot, place) in given.iter_mut().zip(living) {
+            *slot = Some(place);
         }
-        given
     });
-    for place in given {
+    for place in given.into_iter().flatten() {
         place.state.store(GIVEN, Ordering::Relaxed);
-        if let Some(waker) = lock(&place.waker).take() {
-            waker.wake();
-        }
+        place.waker.wake();
     }
 }
 
@@ -351,6 +336,23 @@ mod tests {
             tokio::time::timeout(std::time::Duration::from_secs(5), take_turn(&mut turn))
                 .await
                 .expect("the next watch went on");
+        });
+    }
+
+    /// A watch left waiting in a queue whose waker the runtime dropped
+    /// arms it again when anything wakes it.
+    #[test]
+    fn a_wake_of_a_watch_in_an_unarmed_queue_arms_it() {
+        let runtime = current_thread();
+        let mut turn = Turn::default();
+        runtime.block_on(std::future::poll_fn(|cx| {
+            assert!(turn.poll(cx).is_pending(), "asked");
+            Poll::Ready(())
+        }));
+        runtime.block_on(async {
+            tokio::time::timeout(std::time::Duration::from_secs(5), take_turn(&mut turn))
+                .await
+                .expect("the watch went on");
         });
     }
 
