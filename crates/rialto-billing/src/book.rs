@@ -29,7 +29,7 @@
 //! batch, so the sum stays exact: `usd = database + unflushed`.
 
 use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -142,6 +142,10 @@ pub(crate) struct Owner {
     pub name: Arc<str>,
     state: Mutex<Option<State>>,
     loading: tokio::sync::Mutex<()>,
+    /// Set (under the state's lock) when the owner is dropped while it
+    /// loads: the load's outcome is let go, not decided on, as the owner
+    /// may have moved meanwhile.
+    dropped: AtomicBool,
     /// USD nanos settled for this owner since its entry was made (for
     /// `rialto_top_owner_spend_usd`; moved to `Shared::retired_spend`
     /// when the entry leaves memory).
@@ -156,6 +160,7 @@ impl Owner {
             name: name.into(),
             state: Mutex::new(None),
             loading: tokio::sync::Mutex::new(()),
+            dropped: AtomicBool::new(false),
             spent_nanos: AtomicI64::new(0),
         }
     }
@@ -202,6 +207,9 @@ pub(crate) struct Shared {
     /// [`Book::export_top_spenders`] (taken only when an owner is dropped
     /// and at a scrape).
     retired_spend: Mutex<HashMap<Arc<str>, i64>>,
+    /// A test's replica name and view, in place of a membership's.
+    #[cfg(test)]
+    pub(crate) test_claim: Mutex<Option<writer::Claim>>,
 }
 
 impl Book {
@@ -230,6 +238,8 @@ impl Book {
                 lease_ms,
                 membership: std::sync::OnceLock::new(),
                 retired_spend: Mutex::new(HashMap::default()),
+                #[cfg(test)]
+                test_claim: Mutex::new(None),
             }),
         }
     }
@@ -252,6 +262,7 @@ impl Book {
             name: name.clone(),
             state: Mutex::new(None),
             loading: tokio::sync::Mutex::new(()),
+            dropped: AtomicBool::new(false),
             spent_nanos: AtomicI64::new(0),
         });
         shard.insert(name, created.clone());
@@ -339,9 +350,82 @@ impl Book {
         });
     }
 
+    /// How this process claims `owner` when it loads it: as one billing
+    /// replica of several (failover), by name and view; `None` for a
+    /// single process, which claims whatever it loads.
+    fn claim_for(&self, owner: &str) -> Option<writer::Claim> {
+        #[cfg(test)]
+        if let Some(claim) = self.shared.test_claim.lock().unwrap().clone() {
+            return Some(claim);
+        }
+        let view = self.shared.membership.get()?;
+        let me = view.me()?;
+        let mut live = String::new();
+        for other in (0..view.len()).filter(|&i| i != me && view.is_live(i)) {
+            if !live.is_empty() {
+                live.push(',');
+            }
+            live.push_str(view.name(other));
+        }
+        let owner = view.owner(owner);
+        let elsewhere = (owner != me && view.is_ready(me) && view.is_ready(owner))
+            .then(|| view.name(owner).into());
+        Some(writer::Claim {
+            me: view.name(me).into(),
+            live,
+            elsewhere,
+        })
+    }
+
+    /// Lets a dropped owner go (its state's `live` just turned false, under
+    /// its lock): the holds it kept only in memory are written as open
+    /// holds, as a stream's is, and once they are written the ledger is
+    /// released, so the replica that takes it next reads them from the
+    /// database and settles them. A single process has nobody to let go to.
+    pub(crate) fn let_go(&self, entry: &Arc<Owner>, state: &mut State) {
+        if self.claim_for(&entry.name).is_none() {
+            return;
+        }
+        let fence = state.fence;
+        let mut handed = Vec::new();
+        let kept: Vec<(Box<str>, OpenHold)> = state
+            .holds
+            .iter()
+            .filter(|(_, hold)| !hold.durable)
+            .map(|(id, hold)| (id.clone(), hold.clone()))
+            .collect();
+        for (request_id, hold) in kept {
+            let record = Record::open(entry.clone(), fence, &request_id, &hold);
+            match queue(&self.shared.writer, state, record, true) {
+                Ok(Some(written)) => handed.push(written),
+                // Not written: the ledger stays held here, until this
+                // replica takes it again or is no longer heard.
+                _ => return,
+            }
+        }
+        let release = Job::Release {
+            owner: entry.name.clone(),
+            fence,
+        };
+        if handed.is_empty() {
+            let _ = self.shared.writer.send(release);
+            return;
+        }
+        let writer = self.shared.writer.clone();
+        tokio::spawn(async move {
+            for written in handed {
+                if !matches!(written.await, Ok(Ok(_))) {
+                    return;
+                }
+            }
+            let _ = writer.send(release);
+        });
+    }
+
     /// Drops from memory every owner `dropped` names (`live` turns false
-    /// under its lock, so nothing decides on it after); their next request
-    /// loads them afresh, bumping the fence. Returns how many.
+    /// under its lock, so nothing decides on it after) and lets each go
+    /// ([`let_go`](Self::let_go)); their next request loads them afresh,
+    /// bumping the fence. Returns how many.
     pub(crate) fn drop_owners(&self, dropped: impl Fn(&str) -> bool) -> usize {
         let mut count = 0;
         for shard in self.shared.shards.iter() {
@@ -354,9 +438,14 @@ impl Book {
                     .collect()
             };
             for entry in entries {
-                if let Some(state) = entry.lock().as_mut() {
+                let mut guard = entry.lock();
+                // One still loading is let go once loaded (`with_owner`).
+                entry.dropped.store(true, Ordering::Relaxed);
+                if let Some(state) = guard.as_mut().filter(|s| s.live) {
                     state.live = false;
+                    self.let_go(&entry, state);
                 }
+                drop(guard);
                 Self::drop_owner(&self.shared, &entry);
                 count += 1;
             }
@@ -428,7 +517,15 @@ impl Book {
                 let _loading = entry.loading.lock().await;
                 if entry.lock().is_none() {
                     let loaded = self.load(&entry).await?;
-                    *entry.lock() = Some(loaded);
+                    let mut guard = entry.lock();
+                    let state = guard.insert(loaded);
+                    if entry.dropped.load(Ordering::Relaxed) {
+                        // Dropped while it loaded: the owner may have
+                        // moved meanwhile, so this load is let go and the
+                        // next one asks again.
+                        state.live = false;
+                        self.let_go(&entry, state);
+                    }
                 }
             }
             let mut guard = entry.lock();
@@ -442,16 +539,14 @@ impl Book {
             self.maybe_refresh(&entry, state);
             return decide(&entry, state);
         }
-        Err(Error::new(
-            ErrorCode::Unavailable,
-            "The ledger of this account is moving between billing replicas; retry",
-        ))
+        Err(writer::moving())
     }
 
     async fn load(&self, entry: &Arc<Owner>) -> Result<State> {
         let (done, loaded) = oneshot::channel();
         self.shared.writer.send(Job::Load {
             owner: entry.name.clone(),
+            claim: self.claim_for(&entry.name),
             done,
         })?;
         let Loaded {
@@ -2008,6 +2103,239 @@ pub(crate) mod tests {
         assert_eq!(stored.usd, 9 * NANO - charged);
         // The writers give their connections back when their books go.
         drop((first, second));
+        drop(scratch);
+    }
+
+    /// A book that claims owners as billing replica `me`, hearing the
+    /// replicas `hears` (comma-separated) and giving no owner away by view.
+    fn replica(db: &Database, me: &str, hears: &str) -> Book {
+        let book = Book::start(db.clone(), 30_000);
+        *book.shared.test_claim.lock().unwrap() = Some(writer::Claim {
+            me: me.into(),
+            live: hears.into(),
+            elsewhere: None,
+        });
+        book
+    }
+
+    /// [`replica`], whose view gives every owner to `elsewhere`.
+    fn viewing(db: &Database, me: &str, hears: &str, elsewhere: &str) -> Book {
+        let book = replica(db, me, hears);
+        if let Some(claim) = book.shared.test_claim.lock().unwrap().as_mut() {
+            claim.elsewhere = Some(elsewhere.into());
+        }
+        book
+    }
+
+    /// Waits until nobody holds `owner`'s ledger (a replica let it go).
+    async fn released(db: &Database, owner: &str) {
+        let started = Instant::now();
+        loop {
+            let holder: Option<String> =
+                sqlx::query_scalar("SELECT holder FROM ledgers WHERE owner = $1")
+                    .bind(owner)
+                    .fetch_one(db.pool())
+                    .await
+                    .unwrap();
+            if holder.is_none() {
+                return;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "held by {holder:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    /// A live replica keeps the ledgers it loaded: another one it hears may
+    /// not load them (and names the keeper) until it lets them go, handing
+    /// the holds it kept only in memory over; the next keeper counts them
+    /// and settles them, and the first may not load the ledger back.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_live_replica_keeps_its_ledger_until_it_lets_it_go_with_its_holds() {
+        let (db, scratch) = postgres().await;
+        let ledger = Ledger::new(db.clone());
+        ledger
+            .credit("account:k", 10 * NANO, 0, "seed")
+            .await
+            .unwrap();
+        let (a, b) = (replica(&db, "a", "b"), replica(&db, "b", "a"));
+        let placed = a.hold("account:k", &hold("k1", 4 * NANO, false)).await;
+        assert!(matches!(placed.unwrap(), HoldOutcome::Placed { .. }));
+        let refused = b.hold("account:k", &hold("k2", NANO, false)).await;
+        assert_eq!(writer::kept_elsewhere(&refused.unwrap_err()), Some("a"));
+
+        assert_eq!(a.drop_owners(|_| true), 1);
+        released(&db, "account:k").await;
+        // b counts a's hold: 6 of the 10 are free.
+        let over = b.hold("account:k", &hold("k3", 7 * NANO, false)).await;
+        assert!(matches!(over.unwrap(), HoldOutcome::Insufficient { .. }));
+        let placed = b.hold("account:k", &hold("k4", 6 * NANO, false)).await;
+        assert!(matches!(placed.unwrap(), HoldOutcome::Placed { .. }));
+        // a's request settles where the ledger is now (the gateway follows
+        // the keeper's name); a itself may not take it back.
+        let again = a.settle("account:k", &settle("k1", 3 * NANO)).await;
+        assert_eq!(writer::kept_elsewhere(&again.unwrap_err()), Some("b"));
+        let settled = b.settle("account:k", &settle("k1", 3 * NANO)).await;
+        assert_eq!(settled.unwrap(), charged(3 * NANO, 0, 0));
+        let settled = b.settle("account:k", &settle("k4", 6 * NANO)).await;
+        assert_eq!(settled.unwrap(), charged(6 * NANO, 0, 0));
+
+        b.flush().await.unwrap();
+        let stored = ledger.balance("account:k").await.unwrap();
+        assert_eq!(stored, ledger.journal_sums("account:k").await.unwrap());
+        assert_eq!((stored.usd, stored.usd_held, stored.owed), (NANO, 0, 0));
+        drop((a, b));
+        drop(scratch);
+    }
+
+    /// A replica no longer heard (counted dead) is taken from: the taker
+    /// cannot see what it held in memory, and it can no longer write.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_replica_no_longer_heard_is_taken_from_and_fenced_out() {
+        let (db, scratch) = postgres().await;
+        let ledger = Ledger::new(db.clone());
+        ledger
+            .credit("account:d", 10 * NANO, 0, "seed")
+            .await
+            .unwrap();
+        let (a, b) = (replica(&db, "a", "b"), replica(&db, "b", ""));
+        let placed = a.hold("account:d", &hold("d1", 4 * NANO, false)).await;
+        assert!(matches!(placed.unwrap(), HoldOutcome::Placed { .. }));
+        let placed = b.hold("account:d", &hold("d2", 10 * NANO, false)).await;
+        assert!(matches!(placed.unwrap(), HoldOutcome::Placed { .. }));
+        let fenced = a.settle("account:d", &settle("d1", NANO)).await;
+        assert!(writer::fenced_out(&fenced.unwrap_err()));
+        assert_eq!(ledger.charged("d1").await.unwrap(), (0, 0));
+        drop((a, b));
+        drop(scratch);
+    }
+
+    /// A ledger is left to the replica the asking one's view gives it to
+    /// (so a replica that handed an owner back does not take it again from
+    /// a gateway that has not heard yet), and a claim the asking one still
+    /// has from a past run is let go; that one takes it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_ledger_nobody_holds_goes_to_the_replica_the_view_names() {
+        let (db, scratch) = postgres().await;
+        let ledger = Ledger::new(db.clone());
+        ledger
+            .credit("account:v", 10 * NANO, 0, "seed")
+            .await
+            .unwrap();
+        // b held it in a past run (a restart: nothing of it in memory).
+        let past = replica(&db, "b", "a");
+        let placed = past.hold("account:v", &hold("v0", NANO, true)).await;
+        assert!(matches!(placed.unwrap(), HoldOutcome::Placed { .. }));
+        past.flush().await.unwrap();
+        drop(past);
+        let (a, b) = (replica(&db, "a", "b"), viewing(&db, "b", "a", "a"));
+        // b's view gives the ledger to a: b lets its past claim go and
+        // names a, which takes it (with the stream's hold of b's past run).
+        let refused = b.hold("account:v", &hold("v1", NANO, false)).await;
+        assert_eq!(writer::kept_elsewhere(&refused.unwrap_err()), Some("a"));
+        let over = a.hold("account:v", &hold("v1", 10 * NANO, false)).await;
+        assert!(matches!(over.unwrap(), HoldOutcome::Insufficient { .. }));
+        let placed = a.hold("account:v", &hold("v1", 9 * NANO, false)).await;
+        assert!(matches!(placed.unwrap(), HoldOutcome::Placed { .. }));
+        drop((a, b));
+        drop(scratch);
+    }
+
+    /// Calls `call` on the book keeping the ledger, starting at `at`, as
+    /// the gateway's billing client does: after the named keeper, and again
+    /// when fenced out or the ledger is moving.
+    async fn on_keeper<T, Fut>(
+        books: &[Book; 2],
+        mut at: usize,
+        call: impl Fn(Book) -> Fut,
+    ) -> Result<T>
+    where
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        for _ in 0..200 {
+            match call(books[at].clone()).await {
+                Err(e) if writer::fenced_out(&e) || writer::is_moving(&e) => {}
+                Err(e) if writer::kept_elsewhere(&e).is_some() => {
+                    at = usize::from(writer::kept_elsewhere(&e) == Some("b"));
+                }
+                answered => {
+                    return answered;
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        panic!("no replica answered")
+    }
+
+    /// 1,000 requests over two live replicas at once against a balance for
+    /// 10, while the ledger is let go again and again by whichever replica
+    /// keeps it: exactly 10 are placed, each settled once at its cost, and
+    /// the balance ends at zero, matching the journal.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn ten_of_a_thousand_while_the_ledger_moves_between_live_replicas() {
+        let (db, scratch) = postgres().await;
+        let ledger = Ledger::new(db.clone());
+        ledger
+            .credit("account:m", 10 * NANO, 0, "seed")
+            .await
+            .unwrap();
+        let books = Arc::new([replica(&db, "a", "b"), replica(&db, "b", "a")]);
+        let mover = {
+            let books = books.clone();
+            tokio::spawn(async move {
+                let mut moves = 0;
+                for round in 0..200 {
+                    moves += books[round % 2].drop_owners(|_| true);
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                moves
+            })
+        };
+        let tasks: Vec<_> = (0..1000)
+            .map(|i| {
+                let books = books.clone();
+                tokio::spawn(async move {
+                    let id = format!("m{i}");
+                    let placed = on_keeper(&books, i % 2, |book| {
+                        let id = id.clone();
+                        async move { book.hold("account:m", &hold(&id, NANO, false)).await }
+                    })
+                    .await
+                    .unwrap();
+                    if !matches!(placed, HoldOutcome::Placed { .. }) {
+                        return None;
+                    }
+                    // The upstream answers meanwhile: the ledger may move.
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                    let settled = on_keeper(&books, i % 2, |book| {
+                        let id = id.clone();
+                        async move { book.settle("account:m", &settle(&id, NANO)).await }
+                    })
+                    .await
+                    .unwrap();
+                    Some(settled)
+                })
+            })
+            .collect();
+        let mut served = 0;
+        for task in tasks {
+            if let Some(settled) = task.await.unwrap() {
+                assert_eq!(settled, charged(NANO, 0, 0));
+                served += 1;
+            }
+        }
+        let moves = mover.await.unwrap();
+        assert_eq!(served, 10, "{moves} moves");
+        for book in books.iter() {
+            book.flush().await.unwrap();
+        }
+        let stored = ledger.balance("account:m").await.unwrap();
+        assert_eq!(stored, ledger.journal_sums("account:m").await.unwrap());
+        assert_eq!((stored.usd, stored.usd_held, stored.owed), (0, 0, 0));
+        assert!(moves > 1, "the ledger never moved");
+        drop(books);
         drop(scratch);
     }
 

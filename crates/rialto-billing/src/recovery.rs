@@ -148,6 +148,7 @@ impl Book {
                 state.holds.is_empty() && state.pending == 0 && state.last_active.elapsed() >= IDLE;
             if idle {
                 state.live = false;
+                self.let_go(&entry, state);
                 drop(guard);
                 Self::drop_owner(&self.shared, &entry);
             }
@@ -178,8 +179,12 @@ impl Book {
                 continue;
             }
             if self.loaded(&owner).is_none() {
-                self.with_owner(&owner, |_, _| Ok(())).await?;
-                loaded += 1;
+                match self.with_owner(&owner, |_, _| Ok(())).await {
+                    Ok(()) => loaded += 1,
+                    // Another replica keeps it: its to recover.
+                    Err(error) if crate::writer::kept_elsewhere(&error).is_some() => {}
+                    Err(error) => return Err(error),
+                }
             }
         }
         Ok(loaded)

@@ -53,10 +53,12 @@ impl ReplicatedBilling {
     /// `call` on the replica owning ledger `owner`, and once more on the
     /// next one when that replica dies or hangs meanwhile
     /// ([`Membership::on_owner`]), or at once on the same replica when the
-    /// call's record was fenced out ([`crate::writer::fenced_out`]): each
-    /// call routed so is keyed (request id) or a read, and answers the same
-    /// the second time (a settlement reports what was charged), so a second
-    /// run changes nothing twice.
+    /// call's record was fenced out ([`crate::writer::fenced_out`]), or on
+    /// the replica that keeps the ledger when the one asked may not load it
+    /// ([`crate::writer::kept_elsewhere`]: two views differing for a
+    /// moment): each call routed so is keyed (request id) or a read, and
+    /// answers the same the second time (a settlement reports what was
+    /// charged), so a second run changes nothing twice.
     async fn routed<R, T, F, Fut>(&self, owner: &str, request: R, call: F) -> Result<T>
     where
         R: Clone,
@@ -65,24 +67,49 @@ impl ReplicatedBilling {
     {
         let (call, request) = (&call, &request);
         self.membership
-            .on_owner(owner, |index| {
-                let replica = &self.replicas[index];
-                async move {
-                    match call(replica.clone(), request.clone()).await {
+            .on_owner(owner, |index| async move {
+                let mut at = index;
+                let mut fenced = false;
+                for pause in REDIRECT_PAUSES {
+                    if !pause.is_zero() {
+                        tokio::time::sleep(pause).await;
+                    }
+                    let error = match call(self.replicas[at].clone(), request.clone()).await {
+                        Err(error) => error,
+                        answered => return answered,
+                    };
+                    if crate::writer::fenced_out(&error) && !fenced {
                         // Fenced out: another replica loaded the ledger while
-                        // this call's record waited for its batch (a
-                        // hand-back), so nothing was written, and this
-                        // replica dropped it; asked again at once, it reads
-                        // the ledger again and decides. (Not left to
-                        // `on_owner`, which would wait for the view to move
-                        // away from a replica that is alive.)
-                        Err(error) if crate::writer::fenced_out(&error) => {
-                            tracing::debug!("billing call fenced out; asked again");
-                            call(replica.clone(), request.clone()).await
+                        // this call's record waited for its batch, so nothing
+                        // was written, and this replica dropped it; asked
+                        // again at once, it reads the ledger again and
+                        // decides, or names the replica that keeps it now.
+                        // (Not left to `on_owner`, which would wait for the
+                        // view to move away from a replica that is alive.)
+                        tracing::debug!("billing call fenced out; asked again");
+                        fenced = true;
+                        continue;
+                    }
+                    if crate::writer::is_moving(&error) {
+                        // Let go by one replica, not yet taken: again, after
+                        // a pause.
+                        continue;
+                    }
+                    let keeper = crate::writer::kept_elsewhere(&error).and_then(|name| {
+                        (0..self.membership.len()).find(|&i| self.membership.name(i) == name)
+                    });
+                    match keeper {
+                        Some(keeper) => {
+                            tracing::debug!(
+                                replica = keeper,
+                                "billing call sent to the replica keeping its ledger"
+                            );
+                            at = keeper;
                         }
-                        answered => answered,
+                        None => return Err(error),
                     }
                 }
+                Err(crate::writer::moving())
             })
             .await
             .1
@@ -100,6 +127,24 @@ impl ReplicatedBilling {
         self.routed(ANY, request, call).await
     }
 }
+
+/// Before each call of one routed request: the first at once; the next
+/// after a pause growing to about 0.6 s in all, when each replica asked
+/// names the other (their views of who is ready differ until both have
+/// heard the same heartbeats).
+const REDIRECT_PAUSES: [std::time::Duration; 8] = {
+    use std::time::Duration;
+    [
+        Duration::ZERO,
+        Duration::ZERO,
+        Duration::from_millis(10),
+        Duration::from_millis(20),
+        Duration::from_millis(40),
+        Duration::from_millis(80),
+        Duration::from_millis(160),
+        Duration::from_millis(320),
+    ]
+};
 
 /// The key [`ReplicatedBilling`] routes reads of every owner on.
 const ANY: &str = "billing:any";
@@ -371,6 +416,83 @@ mod tests {
         assert_eq!(cost.usd, "0.0002");
         let ledger = crate::ledger::Ledger::new(db.clone());
         assert_eq!(ledger.charged("h1").await.unwrap(), (200_000, 0));
+        drop((billing, first, second));
+        drop(scratch);
+    }
+
+    /// A call routed to a replica that may not load the ledger (another
+    /// live replica keeps it, as while two views differ) is sent on to the
+    /// replica it names, and served and charged there, once.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_call_is_sent_on_to_the_replica_keeping_the_ledger() {
+        let (db, scratch) = crate::book::tests::postgres().await;
+        let config = rialto_core::Config::from_toml(
+            "[[models]]\nid = \"m\"\ninput_usd_per_mtok = 1.0\noutput_usd_per_mtok = 1.0\n",
+        )
+        .unwrap();
+        let names = ["first", "second"];
+        let local = |me: usize| {
+            let billing = crate::LocalBilling::new(&config, db.clone());
+            *billing.book().shared.test_claim.lock().unwrap() = Some(crate::writer::Claim {
+                me: names[me].into(),
+                live: names[1 - me].into(),
+                elsewhere: None,
+            });
+            BillingClient::new(billing)
+        };
+        let (first, second) = (local(0), local(1));
+        // An owner the first replica owns by placement.
+        let owner = (0..)
+            .map(|i| format!("account:kept-{i}"))
+            .find(|owner| owner_of(owner, &names) == 0)
+            .unwrap();
+        let billing = ReplicatedBilling::new(vec![
+            (names[0].to_owned(), first.clone()),
+            (names[1].to_owned(), second.clone()),
+        ])
+        .unwrap();
+        billing
+            .credit(pb::CreditRequest {
+                owner: owner.clone(),
+                usd: "1".into(),
+                diem: "0".into(),
+                reference: "seed".into(),
+            })
+            .await
+            .unwrap();
+        let hold = |id: &str| pb::HoldRequest {
+            owner: owner.clone(),
+            request_id: id.into(),
+            model_id: "m".into(),
+            prompt_tokens: 500,
+            max_completion_tokens: 500,
+            ..Default::default()
+        };
+        // The second replica keeps the ledger (a gateway's view a moment
+        // apart sent it a request): the first may not load it.
+        assert!(second.hold(hold("k1")).await.unwrap().placed);
+        let refused = first.hold(hold("k2")).await.unwrap_err();
+        assert_eq!(crate::writer::kept_elsewhere(&refused), Some("second"));
+        // Routed to the first, sent on to the second: placed and settled.
+        let placed = billing.hold(hold("k2")).await.unwrap();
+        assert!(placed.placed);
+        let settle = pb::SettleRequest {
+            request_id: "k2".into(),
+            model_id: "m".into(),
+            usage: Some(pb::Usage {
+                prompt_tokens: 100,
+                completion_tokens: 100,
+                ..Default::default()
+            }),
+            owner: owner.clone(),
+            held_usd: placed.held_usd.clone(),
+            held_diem: placed.held_diem.clone(),
+            ..Default::default()
+        };
+        let cost = billing.settle(settle).await.unwrap();
+        assert_eq!(cost.usd, "0.0002");
+        let ledger = crate::ledger::Ledger::new(db.clone());
+        assert_eq!(ledger.charged("k2").await.unwrap(), (200_000, 0));
         drop((billing, first, second));
         drop(scratch);
     }

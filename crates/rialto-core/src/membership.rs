@@ -359,6 +359,12 @@ impl Membership {
         (next, call(next).await)
     }
 
+    /// Whether replica `index` is live (heard within `dead_after`) in this
+    /// process's view.
+    pub fn is_live(&self, index: usize) -> bool {
+        index < MAX_REPLICAS && self.0.live.load(Ordering::Relaxed) & (1 << index) != 0
+    }
+
     /// Whether replica `index` is ready (may own) in this process's view.
     pub fn is_ready(&self, index: usize) -> bool {
         index < MAX_REPLICAS && self.0.ready.load(Ordering::Relaxed) & (1 << index) != 0

@@ -354,8 +354,14 @@ pub(crate) enum Job {
     },
     Load {
         owner: Arc<str>,
+        /// Who claims it (a billing replica of several), `None`: whoever
+        /// loads it claims it.
+        claim: Option<Claim>,
         done: oneshot::Sender<Result<Loaded>>,
     },
+    /// The replica that held `owner` under `fence` lets it go, after
+    /// every write queued before (PostgreSQL; SQLite has one process).
+    Release { owner: Arc<str>, fence: i64 },
     /// Answers once every job queued before it is done and, with the
     /// ledger's log, the database has the opens held back for `owner`
     /// (every owner's when `None`): readers of the database wait for it.
@@ -375,7 +381,7 @@ impl Job {
         match self {
             Job::Write { done, .. } => done.is_some(),
             Job::Load { .. } | Job::Flush { .. } => true,
-            Job::Checkpoint => false,
+            Job::Checkpoint | Job::Release { .. } => false,
         }
     }
 }
@@ -453,6 +459,60 @@ impl Handle {
             self.stats.records.load(Ordering::Relaxed),
         )
     }
+}
+
+/// Which billing replica loads an owner, and what it may take. An owner's
+/// `ledgers.holder` names the replica that claimed it last, until that
+/// replica lets it go (its view moved the owner away, or it sat idle): a
+/// replica takes an owner another one holds only when it no longer hears
+/// that one (the others count it dead, and it counts itself away and
+/// decides nothing), so two live replicas never decide for one owner at
+/// once, whatever the gateways' views.
+#[derive(Debug, Clone)]
+pub(crate) struct Claim {
+    /// This replica's name, as listed: written as the holder.
+    pub me: Arc<str>,
+    /// The other replicas it hears, as listed, joined by commas.
+    pub live: String,
+    /// The ready replica its view gives the owner to, when not itself:
+    /// an owner nobody holds is left to that one.
+    pub elsewhere: Option<Arc<str>>,
+}
+
+/// How an error that sends a call to another replica begins and ends.
+const KEPT_BY: (&str, &str) = ("This ledger is kept by billing replica ", "; asked there");
+
+/// What a call hears on a replica that may not load its owner: another
+/// one holds it, or is the one to take it.
+pub(crate) fn kept_by(replica: &str) -> Error {
+    Error::new(
+        ErrorCode::Unavailable,
+        format!("{}{replica}{}", KEPT_BY.0, KEPT_BY.1),
+    )
+}
+
+/// The replica `error` sends a call to ([`kept_by`]), here or across gRPC.
+pub fn kept_elsewhere(error: &Error) -> Option<&str> {
+    if error.code != ErrorCode::Unavailable {
+        return None;
+    }
+    error
+        .message
+        .strip_prefix(KEPT_BY.0)?
+        .strip_suffix(KEPT_BY.1)
+}
+
+/// What a call hears when its owner's ledger is between replicas (let go
+/// by one, not yet taken by another): asked again, it finds the keeper.
+const MOVING: &str = "The ledger of this account is moving between billing replicas; retry";
+
+pub(crate) fn moving() -> Error {
+    Error::new(ErrorCode::Unavailable, MOVING)
+}
+
+/// Whether `error` says the ledger is between replicas ([`moving`]).
+pub fn is_moving(error: &Error) -> bool {
+    error.code == ErrorCode::Unavailable && error.message == MOVING
 }
 
 /// What a call whose record was fenced out hears: another replica loaded
@@ -550,12 +610,20 @@ pub(crate) struct WriteJob {
 #[derive(Default)]
 struct Sorted {
     writes: Vec<WriteJob>,
-    loads: Vec<(Arc<str>, oneshot::Sender<Result<Loaded>>)>,
+    loads: Vec<(Arc<str>, Loading)>,
+    /// (owner, fence) let go, after the writes.
+    releases: Vec<(Arc<str>, i64)>,
     flushes: Vec<oneshot::Sender<()>>,
     /// The owners the batch's flushes read (their held opens are
     /// written), unless one reads every owner.
     flushed: Flushed,
     checkpoint: bool,
+}
+
+/// A load waiting in a batch.
+struct Loading {
+    claim: Option<Claim>,
+    done: oneshot::Sender<Result<Loaded>>,
 }
 
 /// Whose held-back opens a batch's flushes need in the database.
@@ -588,7 +656,10 @@ impl Sorted {
         for job in jobs {
             match job {
                 Job::Write { record, done } => sorted.writes.push(WriteJob { record, done }),
-                Job::Load { owner, done } => sorted.loads.push((owner, done)),
+                Job::Load { owner, claim, done } => {
+                    sorted.loads.push((owner, Loading { claim, done }))
+                }
+                Job::Release { owner, fence } => sorted.releases.push((owner, fence)),
                 Job::Flush { owner, done } => {
                     sorted.flushes.push(done);
                     sorted.flushed.add(owner);

@@ -11,9 +11,10 @@ use sqlx::pool::PoolConnection;
 use tokio::sync::mpsc;
 
 use super::{
-    ATTEMPTS, BatchError, BatchResult, HOLD_COLUMNS, HoldUpdate, Job, Loaded, MAX_BATCH, Next,
-    Refreshed, Sorted, Stats, WriteJob, Written, after_attempt, backoff, give_up, hold_writes,
-    journal_rows, journal_values, key_sums, loaded_hold, observe, owner_sums, refresh_owners,
+    ATTEMPTS, BatchError, BatchResult, Claim, HOLD_COLUMNS, HoldUpdate, Job, Loaded, Loading,
+    MAX_BATCH, Next, Refreshed, Sorted, Stats, WriteJob, Written, after_attempt, backoff, give_up,
+    hold_writes, journal_rows, journal_values, key_sums, loaded_hold, observe, owner_sums,
+    refresh_owners,
 };
 use crate::ledger::Balance;
 
@@ -38,6 +39,7 @@ pub(super) async fn run(db: Database, mut queue: mpsc::UnboundedReceiver<Job>, s
         let Sorted {
             writes,
             loads,
+            releases,
             flushes,
             // PostgreSQL has no log: nothing is held back.
             flushed: _,
@@ -48,13 +50,31 @@ pub(super) async fn run(db: Database, mut queue: mpsc::UnboundedReceiver<Job>, s
             commit(&db, &mut connection, writes).await;
             written();
         }
-        // After the writes: a load sees every write queued before it.
-        for (owner, done) in loads {
-            let loaded = match connect(&db, &mut connection).await {
-                Ok(conn) => load(conn, &owner).await,
+        // After the writes: the owners let go had every record of theirs
+        // written, and a load sees every write queued before it.
+        for (owner, fence) in releases {
+            let released = match connect(&db, &mut connection).await {
+                Ok(conn) => release(conn, &owner, fence).await,
                 Err(error) => Err(error),
             };
-            if let Err(error) = &loaded {
+            if let Err(error) = released {
+                // Still held: whoever takes it next waits until this
+                // replica is no longer heard, or it takes it back itself.
+                tracing::warn!(%error, %owner, "cannot let a ledger owner go");
+                if let Some(conn) = connection.take() {
+                    let _ = conn.close().await;
+                }
+            }
+        }
+        for (owner, Loading { claim, done }) in loads {
+            let loaded = match connect(&db, &mut connection).await {
+                Ok(conn) => load(conn, &owner, claim.as_ref()).await,
+                Err(error) => Err(error),
+            };
+            // Refused (another replica keeps it) is an answer, not a failure.
+            if let Err(error) = &loaded
+                && super::kept_elsewhere(error).is_none()
+            {
                 tracing::warn!(%error, %owner, "cannot load a ledger owner");
                 if let Some(conn) = connection.take() {
                     let _ = conn.close().await;
@@ -336,20 +356,72 @@ pub(super) async fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> Bat
     Ok((written, refreshed))
 }
 
+/// Lets `owner` go: nobody holds it, unless another replica claimed it
+/// since (the fence moved on).
+async fn release(conn: &mut Connection, owner: &str, fence: i64) -> Result<()> {
+    sqlx::query("UPDATE ledgers SET holder = NULL WHERE owner = $1 AND fence = $2")
+        .bind(owner)
+        .bind(fence)
+        .execute(&mut **conn)
+        .await?;
+    Ok(())
+}
+
 /// Loads an owner and claims it: the fence moves on, so whichever replica
-/// held it before can no longer write for it.
-async fn load(conn: &mut Connection, owner: &str) -> Result<Loaded> {
+/// held it before can no longer write for it. With a `claim` (a billing
+/// replica of several): only an owner that no other replica it hears
+/// holds, and that its view does not give to another ready replica;
+/// otherwise the load is refused, naming the replica to ask
+/// ([`kept_by`](super::kept_by)), and an owner this replica still holds
+/// without having it in memory (its let-go in flight, or a past run's) is
+/// let go here.
+async fn load(conn: &mut Connection, owner: &str, claim: Option<&Claim>) -> Result<Loaded> {
     let mut tx = sqlx::Connection::begin(&mut **conn).await?;
     let row = sqlx::query(
-        "INSERT INTO ledgers (owner, updated_at_ms, fence) VALUES ($1, $2, 1) \
-         ON CONFLICT (owner) DO UPDATE SET fence = ledgers.fence + 1 \
+        "INSERT INTO ledgers (owner, updated_at_ms, fence, holder) VALUES ($1, $2, 1, $3) \
+         ON CONFLICT (owner) DO UPDATE SET fence = ledgers.fence + 1, holder = excluded.holder \
+         WHERE excluded.holder IS NULL \
+         OR ($4 AND (ledgers.holder IS NULL OR ledgers.holder = excluded.holder \
+             OR NOT (ledgers.holder = ANY (string_to_array($5, ','))))) \
          RETURNING usd_nanos, diem_nanos, usd_held_nanos, diem_held_nanos, diem_epoch, fence, \
          owed_nanos",
     )
     .bind(owner)
     .bind(now_ms())
-    .fetch_one(&mut *tx)
+    .bind(claim.map(|c| &*c.me))
+    .bind(claim.is_none_or(|c| c.elsewhere.is_none()))
+    .bind(claim.map_or("", |c| c.live.as_str()))
+    .fetch_optional(&mut *tx)
     .await?;
+    let row = match (row, claim) {
+        (Some(row), _) => row,
+        (None, None) => return Err(Error::internal("a ledger load without a claim was refused")),
+        (None, Some(claim)) => {
+            let holder: Option<String> =
+                sqlx::query_scalar("SELECT holder FROM ledgers WHERE owner = $1")
+                    .bind(owner)
+                    .fetch_one(&mut *tx)
+                    .await?;
+            let heard = |name: &str| claim.live.split(',').any(|live| live == name);
+            let keeper = match holder.as_deref() {
+                Some(holder) if holder != &*claim.me && heard(holder) => Some(holder.to_owned()),
+                held => {
+                    if held == Some(&*claim.me) {
+                        sqlx::query(
+                            "UPDATE ledgers SET holder = NULL WHERE owner = $1 AND holder = $2",
+                        )
+                        .bind(owner)
+                        .bind(&*claim.me)
+                        .execute(&mut *tx)
+                        .await?;
+                    }
+                    claim.elsewhere.as_deref().map(str::to_owned)
+                }
+            };
+            tx.commit().await?;
+            return Err(keeper.map_or_else(super::moving, |keeper| super::kept_by(&keeper)));
+        }
+    };
     let balance = Balance {
         usd: row.try_get(0)?,
         diem: row.try_get(1)?,

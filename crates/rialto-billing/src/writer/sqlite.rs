@@ -32,10 +32,10 @@ use tokio::sync::mpsc;
 use super::held_back::{HeldBack, Release, owner_names};
 use super::log::{Log, Opened};
 use super::{
-    ATTEMPTS, BatchError, BatchResult, Flushed, HOLD_COLUMNS, HoldUpdate, Job, Loaded, MAX_BATCH,
-    Next, Nudge, Record, Refreshed, Sorted, Stats, WriteJob, Written, after_attempt, backoff,
-    give_up, hold_writes, journal_rows, journal_values, key_sums, loaded_hold, observe, owner_sums,
-    refresh_owners,
+    ATTEMPTS, BatchError, BatchResult, Flushed, HOLD_COLUMNS, HoldUpdate, Job, Loaded, Loading,
+    MAX_BATCH, Next, Nudge, Record, Refreshed, Sorted, Stats, WriteJob, Written, after_attempt,
+    backoff, give_up, hold_writes, journal_rows, journal_values, key_sums, loaded_hold, observe,
+    owner_sums, refresh_owners,
 };
 use crate::ledger::Balance;
 
@@ -129,6 +129,8 @@ fn run(file: &Path, mut queue: mpsc::UnboundedReceiver<Job>, stats: &Stats, log:
         let Sorted {
             writes,
             loads,
+            // One process holds a SQLite file: nobody to let owners go to.
+            releases: _,
             flushes,
             flushed,
             checkpoint: tail,
@@ -162,7 +164,7 @@ fn run(file: &Path, mut queue: mpsc::UnboundedReceiver<Job>, stats: &Stats, log:
             seen,
         );
         // After the writes: a load sees every write queued before it.
-        for (owner, done) in loads {
+        for (owner, Loading { done, .. }) in loads {
             let loaded = connect(file, &mut connection).and_then(|conn| load(conn, &owner));
             if let Err(error) = &loaded {
                 tracing::warn!(%error, %owner, "cannot load a ledger owner");
@@ -244,7 +246,7 @@ fn refuse(mut queue: mpsc::UnboundedReceiver<Job>, error: &str) {
             Job::Flush { done, .. } => {
                 let _ = done.send(());
             }
-            Job::Checkpoint => {}
+            Job::Checkpoint | Job::Release { .. } => {}
         }
     }
 }
