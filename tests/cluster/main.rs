@@ -72,6 +72,7 @@ async fn cluster() {
     scenarios::foundation(&cluster, &mock).await;
     scenarios::limiter_race(&cluster, &mock).await;
     scenarios::billing_race(&cluster, &mock).await;
+    scenarios::billing_race_across_a_hand_back(&cluster, &mock).await;
     kills::kills(&cluster).await;
     println!("cluster: passed in {:?}", started.elapsed());
 }

@@ -315,3 +315,92 @@ pub async fn billing_race(cluster: &Cluster, mock: &MockUpstream) {
          balances exact, in {elapsed:?}"
     );
 }
+
+/// A ledger handed back in the middle of a race. billing-0 dies, and
+/// billing-1 takes its account (a request is served meanwhile). billing-0
+/// comes back: ten requests that take 4 s each are held on billing-1 while
+/// billing-0 rejoins, and once both gateways count billing-0 ready again
+/// (billing-1 let the ledger go, its ten holds written first), twelve more
+/// find nothing left: the ten holds came over with the ledger. Exactly
+/// eleven served, charged once each; the balance drops by exactly that.
+pub async fn billing_race_across_a_hand_back(cluster: &Cluster, mock: &MockUpstream) {
+    const PHASE: Duration = Duration::from_secs(45);
+    let account = cluster.account_owned_by(0, "hand-back-race", 0).await;
+    // Eleven requests (1,002 micro-dollars each, holding 1,003) and a
+    // micro-dollar: the ten held across the hand-back fit, nothing more.
+    let credited = cluster
+        .credit(0, &account.id, "0.011033", "hand-back-race")
+        .await;
+    assert_eq!(credited["balance"]["usd"], "0.011033", "{credited}");
+    let (_, held_key) = cluster.create_key(0, &account.admin_key, "INFERENCE").await;
+    let (_, probe_key) = cluster.create_key(1, &account.admin_key, "INFERENCE").await;
+    let body = |delay_ms: u64| {
+        json!({"model": CHAT_MODEL, "max_tokens": 1000,
+            "messages": [{"role": "user", "content": "hello there"}],
+            "mock": {"words": 1000, "delay_ms": delay_ms}})
+    };
+    let urls = [0, 1].map(|gateway| cluster.api(gateway, "/chat/completions"));
+    let up = format!(
+        "rialto_replica_up{{service=\"billing\",replica=\"{}\"}}",
+        cluster.billing[0]
+    );
+    let counted = |state: f64| {
+        let up = up.clone();
+        move || {
+            let up = up.clone();
+            async move {
+                let mut all = true;
+                for gateway in ["gateway-0", "gateway-1"] {
+                    all &= cluster.metric(gateway, &up).await == Some(state);
+                }
+                all
+            }
+        }
+    };
+    let before = mock.request_count();
+
+    cluster.kill("billing-0").await;
+    wait_until("billing-0 counted dead", PHASE, counted(0.0)).await;
+    let first = chat(&cluster.http, &urls[0], &held_key, &body(0)).await;
+    assert_eq!(first.status, Some(200), "{first:?}");
+
+    cluster.start("billing-0").await;
+    let (slow, quick) = (body(4000), body(0));
+    let held = join_all((0..12).map(|i| chat(&cluster.http, &urls[i % 2], &held_key, &slow)));
+    let probe = async {
+        wait_until("billing-0 ready again", PHASE, counted(2.0)).await;
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        join_all((0..12).map(|i| chat(&cluster.http, &urls[i % 2], &probe_key, &quick))).await
+    };
+    let (held, probe) = tokio::join!(held, probe);
+
+    let mut served = HashMap::from([(first.request_id.clone().unwrap(), first.cost.unwrap())]);
+    for reply in &held {
+        match reply.status {
+            Some(200) => {
+                assert!(reply.complete, "{reply:?}");
+                served.insert(reply.request_id.clone().unwrap(), reply.cost.unwrap());
+            }
+            Some(402) => {}
+            _ => panic!("unexpected answer: {reply:?}"),
+        }
+    }
+    assert_eq!(served.len(), 11, "{held:?}");
+    for reply in &probe {
+        assert_eq!(
+            reply.status,
+            Some(402),
+            "served past the balance after the hand-back: {reply:?}"
+        );
+    }
+    assert!(served.values().all(|cost| *cost == 1_002_000), "{served:?}");
+    let balance = cluster.balance(1, &account.admin_key).await;
+    assert_eq!(balance, 11_033_000 - served.values().sum::<i64>());
+    let usage = cluster.usage(0, &account.admin_key).await;
+    assert_eq!(usage.into_iter().collect::<HashMap<_, _>>(), served);
+    assert_eq!(mock.request_count() - before, 11);
+    println!(
+        "cluster: billing race across a hand-back: 10 holds came over with the ledger, \
+         12 later requests refused, 11 served and charged once"
+    );
+}
