@@ -143,8 +143,10 @@ pub(crate) struct Owner {
     state: Mutex<Option<State>>,
     loading: tokio::sync::Mutex<()>,
     /// Set (under the state's lock) when the owner is dropped while it
-    /// loads: the load's outcome is let go, not decided on, as the owner
-    /// may have moved meanwhile.
+    /// loads: the load's outcome is let go, not decided on, as it claimed
+    /// the owner by a view that moved meanwhile. An entry without state is
+    /// never taken out of the book's map (only flagged), so one owner never
+    /// has two entries loading at once.
     dropped: AtomicBool,
     /// USD nanos settled for this owner since its entry was made (for
     /// `rialto_top_owner_spend_usd`; moved to `Shared::retired_spend`
@@ -398,8 +400,10 @@ impl Book {
             let record = Record::open(entry.clone(), fence, &request_id, &hold);
             match queue(&self.shared.writer, state, record, true) {
                 Ok(Some(written)) => handed.push(written),
-                // Not written: the ledger stays held here, until this
-                // replica takes it again or is no longer heard.
+                // Not written (the writer stopped): the ledger stays held
+                // here until this replica is asked for it again (its load
+                // lets it go then) or is no longer heard; the holds not
+                // written are charged late, as a dead replica's are.
                 _ => return,
             }
         }
@@ -439,9 +443,14 @@ impl Book {
             };
             for entry in entries {
                 let mut guard = entry.lock();
-                // One still loading is let go once loaded (`with_owner`).
-                entry.dropped.store(true, Ordering::Relaxed);
-                if let Some(state) = guard.as_mut().filter(|s| s.live) {
+                let Some(state) = guard.as_mut() else {
+                    // Loading (or never loaded): it stays the owner's one
+                    // entry, so that no second one loads beside it, and its
+                    // load is let go once done (`with_owner`).
+                    entry.dropped.store(true, Ordering::Relaxed);
+                    continue;
+                };
+                if state.live {
                     state.live = false;
                     self.let_go(&entry, state);
                 }
@@ -516,6 +525,9 @@ impl Book {
             if entry.lock().is_none() {
                 let _loading = entry.loading.lock().await;
                 if entry.lock().is_none() {
+                    // A drop before this load is sent needs nothing: the
+                    // load claims by the view as it is now.
+                    entry.dropped.store(false, Ordering::Relaxed);
                     let loaded = self.load(&entry).await?;
                     let mut guard = entry.lock();
                     let state = guard.insert(loaded);
@@ -2254,7 +2266,7 @@ pub(crate) mod tests {
     where
         Fut: std::future::Future<Output = Result<T>>,
     {
-        for _ in 0..200 {
+        for _ in 0..2000 {
             match call(books[at].clone()).await {
                 Err(e) if writer::fenced_out(&e) || writer::is_moving(&e) => {}
                 Err(e) if writer::kept_elsewhere(&e).is_some() => {

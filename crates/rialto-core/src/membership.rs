@@ -49,6 +49,9 @@ pub const MAX_REPLICAS: usize = 64;
 const WATCH_EVERY: Duration = Duration::from_millis(50);
 /// Never heard.
 const NEVER: i64 = i64::MIN;
+/// How long a replica back from being away still counts itself away: three
+/// of the watcher's ticks, by which every other process heard it too.
+const RETURN_GRACE_MS: i64 = 3 * WATCH_EVERY.as_millis() as i64;
 
 /// The heartbeat's timing, from `[failover]`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -102,6 +105,8 @@ struct Inner {
     /// Called when this replica is heard again after a gap, before its own
     /// slot says so: what it held in memory may have been taken meanwhile.
     on_return: Mutex<Vec<Box<dyn Fn() + Send + Sync>>>,
+    /// When this replica last heard itself again after being away.
+    returned_ms: AtomicI64,
 }
 
 /// One replica as heard here. Written only by the heartbeat listener.
@@ -176,6 +181,7 @@ impl Membership {
             senior: AtomicU64::new(all),
             changes: watch::channel(0).0,
             on_return: Mutex::new(Vec::new()),
+            returned_ms: AtomicI64::new(NEVER),
         }))
     }
 
@@ -398,13 +404,20 @@ impl Membership {
 
     /// Whether this replica has not heard its own heartbeat for
     /// `dead_after`: the others count it dead (or will before it is heard
-    /// again), so what it holds in memory may no longer be its own.
+    /// again), so what it holds in memory may no longer be its own. Still
+    /// away for [`RETURN_GRACE_MS`] after it hears itself again: the others
+    /// count it live only at their watcher's next tick, and until then they
+    /// may still take what it would claim.
     pub fn away(&self) -> bool {
         let Some(me) = self.0.me else {
             return false;
         };
         let now = self.now_ms();
         let heard = self.0.slots[me].heard_ms.load(Ordering::Acquire);
+        let returned = self.0.returned_ms.load(Ordering::Acquire);
+        if returned != NEVER && now.saturating_sub(returned) < RETURN_GRACE_MS {
+            return true;
+        }
         // Never heard: away once past the start, when it should have been
         // (the bus is down, or this replica's name is not in the list).
         now >= self.dead_after_ms()
@@ -483,6 +496,7 @@ impl Membership {
             };
             slot.run_since_ms.store(since, Ordering::Release);
             if Some(index) == self.0.me && last != NEVER {
+                self.0.returned_ms.store(now, Ordering::Release);
                 for callback in self
                     .0
                     .on_return
@@ -836,9 +850,12 @@ mod tests {
             .store(me.now_ms() - 10_000, Ordering::Release);
         until("heard again", || returned.load(Ordering::SeqCst) == 1).await;
         assert_eq!(away_in_callback.load(Ordering::SeqCst), 1);
+        // Still away for a few of the others' watcher ticks, until they
+        // have heard it too.
+        assert!(me.away());
         until("not away", || !me.away()).await;
-        // And the run starts again: not its own until the rejoin delay.
-        assert!(!me.owns(&mine) || me.own_run_ms() < 60);
+        // And the run starts again: since it heard itself again.
+        assert!(me.own_run_ms() < RETURN_GRACE_MS + 60);
     }
 
     /// A process that starts while one replica has just come back learns

@@ -463,12 +463,10 @@ async fn serve(mut config: Config, here: BTreeSet<&'static str>) -> anyhow::Resu
     let mut ledger_book = None;
     let billing = if let Some(db) = db.clone().filter(|_| here.contains("billing")) {
         let local = LocalBilling::new(&config, db).with_events(bus.clone());
-        local.spawn_sweeper();
         let book = local.book().clone();
         ledger_book = Some(book.clone());
         book.export_top_spenders(config.metrics.top_spenders);
-        let billing = BillingClient::new(local);
-        let consumer = if billing_names.len() > 1 && bus.is_shared() {
+        let replica = if billing_names.len() > 1 && bus.is_shared() {
             // One replica of several: it decides for its own ledgers, and
             // settles a queued usage record through the replica owning it.
             let me = own_entry(&config, "billing", &billing_names)?;
@@ -482,12 +480,20 @@ async fn serve(mut config: Config, here: BTreeSet<&'static str>) -> anyhow::Resu
             )
             .await?;
             book.join(membership.clone());
-            BillingClient::new(ReplicatedBilling::with_membership(
+            Some((me, membership))
+        } else {
+            None
+        };
+        // After the join: a replica's sweeper recovers only its own owners'
+        // holds, and loads each as a replica (claiming, not taking it).
+        local.spawn_sweeper();
+        let billing = BillingClient::new(local);
+        let consumer = match replica {
+            Some((me, membership)) => BillingClient::new(ReplicatedBilling::with_membership(
                 billing_replicas(Some((me, &billing)))?,
                 membership,
-            )?)
-        } else {
-            billing.clone()
+            )?),
+            None => billing.clone(),
         };
         rialto_billing::usage_queue::spawn_usage_consumer(consumer, bus.clone());
         billing

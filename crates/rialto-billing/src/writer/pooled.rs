@@ -52,15 +52,15 @@ pub(super) async fn run(db: Database, mut queue: mpsc::UnboundedReceiver<Job>, s
         }
         // After the writes: the owners let go had every record of theirs
         // written, and a load sees every write queued before it.
-        for (owner, fence) in releases {
+        if !releases.is_empty() {
             let released = match connect(&db, &mut connection).await {
-                Ok(conn) => release(conn, &owner, fence).await,
+                Ok(conn) => release(conn, &releases).await,
                 Err(error) => Err(error),
             };
             if let Err(error) = released {
-                // Still held: whoever takes it next waits until this
-                // replica is no longer heard, or it takes it back itself.
-                tracing::warn!(%error, %owner, "cannot let a ledger owner go");
+                // Still held: the next replica asked for one of them sends
+                // the call here, and this replica's load lets it go then.
+                tracing::warn!(%error, owners = releases.len(), "cannot let ledger owners go");
                 if let Some(conn) = connection.take() {
                     let _ = conn.close().await;
                 }
@@ -356,14 +356,21 @@ pub(super) async fn write_batch(conn: &mut Connection, jobs: &[WriteJob]) -> Bat
     Ok((written, refreshed))
 }
 
-/// Lets `owner` go: nobody holds it, unless another replica claimed it
-/// since (the fence moved on).
-async fn release(conn: &mut Connection, owner: &str, fence: i64) -> Result<()> {
-    sqlx::query("UPDATE ledgers SET holder = NULL WHERE owner = $1 AND fence = $2")
-        .bind(owner)
-        .bind(fence)
-        .execute(&mut **conn)
-        .await?;
+/// Lets each (owner, fence) go: nobody holds it, unless another replica
+/// claimed it since (the fence moved on). One statement per 64 owners.
+async fn release(conn: &mut Connection, releases: &[(Arc<str>, i64)]) -> Result<()> {
+    for chunk in releases.chunks(ROWS_PER_STATEMENT) {
+        let sql = format!(
+            "UPDATE ledgers l SET holder = NULL FROM (VALUES {}) AS v(owner, fence) \
+             WHERE l.owner = v.owner AND l.fence = v.fence",
+            values(chunk.len(), 2)
+        );
+        let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
+        for (owner, fence) in chunk {
+            query = query.bind(&**owner).bind(*fence);
+        }
+        query.execute(&mut **conn).await?;
+    }
     Ok(())
 }
 
