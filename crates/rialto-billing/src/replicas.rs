@@ -99,6 +99,12 @@ impl ReplicatedBilling {
                         (0..self.membership.len()).find(|&i| self.membership.name(i) == name)
                     });
                     match keeper {
+                        // A keeper this process no longer hears (dead or
+                        // hung): not asked, as the call would wait for its
+                        // timeout; the replica asked stops hearing it too
+                        // in a moment and takes the ledger, so it is asked
+                        // again after a pause.
+                        Some(keeper) if !self.membership.is_live(keeper) => {}
                         Some(keeper) => {
                             tracing::debug!(
                                 replica = keeper,
