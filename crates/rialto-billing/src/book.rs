@@ -356,6 +356,9 @@ impl Book {
     /// replica of several (failover), by name and view; `None` for a
     /// single process, which claims whatever it loads.
     fn claim_for(&self, owner: &str) -> Option<writer::Claim> {
+        if !self.is_replica() {
+            return None;
+        }
         #[cfg(test)]
         if let Some(claim) = self.shared.test_claim.lock().unwrap().clone() {
             return Some(claim);
@@ -379,13 +382,26 @@ impl Book {
         })
     }
 
+    /// Whether this book is one billing replica of several: it claims the
+    /// owners it loads, and lets them go.
+    fn is_replica(&self) -> bool {
+        #[cfg(test)]
+        if self.shared.test_claim.lock().unwrap().is_some() {
+            return true;
+        }
+        self.shared
+            .membership
+            .get()
+            .is_some_and(|view| view.me().is_some())
+    }
+
     /// Lets a dropped owner go (its state's `live` just turned false, under
     /// its lock): the holds it kept only in memory are written as open
     /// holds, as a stream's is, and once they are written the ledger is
     /// released, so the replica that takes it next reads them from the
     /// database and settles them. A single process has nobody to let go to.
     pub(crate) fn let_go(&self, entry: &Arc<Owner>, state: &mut State) {
-        if self.claim_for(&entry.name).is_none() {
+        if !self.is_replica() {
             return;
         }
         let fence = state.fence;
@@ -2060,12 +2076,7 @@ pub(crate) mod tests {
     /// last holds the fence, and the other can no longer write for it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_replica_that_lost_an_owner_cannot_write_for_it() {
-        let (db, scratch) = postgres().await;
-        let ledger = Ledger::new(db.clone());
-        ledger
-            .credit("account:f", 10 * NANO, 0, "seed")
-            .await
-            .unwrap();
+        let (db, scratch, ledger) = credited_postgres("account:f").await;
         let first = Book::start(db.clone(), 30_000);
         let second = Book::start(db.clone(), 30_000);
         let placed = first.hold("account:f", &hold("f1", 2 * NANO, false)).await;
@@ -2118,6 +2129,15 @@ pub(crate) mod tests {
         drop(scratch);
     }
 
+    /// A PostgreSQL ledger ([`postgres`]) where `owner` was credited 10
+    /// USD.
+    async fn credited_postgres(owner: &str) -> (Database, ScratchDatabase, Ledger) {
+        let (db, scratch) = postgres().await;
+        let ledger = Ledger::new(db.clone());
+        ledger.credit(owner, 10 * NANO, 0, "seed").await.unwrap();
+        (db, scratch, ledger)
+    }
+
     /// A book that claims owners as billing replica `me`, hearing the
     /// replicas `hears` (comma-separated) and giving no owner away by view.
     fn replica(db: &Database, me: &str, hears: &str) -> Book {
@@ -2166,12 +2186,7 @@ pub(crate) mod tests {
     /// and settles them, and the first may not load the ledger back.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_live_replica_keeps_its_ledger_until_it_lets_it_go_with_its_holds() {
-        let (db, scratch) = postgres().await;
-        let ledger = Ledger::new(db.clone());
-        ledger
-            .credit("account:k", 10 * NANO, 0, "seed")
-            .await
-            .unwrap();
+        let (db, scratch, ledger) = credited_postgres("account:k").await;
         let (a, b) = (replica(&db, "a", "b"), replica(&db, "b", "a"));
         let placed = a.hold("account:k", &hold("k1", 4 * NANO, false)).await;
         assert!(matches!(placed.unwrap(), HoldOutcome::Placed { .. }));
@@ -2206,12 +2221,7 @@ pub(crate) mod tests {
     /// cannot see what it held in memory, and it can no longer write.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_replica_no_longer_heard_is_taken_from_and_fenced_out() {
-        let (db, scratch) = postgres().await;
-        let ledger = Ledger::new(db.clone());
-        ledger
-            .credit("account:d", 10 * NANO, 0, "seed")
-            .await
-            .unwrap();
+        let (db, scratch, ledger) = credited_postgres("account:d").await;
         let (a, b) = (replica(&db, "a", "b"), replica(&db, "b", ""));
         let placed = a.hold("account:d", &hold("d1", 4 * NANO, false)).await;
         assert!(matches!(placed.unwrap(), HoldOutcome::Placed { .. }));
@@ -2230,12 +2240,7 @@ pub(crate) mod tests {
     /// has from a past run is let go; that one takes it.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_ledger_nobody_holds_goes_to_the_replica_the_view_names() {
-        let (db, scratch) = postgres().await;
-        let ledger = Ledger::new(db.clone());
-        ledger
-            .credit("account:v", 10 * NANO, 0, "seed")
-            .await
-            .unwrap();
+        let (db, scratch, _) = credited_postgres("account:v").await;
         // b held it in a past run (a restart: nothing of it in memory).
         let past = replica(&db, "b", "a");
         let placed = past.hold("account:v", &hold("v0", NANO, true)).await;
@@ -2267,14 +2272,14 @@ pub(crate) mod tests {
         Fut: std::future::Future<Output = Result<T>>,
     {
         for _ in 0..2000 {
-            match call(books[at].clone()).await {
-                Err(e) if writer::fenced_out(&e) || writer::is_moving(&e) => {}
-                Err(e) if writer::kept_elsewhere(&e).is_some() => {
-                    at = usize::from(writer::kept_elsewhere(&e) == Some("b"));
-                }
-                answered => {
-                    return answered;
-                }
+            let error = match call(books[at].clone()).await {
+                Err(error) => error,
+                answered => return answered,
+            };
+            if let Some(keeper) = writer::kept_elsewhere(&error) {
+                at = usize::from(keeper == "b");
+            } else if !writer::fenced_out(&error) && !writer::is_moving(&error) {
+                return Err(error);
             }
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
@@ -2287,12 +2292,7 @@ pub(crate) mod tests {
     /// the balance ends at zero, matching the journal.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn ten_of_a_thousand_while_the_ledger_moves_between_live_replicas() {
-        let (db, scratch) = postgres().await;
-        let ledger = Ledger::new(db.clone());
-        ledger
-            .credit("account:m", 10 * NANO, 0, "seed")
-            .await
-            .unwrap();
+        let (db, scratch, ledger) = credited_postgres("account:m").await;
         let books = Arc::new([replica(&db, "a", "b"), replica(&db, "b", "a")]);
         let mover = {
             let books = books.clone();
@@ -2357,12 +2357,7 @@ pub(crate) mod tests {
     /// reads the fence, lets the owner go and reads the database.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_replica_that_lost_an_owner_reads_its_balance_afresh() {
-        let (db, scratch) = postgres().await;
-        let ledger = Ledger::new(db.clone());
-        ledger
-            .credit("account:r", 10 * NANO, 0, "seed")
-            .await
-            .unwrap();
+        let (db, scratch, ledger) = credited_postgres("account:r").await;
         let first = Book::start(db.clone(), 30_000);
         let second = Book::start(db.clone(), 30_000);
         let placed = first.hold("account:r", &hold("r1", 2 * NANO, false)).await;

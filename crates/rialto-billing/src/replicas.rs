@@ -356,6 +356,118 @@ impl BillingService for ReplicatedBilling {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::book::tests::ScratchDatabase;
+
+    const NAMES: [&str; 2] = ["first", "second"];
+
+    /// Two replicas over one PostgreSQL database (claiming as replicas
+    /// when `claiming`), a `ReplicatedBilling` over them, and an owner the
+    /// first one owns by placement, credited 1 USD through it.
+    struct Pair {
+        db: rialto_core::db::Database,
+        first: BillingClient,
+        second: BillingClient,
+        billing: ReplicatedBilling,
+        owner: String,
+        scratch: ScratchDatabase,
+    }
+
+    impl Pair {
+        async fn start(owners: &str, claiming: bool) -> Self {
+            let (db, scratch) = crate::book::tests::postgres().await;
+            let config = rialto_core::Config::from_toml(
+                "[[models]]\nid = \"m\"\ninput_usd_per_mtok = 1.0\noutput_usd_per_mtok = 1.0\n",
+            )
+            .unwrap();
+            let local = |me: usize| {
+                let billing = crate::LocalBilling::new(&config, db.clone());
+                if claiming {
+                    *billing.book().shared.test_claim.lock().unwrap() =
+                        Some(crate::writer::Claim {
+                            me: NAMES[me].into(),
+                            live: NAMES[1 - me].into(),
+                            elsewhere: None,
+                        });
+                }
+                BillingClient::new(billing)
+            };
+            let (first, second) = (local(0), local(1));
+            let owner = (0..)
+                .map(|i| format!("account:{owners}-{i}"))
+                .find(|owner| owner_of(owner, &NAMES) == 0)
+                .unwrap();
+            let billing = ReplicatedBilling::new(vec![
+                (NAMES[0].to_owned(), first.clone()),
+                (NAMES[1].to_owned(), second.clone()),
+            ])
+            .unwrap();
+            billing
+                .credit(pb::CreditRequest {
+                    owner: owner.clone(),
+                    usd: "1".into(),
+                    diem: "0".into(),
+                    reference: "seed".into(),
+                })
+                .await
+                .unwrap();
+            Self {
+                db,
+                first,
+                second,
+                billing,
+                owner,
+                scratch,
+            }
+        }
+
+        fn hold(&self, id: &str) -> pb::HoldRequest {
+            pb::HoldRequest {
+                owner: self.owner.clone(),
+                request_id: id.into(),
+                model_id: "m".into(),
+                prompt_tokens: 500,
+                max_completion_tokens: 500,
+                ..Default::default()
+            }
+        }
+
+        /// The settlement of `id` (placed as `placed`): 100 + 100 tokens,
+        /// 0.0002 USD.
+        fn settle(&self, id: &str, placed: &pb::HoldResponse) -> pb::SettleRequest {
+            pb::SettleRequest {
+                request_id: id.into(),
+                model_id: "m".into(),
+                usage: Some(pb::Usage {
+                    prompt_tokens: 100,
+                    completion_tokens: 100,
+                    ..Default::default()
+                }),
+                owner: self.owner.clone(),
+                held_usd: placed.held_usd.clone(),
+                held_diem: placed.held_diem.clone(),
+                ..Default::default()
+            }
+        }
+
+        /// What the journal charged `id`, (USD, DIEM) nano-units.
+        async fn charged(&self, id: &str) -> (i64, i64) {
+            let ledger = crate::ledger::Ledger::new(self.db.clone());
+            ledger.charged(id).await.unwrap()
+        }
+
+        /// Stops the replicas' writers before the database is dropped.
+        fn end(self) {
+            let Self {
+                first,
+                second,
+                billing,
+                scratch,
+                ..
+            } = self;
+            drop((billing, first, second));
+            drop(scratch);
+        }
+    }
 
     /// A call whose record another replica fenced out (it loaded the
     /// ledger after this one decided) is asked again, and the replica
@@ -363,67 +475,22 @@ mod tests {
     /// not refused, and charged once.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_call_fenced_out_at_a_hand_back_is_asked_again() {
-        let (db, scratch) = crate::book::tests::postgres().await;
-        let config = rialto_core::Config::from_toml(
-            "[[models]]\nid = \"m\"\ninput_usd_per_mtok = 1.0\noutput_usd_per_mtok = 1.0\n",
-        )
-        .unwrap();
-        let first = BillingClient::new(crate::LocalBilling::new(&config, db.clone()));
-        let second = BillingClient::new(crate::LocalBilling::new(&config, db.clone()));
-        let names = ["first", "second"];
-        // An owner the first replica owns.
-        let owner = (0..)
-            .map(|i| format!("account:handback-{i}"))
-            .find(|owner| owner_of(owner, &names) == 0)
-            .unwrap();
-        let billing = ReplicatedBilling::new(vec![
-            (names[0].to_owned(), first.clone()),
-            (names[1].to_owned(), second.clone()),
-        ])
-        .unwrap();
-        billing
-            .credit(pb::CreditRequest {
-                owner: owner.clone(),
-                usd: "1".into(),
-                diem: "0".into(),
-                reference: "seed".into(),
-            })
-            .await
-            .unwrap();
-        let hold = |id: &str| pb::HoldRequest {
-            owner: owner.clone(),
-            request_id: id.into(),
-            model_id: "m".into(),
-            prompt_tokens: 500,
-            max_completion_tokens: 500,
-            ..Default::default()
-        };
-        let placed = billing.hold(hold("h1")).await.unwrap();
+        let pair = Pair::start("handback", false).await;
+        let placed = pair.billing.hold(pair.hold("h1")).await.unwrap();
         assert!(placed.placed);
         // The second replica loads the ledger (as at a hand-back, a
         // gateway's view a moment behind): the first one is fenced out.
-        assert!(second.hold(hold("h2")).await.unwrap().placed);
-        let settle = pb::SettleRequest {
-            request_id: "h1".into(),
-            model_id: "m".into(),
-            usage: Some(pb::Usage {
-                prompt_tokens: 100,
-                completion_tokens: 100,
-                ..Default::default()
-            }),
-            owner: owner.clone(),
-            held_usd: placed.held_usd.clone(),
-            held_diem: placed.held_diem.clone(),
-            ..Default::default()
-        };
+        assert!(pair.second.hold(pair.hold("h2")).await.unwrap().placed);
         // Routed to the first replica, whose record is fenced out, then
         // asked again there: it reads the ledger again and settles.
-        let cost = billing.settle(settle).await.unwrap();
+        let cost = pair
+            .billing
+            .settle(pair.settle("h1", &placed))
+            .await
+            .unwrap();
         assert_eq!(cost.usd, "0.0002");
-        let ledger = crate::ledger::Ledger::new(db.clone());
-        assert_eq!(ledger.charged("h1").await.unwrap(), (200_000, 0));
-        drop((billing, first, second));
-        drop(scratch);
+        assert_eq!(pair.charged("h1").await, (200_000, 0));
+        pair.end();
     }
 
     /// A call routed to a replica that may not load the ledger (another
@@ -431,75 +498,22 @@ mod tests {
     /// replica it names, and served and charged there, once.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_call_is_sent_on_to_the_replica_keeping_the_ledger() {
-        let (db, scratch) = crate::book::tests::postgres().await;
-        let config = rialto_core::Config::from_toml(
-            "[[models]]\nid = \"m\"\ninput_usd_per_mtok = 1.0\noutput_usd_per_mtok = 1.0\n",
-        )
-        .unwrap();
-        let names = ["first", "second"];
-        let local = |me: usize| {
-            let billing = crate::LocalBilling::new(&config, db.clone());
-            *billing.book().shared.test_claim.lock().unwrap() = Some(crate::writer::Claim {
-                me: names[me].into(),
-                live: names[1 - me].into(),
-                elsewhere: None,
-            });
-            BillingClient::new(billing)
-        };
-        let (first, second) = (local(0), local(1));
-        // An owner the first replica owns by placement.
-        let owner = (0..)
-            .map(|i| format!("account:kept-{i}"))
-            .find(|owner| owner_of(owner, &names) == 0)
-            .unwrap();
-        let billing = ReplicatedBilling::new(vec![
-            (names[0].to_owned(), first.clone()),
-            (names[1].to_owned(), second.clone()),
-        ])
-        .unwrap();
-        billing
-            .credit(pb::CreditRequest {
-                owner: owner.clone(),
-                usd: "1".into(),
-                diem: "0".into(),
-                reference: "seed".into(),
-            })
-            .await
-            .unwrap();
-        let hold = |id: &str| pb::HoldRequest {
-            owner: owner.clone(),
-            request_id: id.into(),
-            model_id: "m".into(),
-            prompt_tokens: 500,
-            max_completion_tokens: 500,
-            ..Default::default()
-        };
+        let pair = Pair::start("kept", true).await;
         // The second replica keeps the ledger (a gateway's view a moment
         // apart sent it a request): the first may not load it.
-        assert!(second.hold(hold("k1")).await.unwrap().placed);
-        let refused = first.hold(hold("k2")).await.unwrap_err();
+        assert!(pair.second.hold(pair.hold("k1")).await.unwrap().placed);
+        let refused = pair.first.hold(pair.hold("k2")).await.unwrap_err();
         assert_eq!(crate::writer::kept_elsewhere(&refused), Some("second"));
         // Routed to the first, sent on to the second: placed and settled.
-        let placed = billing.hold(hold("k2")).await.unwrap();
+        let placed = pair.billing.hold(pair.hold("k2")).await.unwrap();
         assert!(placed.placed);
-        let settle = pb::SettleRequest {
-            request_id: "k2".into(),
-            model_id: "m".into(),
-            usage: Some(pb::Usage {
-                prompt_tokens: 100,
-                completion_tokens: 100,
-                ..Default::default()
-            }),
-            owner: owner.clone(),
-            held_usd: placed.held_usd.clone(),
-            held_diem: placed.held_diem.clone(),
-            ..Default::default()
-        };
-        let cost = billing.settle(settle).await.unwrap();
+        let cost = pair
+            .billing
+            .settle(pair.settle("k2", &placed))
+            .await
+            .unwrap();
         assert_eq!(cost.usd, "0.0002");
-        let ledger = crate::ledger::Ledger::new(db.clone());
-        assert_eq!(ledger.charged("k2").await.unwrap(), (200_000, 0));
-        drop((billing, first, second));
-        drop(scratch);
+        assert_eq!(pair.charged("k2").await, (200_000, 0));
+        pair.end();
     }
 }
